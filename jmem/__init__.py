@@ -1,0 +1,12 @@
+"""jmem: memory-saving training techniques for JAX/Flax, each with its cost measured."""
+
+from jmem.measure import CompiledMemory as CompiledMemory
+from jmem.measure import ResidualReport as ResidualReport
+from jmem.measure import collective_counts as collective_counts
+from jmem.measure import compiled_memory as compiled_memory
+from jmem.measure import jit as jit
+from jmem.measure import saved_residuals as saved_residuals
+from jmem.measure import time_steps as time_steps
+from jmem.measure import xla_compiler_options as xla_compiler_options
+
+__version__ = "0.1.0"

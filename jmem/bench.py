@@ -1,0 +1,285 @@
+"""`jmem bench`: every registered technique against the exact baseline, in one run.
+
+Each row reports what the technique saves (saved activation bytes, compiled temp bytes),
+what it costs (step-time ratio to exact, measured interleaved in the same process) and
+whether the model still learns (test accuracy, mean over seeds).
+
+A technique registers itself once with `register_technique`; the bench, the CLI and the
+benchmark scripts pick it up from the registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmem import data as data_lib
+from jmem import measure
+from jmem import models as models_lib
+from jmem import train as train_lib
+
+__all__ = [
+    "Technique", "BenchConfig", "register_technique", "get_technique", "technique_names",
+    "run_bench", "write_results", "format_table",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Technique:
+  """A memory-saving technique as the bench sees it.
+
+  Attributes:
+    name: registry name (what ``--techniques`` takes).
+    apply: maps the exact linen model to the model with the technique switched on.
+    description: one line for tables and ``--help``.
+  """
+
+  name: str
+  apply: Callable[[Any], Any]
+  description: str = ""
+
+
+_TECHNIQUES: dict[str, Technique] = {}
+
+
+def register_technique(technique: Technique) -> Technique:
+  """Adds ``technique`` to the registry (its name must be new); returns it."""
+  if technique.name in _TECHNIQUES:
+    raise ValueError(f"A technique named {technique.name!r} is already registered.")
+  _TECHNIQUES[technique.name] = technique
+  return technique
+
+
+def technique_names() -> tuple[str, ...]:
+  return tuple(_TECHNIQUES)
+
+
+def get_technique(name: str) -> Technique:
+  if name not in _TECHNIQUES:
+    raise ValueError(f"Unknown technique {name!r}; valid techniques: "
+                     f"{', '.join(_TECHNIQUES)}.")
+  return _TECHNIQUES[name]
+
+
+def _remat(model):
+  if not hasattr(model, "block_transform"):
+    raise ValueError(f"Technique 'remat' needs a model with a block_transform field; "
+                     f"{type(model).__name__} has none.")
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  return model.clone(block_transform=nn.remat)
+
+
+register_technique(Technique("exact", lambda m: m, "plain backprop (the baseline)"))
+register_technique(Technique("remat", _remat,
+                             "jax.checkpoint per residual block (JAX-native peer)"))
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+  """Options of `run_bench` (the CLI flags of ``jmem bench``).
+
+  Attributes:
+    model: a name from `jmem.models.MODEL_NAMES`.
+    techniques: technique names; ``exact`` is always measured first as the baseline.
+    batch_size: examples per step.
+    image_size: side of the (resized) digit images.
+    steps: training steps per technique and seed.
+    seeds: one training run per seed; accuracy is their mean.
+    memory_only: compile and measure memory only, no training or timing.
+    learning_rate: peak AdamW learning rate.
+    timing_repeats: timed steps per technique (after two warm-up steps).
+  """
+
+  model: str = "resnet20"
+  techniques: tuple[str, ...] = ("exact", "remat")
+  batch_size: int = 128
+  image_size: int = 16
+  steps: int = 300
+  seeds: tuple[int, ...] = (0,)
+  memory_only: bool = False
+  learning_rate: float = 3e-3
+  timing_repeats: int = 10
+
+  def validate(self) -> None:
+    if self.model not in models_lib.MODEL_NAMES:
+      raise ValueError(f"Unknown model {self.model!r}; valid models: "
+                       f"{', '.join(models_lib.MODEL_NAMES)}.")
+    for t in self.techniques:
+      get_technique(t)
+    if not isinstance(self.steps, int) or self.steps < 0:
+      raise ValueError(f"steps must be a non-negative integer, got {self.steps!r}.")
+    if self.batch_size < 1:
+      raise ValueError(f"batch_size must be >= 1, got {self.batch_size}.")
+    if self.image_size < 1:
+      raise ValueError(f"image_size must be >= 1, got {self.image_size}.")
+    if not self.seeds:
+      raise ValueError("Give at least one seed.")
+    if self.timing_repeats < 1:
+      raise ValueError(f"timing_repeats must be >= 1, got {self.timing_repeats}.")
+
+
+def _log(msg: str, quiet: bool) -> None:
+  if not quiet:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _measure_memory(fns, optimizer, x_spec, y_spec) -> tuple[int, int]:
+  abstract = jax.eval_shape(
+      lambda k, x: train_lib.init_state(fns, optimizer, k, x), jax.random.key(0),
+      jax.ShapeDtypeStruct((1,) + x_spec.shape[1:], x_spec.dtype))
+  step = train_lib.make_train_step(fns, optimizer, donate=False)
+  temp = measure.compiled_memory(step, abstract, x_spec, y_spec).temp_bytes
+  loss = train_lib.make_loss(fns)
+  rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
+                                   abstract.model_state, x_spec, y_spec, rng, argnums=0)
+  return report.activation_bytes, temp
+
+
+def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
+              progress: bool = True) -> list[dict[str, Any]]:
+  """Runs the bench and returns one row per technique (baseline ``exact`` first).
+
+  Row keys: technique, model, dataset, batch_size, image_size, steps, seeds, saved_bytes,
+  temp_bytes, baseline_saved_bytes, baseline_temp_bytes, saved_ratio, temp_ratio,
+  step_time_s, step_time_ratio, accuracy, accuracy_per_seed (time and accuracy are None
+  with ``memory_only``).
+  """
+  config.validate()
+  names = ["exact"] + [t for t in config.techniques if t != "exact"]
+  dataset = data_lib.digits(config.image_size)
+  if not config.memory_only and config.batch_size > len(dataset.x_train):
+    raise ValueError(
+        f"batch_size {config.batch_size} is larger than the {len(dataset.x_train)} training "
+        f"examples of {dataset.name}; lower --batch-size.")
+  base_model = models_lib.create_model(config.model, dataset.num_classes)
+  x_spec = jax.ShapeDtypeStruct((config.batch_size,) + dataset.example_shape, jnp.float32)
+  y_spec = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)
+  rows: list[dict[str, Any]] = []
+  timing_steps: dict[str, Callable[[], Any]] = {}
+  for name in names:
+    technique = get_technique(name)
+    model = technique.apply(base_model)
+    fns = train_lib.model_fns(model)
+    optimizer = train_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
+    _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, "
+         f"{config.image_size}x{config.image_size})", quiet)
+    saved, temp = _measure_memory(fns, optimizer, x_spec, y_spec)
+    row: dict[str, Any] = dict(
+        technique=name, model=config.model, dataset=dataset.name,
+        batch_size=config.batch_size, image_size=config.image_size, steps=config.steps,
+        seeds=list(config.seeds), saved_bytes=saved, temp_bytes=temp,
+        step_time_s=None, step_time_ratio=None, accuracy=None, accuracy_per_seed=None)
+    if not config.memory_only:
+      accs = []
+      state = None
+      for seed in config.seeds:
+        _log(f"[{name}] training seed {seed} for {config.steps} steps", quiet)
+        result = train_lib.train(
+            model, dataset,
+            train_lib.TrainConfig(steps=config.steps, batch_size=config.batch_size,
+                                  learning_rate=config.learning_rate, seed=seed,
+                                  progress=progress and not quiet))
+        accs.append(result.test_accuracy)
+        if state is None:
+          state = result.state
+      row["accuracy_per_seed"] = accs
+      row["accuracy"] = float(statistics.mean(accs))
+      step = train_lib.make_train_step(fns, optimizer, donate=False)
+      idx = data_lib.batch_indices(len(dataset.x_train), config.batch_size, 0, seed=0)
+      xb, yb = jnp.asarray(dataset.x_train[idx]), jnp.asarray(dataset.y_train[idx])
+      timing_steps[name] = (lambda s=step, st=state: s(st, xb, yb))
+    rows.append(row)
+  if timing_steps:
+    _log(f"timing {len(timing_steps)} step functions, interleaved", quiet)
+    times = measure.time_steps(timing_steps, repeats=config.timing_repeats, baseline="exact")
+    for row in rows:
+      row["step_time_s"] = times[row["technique"]]["median_s"]
+      row["step_time_ratio"] = times[row["technique"]]["ratio"]
+  base = rows[0]
+  for row in rows:
+    row["baseline_saved_bytes"] = base["saved_bytes"]
+    row["baseline_temp_bytes"] = base["temp_bytes"]
+    row["saved_ratio"] = row["saved_bytes"] / max(base["saved_bytes"], 1)
+    row["temp_ratio"] = row["temp_bytes"] / max(base["temp_bytes"], 1)
+  return rows
+
+
+def _mib(n: int | None) -> str:
+  return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+  """A Markdown table of bench rows."""
+  lines = ["| technique | model | saved MiB | temp MiB | saved / exact | temp / exact "
+           "| step time / exact | test accuracy |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    t = "-" if r["step_time_ratio"] is None else f"{r['step_time_ratio']:.2f}"
+    a = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
+    lines.append(f"| {r['technique']} | {r['model']} | {_mib(r['saved_bytes'])} | "
+                 f"{_mib(r['temp_bytes'])} | {r['saved_ratio']:.3f} | {r['temp_ratio']:.3f} | "
+                 f"{t} | {a} |")
+  return "\n".join(lines)
+
+
+def check_output_dir(path: str) -> str:
+  """Creates ``path`` if needed and checks it is writable; returns its absolute path."""
+  path = os.path.abspath(path)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"Cannot create output directory {path!r}: {e.strerror}. "
+                     "Choose another with --output-dir.") from e
+  if not os.access(path, os.W_OK):
+    raise ValueError(f"Output directory {path!r} is not writable; choose another with "
+                     "--output-dir.")
+  return path
+
+
+def write_results(rows: Sequence[dict[str, Any]], output_dir: str, *, stem: str = "bench",
+                  meta: dict[str, Any] | None = None) -> dict[str, str]:
+  """Writes ``<stem>.json``, ``<stem>.md`` and ``<stem>_memory.png``; returns their paths."""
+  output_dir = check_output_dir(output_dir)
+  meta = dict(meta or {})
+  meta.setdefault("jax_version", jax.__version__)
+  meta.setdefault("backend", jax.default_backend())
+  meta.setdefault("device", str(jax.devices()[0].device_kind))
+  paths = {k: os.path.join(output_dir, f"{stem}{suffix}") for k, suffix in
+           (("json", ".json"), ("md", ".md"), ("png", "_memory.png"))}
+  with open(paths["json"], "w") as f:
+    json.dump({"meta": meta, "rows": list(rows)}, f, indent=2)
+  with open(paths["md"], "w") as f:
+    f.write(f"# jmem bench: {stem}\n\n")
+    f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n")
+    f.write(format_table(rows) + "\n")
+  _plot(rows, paths["png"])
+  return paths
+
+
+def _plot(rows, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  names = [r["technique"] for r in rows]
+  x = np.arange(len(rows))
+  fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows) + 2), 3.5))
+  ax.bar(x - 0.2, [r["saved_bytes"] / 2**20 for r in rows], 0.4, label="saved activations")
+  ax.bar(x + 0.2, [r["temp_bytes"] / 2**20 for r in rows], 0.4, label="compiled temp")
+  ax.set_xticks(x, names)
+  ax.set_ylabel("MiB")
+  ax.set_title(f"{rows[0]['model']}, batch {rows[0]['batch_size']}, "
+               f"{rows[0]['image_size']}x{rows[0]['image_size']}")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

@@ -1,0 +1,328 @@
+"""Measurement harness: saved-activation bytes, compiled memory, collectives, step time.
+
+Every technique in jmem is judged by these functions, always against an exact baseline
+measured in the same run. All memory figures are compile-only, so they work for models that
+are far too large to run on the machine doing the measuring: pass
+`jax.ShapeDtypeStruct`s instead of arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+__all__ = [
+    "jit",
+    "xla_compiler_options",
+    "Residual",
+    "ResidualReport",
+    "CompiledMemory",
+    "saved_residuals",
+    "compiled_memory",
+    "collective_counts",
+    "time_steps",
+    "COLLECTIVE_OPS",
+]
+
+
+def xla_compiler_options(backend: str | None = None) -> dict[str, str]:
+  """XLA options under which rematerialisation is honoured on ``backend``.
+
+  XLA:CPU runs the ``cse_barrier_expander`` pass, which deletes the optimization barriers
+  that ``jax.checkpoint`` places on recomputation inputs *before* common-subexpression
+  elimination; CSE then merges the recomputation back into the forward pass, so a
+  rematerialised step keeps every forward activation and compiles to *more* temp memory
+  than the exact step (measured on ResNet-20: 80.1 vs 73.1 MiB). With that one pass off the
+  barriers stay and the same step compiles to 26.1 MiB, with bit-identical results and no
+  slow-down. GPU and TPU keep the barriers already, so nothing is changed there.
+  """
+  backend = backend or jax.default_backend()
+  if backend == "cpu":
+    return {"xla_disable_hlo_passes": "cse_barrier_expander"}
+  return {}
+
+
+def jit(f: Callable[..., Any], **kwargs) -> Callable[..., Any]:
+  """``jax.jit`` with `xla_compiler_options` for the default backend.
+
+  Every training step in jmem is compiled through this, so the memory a technique saves in
+  the measurement is the memory it saves when the step runs.
+  """
+  options = {**xla_compiler_options(), **kwargs.pop("compiler_options", {})}
+  return jax.jit(f, compiler_options=options or None, **kwargs)
+
+
+def _nbytes(aval) -> int:
+  shape = getattr(aval, "shape", ())
+  dtype = getattr(aval, "dtype", None)
+  if dtype is None:  # tokens and other non-array values take no activation memory
+    return 0
+  return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+  """One value kept from the forward pass for the backward pass.
+
+  Attributes:
+    shape: array shape.
+    dtype: array dtype.
+    nbytes: bytes this value occupies.
+    source: ``"activation"`` (computed in the forward pass), ``"argument"`` (one of the
+      function's own inputs, resident anyway), ``"constant"`` or ``"literal"``.
+    description: where it came from (primitive and source line, or argument name).
+  """
+
+  shape: tuple[int, ...]
+  dtype: Any
+  nbytes: int
+  source: str
+  description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualReport:
+  """What `jax.vjp` keeps alive between the forward and the backward pass.
+
+  Attributes:
+    residuals: every residual, deduplicated (one buffer counted once).
+    activation_bytes: bytes of the residuals computed in the forward pass: the memory a
+      technique can save. Arguments (parameters, the input batch) and constants are
+      excluded because they are resident whether or not a backward pass follows.
+    argument_bytes: bytes of residuals that are the function's own arguments.
+    constant_bytes: bytes of residuals that are closed-over constants or literals.
+  """
+
+  residuals: tuple[Residual, ...]
+  activation_bytes: int
+  argument_bytes: int
+  constant_bytes: int
+
+  def by_dtype(self) -> dict[str, int]:
+    """Activation bytes per dtype (e.g. to see float32 vs packed uint8 residuals)."""
+    out: dict[str, int] = {}
+    for r in self.residuals:
+      if r.source == "activation":
+        key = str(np.dtype(r.dtype))
+        out[key] = out.get(key, 0) + r.nbytes
+    return out
+
+  def largest(self, n: int = 10) -> list[Residual]:
+    """The ``n`` largest activation residuals, for finding what still holds memory."""
+    acts = [r for r in self.residuals if r.source == "activation"]
+    return sorted(acts, key=lambda r: -r.nbytes)[:n]
+
+
+def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] | None = None,
+                    **kwargs) -> ResidualReport:
+  """Traces ``jax.vjp(f, *args)`` and classifies every residual it keeps.
+
+  Tracing only: ``args`` may be `jax.ShapeDtypeStruct`s, nothing is executed. The residuals
+  are exactly the leaves of ``jax.vjp(f, *args)[1]``; a custom_vjp's residuals are counted as
+  its ``fwd`` returns them (packed uint8 stays uint8), and ``jax.checkpoint`` policies are
+  honoured.
+
+  Args:
+    f: the function to differentiate, e.g. ``loss(params, batch)``.
+    *args: its positional arguments (arrays or ShapeDtypeStructs, any pytrees).
+    argnums: which positional arguments to differentiate (default: all). The others are
+      still inputs, so residuals that are them count as ``"argument"``.
+    **kwargs: keyword arguments, passed through undifferentiated.
+
+  Returns:
+    A `ResidualReport`; ``activation_bytes`` is the figure to compare across techniques.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+    >>> saved_residuals(lambda x, w: jnp.tanh(x @ w).sum(), x, w).activation_bytes
+    256
+  """
+  if argnums is None:
+    argnums = tuple(range(len(args)))
+  elif isinstance(argnums, int):
+    argnums = (argnums,)
+  for i in argnums:
+    if not 0 <= i < len(args):
+      raise ValueError(f"argnums {tuple(argnums)} out of range for {len(args)} arguments.")
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+
+  def flat_vjp(*flat):
+    a, k = jax.tree.unflatten(treedef, flat)
+
+    def g(*diff):
+      full = list(a)
+      for i, d in zip(argnums, diff):
+        full[i] = d
+      return f(*full, **k)
+
+    return jax.vjp(g, *[a[i] for i in argnums])
+
+  closed, out_shape = jax.make_jaxpr(flat_vjp, return_shape=True)(*leaves)
+  jaxpr = closed.jaxpr
+  num_res = len(jax.tree.leaves(out_shape[1]))
+  res_vars = jaxpr.outvars[len(jaxpr.outvars) - num_res:]
+
+  invars = {v: i for i, v in enumerate(jaxpr.invars)}
+  constvars = set(jaxpr.constvars)
+  producers: dict[Any, Any] = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.outvars:
+      producers[v] = eqn
+
+  seen: set[Any] = set()
+  residuals: list[Residual] = []
+  for v in res_vars:
+    if isinstance(v, jex.Literal):
+      source, desc = "literal", "literal"
+    else:
+      if v in seen:
+        continue
+      seen.add(v)
+      if v in invars:
+        source, desc = "argument", f"argument at flattened index {invars[v]}"
+      elif v in constvars:
+        source, desc = "constant", "closed-over constant"
+      else:
+        eqn = producers.get(v)
+        source = "activation"
+        desc = f"output of {eqn.primitive.name}" if eqn is not None else "unknown"
+    aval = v.aval
+    residuals.append(Residual(tuple(getattr(aval, "shape", ())), getattr(aval, "dtype", None),
+                              _nbytes(aval), source, desc))
+
+  def total(kind: Sequence[str]) -> int:
+    return sum(r.nbytes for r in residuals if r.source in kind)
+
+  return ResidualReport(tuple(residuals), total(("activation",)), total(("argument",)),
+                        total(("constant", "literal")))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """XLA buffer-assignment figures of one compiled function, in bytes.
+
+  Attributes:
+    temp_bytes: scratch buffers live during the computation (activations, workspace). The
+      figure techniques are judged by; on CPU ``peak_bytes`` does not include it.
+    argument_bytes: input buffers.
+    output_bytes: output buffers.
+    alias_bytes: output bytes aliased to (donated) inputs.
+    generated_code_bytes: size of the generated code.
+    peak_bytes: XLA's peak figure where the backend reports one (on CPU only arguments +
+      outputs; on GPU the true peak).
+  """
+
+  temp_bytes: int
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  generated_code_bytes: int
+  peak_bytes: int
+
+  @property
+  def total_bytes(self) -> int:
+    """Arguments + outputs − aliased + temporaries: an upper bound of device memory."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def _compile(f, args, kwargs):
+  if not hasattr(f, "lower"):
+    f = jit(f)
+  return f.lower(*args, **kwargs).compile()
+
+
+def compiled_memory(f: Callable[..., Any], *args, **kwargs) -> CompiledMemory:
+  """Compiles ``f`` for ``args`` (arrays or ShapeDtypeStructs) and reads its memory figures.
+
+  ``f`` may be a plain function (it is jitted with `jit`, so rematerialisation is honoured
+  on CPU) or an already jitted one (its options, donation and shardings are kept).
+
+  Returns:
+    A `CompiledMemory` from ``compiled.memory_analysis()``.
+  """
+  stats = _compile(f, args, kwargs).memory_analysis()
+  if stats is None:
+    raise RuntimeError(
+        f"The {jax.default_backend()!r} backend returned no memory analysis for this "
+        "function; jmem's memory figures need a backend that reports buffer assignment.")
+  return CompiledMemory(
+      temp_bytes=int(stats.temp_size_in_bytes),
+      argument_bytes=int(stats.argument_size_in_bytes),
+      output_bytes=int(stats.output_size_in_bytes),
+      alias_bytes=int(stats.alias_size_in_bytes),
+      generated_code_bytes=int(stats.generated_code_size_in_bytes),
+      peak_bytes=int(getattr(stats, "peak_memory_in_bytes", 0) or 0),
+  )
+
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "collective-permute", "all-to-all",
+                  "reduce-scatter")
+
+# An HLO instruction's opcode is followed by "(" and is not part of a %name; async
+# collectives are counted once, by their "-start" half.
+_COLLECTIVE_RE = re.compile(
+    r"(?<![%\w.\-])(" + "|".join(COLLECTIVE_OPS) + r")(-start)?\(")
+
+
+def collective_counts(f_or_text: Callable[..., Any] | str, *args, **kwargs) -> dict[str, int]:
+  """Counts collective operations in the compiled (optimised) HLO of ``f``.
+
+  Args:
+    f_or_text: a function (compiled for ``args``) or compiled HLO text.
+    *args: arguments (arrays or ShapeDtypeStructs with shardings) to compile for.
+
+  Returns:
+    ``{op: count}`` for every op in `COLLECTIVE_OPS` (zeros included).
+  """
+  text = f_or_text if isinstance(f_or_text, str) else _compile(f_or_text, args, kwargs).as_text()
+  counts = {op: 0 for op in COLLECTIVE_OPS}
+  for m in _COLLECTIVE_RE.finditer(text):
+    counts[m.group(1)] += 1
+  return counts
+
+
+def time_steps(steps: Mapping[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10,
+               baseline: str | None = None) -> dict[str, dict[str, float]]:
+  """Median wall time of several step functions, interleaved so drift hits all alike.
+
+  Each callable runs one full step (already jitted, arguments bound) and returns something
+  to block on. After ``warmup`` calls each, the functions are called round-robin
+  ``repeats`` times.
+
+  Args:
+    steps: name -> zero-argument callable.
+    warmup: untimed calls per function (compilation happens here).
+    repeats: timed calls per function.
+    baseline: name whose median is the denominator of ``ratio`` (default: the first).
+
+  Returns:
+    name -> ``{"median_s", "min_s", "ratio"}``.
+  """
+  if not steps:
+    raise ValueError("time_steps needs at least one step function.")
+  if repeats < 1 or warmup < 0:
+    raise ValueError(f"Need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}.")
+  baseline = baseline if baseline is not None else next(iter(steps))
+  if baseline not in steps:
+    raise ValueError(f"baseline {baseline!r} is not one of {sorted(steps)}.")
+  for fn in steps.values():
+    for _ in range(warmup):
+      jax.block_until_ready(fn())
+  times: dict[str, list[float]] = {k: [] for k in steps}
+  for _ in range(repeats):
+    for name, fn in steps.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - t0)
+  base = statistics.median(times[baseline])
+  return {k: {"median_s": statistics.median(v), "min_s": min(v),
+              "ratio": statistics.median(v) / base} for k, v in times.items()}

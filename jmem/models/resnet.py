@@ -1,0 +1,172 @@
+"""Reference (exact) ResNets in Flax linen, built so techniques can be switched on per block.
+
+Every model follows one calling convention, ``model.apply(variables, x, train=bool)`` with
+channels-last input, which is what `jmem.train` expects. A technique is switched on by
+cloning the model with another ``block_transform`` (e.g. ``flax.linen.remat``), ``norm`` or
+``conv`` - the model code itself never changes.
+
+References:
+  He et al., Deep Residual Learning for Image Recognition, https://arxiv.org/abs/1512.03385
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+ModuleDef = Any
+
+__all__ = ["BasicBlock", "Bottleneck", "ResNet", "RESNET_CONFIGS", "resnet"]
+
+
+class BasicBlock(nn.Module):
+  """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut."""
+
+  filters: int
+  conv: ModuleDef
+  norm: ModuleDef
+  act: Callable[[Any], Any]
+  strides: int = 1
+
+  @nn.compact
+  def __call__(self, x):
+    residual = x
+    y = self.conv(self.filters, (3, 3), (self.strides, self.strides), name="conv1")(x)
+    y = self.act(self.norm(name="bn1")(y))
+    y = self.conv(self.filters, (3, 3), name="conv2")(y)
+    y = self.norm(name="bn2", scale_init=nn.initializers.zeros)(y)
+    if residual.shape != y.shape:
+      residual = self.conv(self.filters, (1, 1), (self.strides, self.strides),
+                           name="proj_conv")(residual)
+      residual = self.norm(name="proj_bn")(residual)
+    return self.act(residual + y)
+
+
+class Bottleneck(nn.Module):
+  """1x1 reduce, 3x3, 1x1 expand (x4), with an identity (or projection) shortcut."""
+
+  filters: int
+  conv: ModuleDef
+  norm: ModuleDef
+  act: Callable[[Any], Any]
+  strides: int = 1
+
+  @nn.compact
+  def __call__(self, x):
+    residual = x
+    y = self.conv(self.filters, (1, 1), name="conv1")(x)
+    y = self.act(self.norm(name="bn1")(y))
+    y = self.conv(self.filters, (3, 3), (self.strides, self.strides), name="conv2")(y)
+    y = self.act(self.norm(name="bn2")(y))
+    y = self.conv(self.filters * 4, (1, 1), name="conv3")(y)
+    y = self.norm(name="bn3", scale_init=nn.initializers.zeros)(y)
+    if residual.shape != y.shape:
+      residual = self.conv(self.filters * 4, (1, 1), (self.strides, self.strides),
+                           name="proj_conv")(residual)
+      residual = self.norm(name="proj_bn")(residual)
+    return self.act(residual + y)
+
+
+class ResNet(nn.Module):
+  """ResNet for ``float[N, H, W, C]`` images, returning ``float32[N, num_classes]`` logits.
+
+  Attributes:
+    stage_sizes: number of blocks per stage.
+    block_cls: `BasicBlock` or `Bottleneck` (or any module with the same fields).
+    num_classes: number of output classes.
+    num_filters: width of the first stage; stage i has ``num_filters * 2**i``.
+    stem: ``"imagenet"`` (7x7/2 conv + 3x3/2 max pool, for 224² inputs) or ``"cifar"``
+      (one 3x3/1 conv, for small images).
+    dtype: computation dtype (parameters stay float32).
+    act: activation function.
+    norm: normalisation layer class; called as ``norm(use_running_average=..., name=...)``.
+    conv: convolution layer class; called like `flax.linen.Conv`.
+    block_transform: maps the block class to the class actually used, e.g.
+      ``flax.linen.remat`` for rematerialisation per block. ``None`` = exact.
+    scan_blocks: run the identical blocks of a stage (all but its first) under
+      ``flax.linen.scan`` with stacked parameters. Same function, different parameter
+      layout; compiles once per stage instead of once per block. (On XLA:CPU the weight
+      gradient of a convolution inside a loop is slow, ~20x on ResNet-20.)
+  """
+
+  stage_sizes: Sequence[int]
+  block_cls: ModuleDef
+  num_classes: int
+  num_filters: int = 64
+  stem: str = "imagenet"
+  dtype: Any = jnp.float32
+  act: Callable[[Any], Any] = nn.relu
+  norm: ModuleDef = nn.BatchNorm
+  conv: ModuleDef = nn.Conv
+  block_transform: Callable[[ModuleDef], ModuleDef] | None = None
+  scan_blocks: bool = False
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    if self.stem not in ("imagenet", "cifar"):
+      raise ValueError(f"stem must be 'imagenet' or 'cifar', got {self.stem!r}.")
+    conv = functools.partial(self.conv, use_bias=False, padding="SAME", dtype=self.dtype)
+    norm = functools.partial(self.norm, use_running_average=not train, momentum=0.9,
+                             epsilon=1e-5, dtype=self.dtype)
+    x = x.astype(self.dtype)
+    if self.stem == "imagenet":
+      x = conv(self.num_filters, (7, 7), (2, 2), name="stem_conv")(x)
+      x = self.act(norm(name="stem_bn")(x))
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+    else:
+      x = conv(self.num_filters, (3, 3), name="stem_conv")(x)
+      x = self.act(norm(name="stem_bn")(x))
+    block_cls = self.block_cls
+    if self.block_transform is not None:
+      block_cls = self.block_transform(block_cls)
+    for i, size in enumerate(self.stage_sizes):
+      filters = self.num_filters * 2**i
+      kw = dict(conv=conv, norm=norm, act=self.act)
+      x = block_cls(filters, strides=2 if i > 0 else 1, name=f"stage{i + 1}_block1", **kw)(x)
+      if self.scan_blocks and size > 1:
+        body = nn.scan(_ScanBody, variable_axes={True: 0}, split_rngs={True: True},
+                       length=size - 1)
+        x, _ = body(block_cls, filters, kw, name=f"stage{i + 1}_blocks")(x, None)
+      else:
+        for j in range(1, size):
+          x = block_cls(filters, name=f"stage{i + 1}_block{j + 1}", **kw)(x)
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x).astype(jnp.float32)
+
+
+class _ScanBody(nn.Module):
+  """One block as a scan body: ``(x, None) -> (block(x), None)``."""
+
+  block_cls: ModuleDef
+  filters: int
+  kw: dict[str, Any]
+
+  @nn.compact
+  def __call__(self, x, _):
+    return self.block_cls(self.filters, name="block", **self.kw)(x), None
+
+
+# name -> (stage_sizes, block, num_filters, stem)
+RESNET_CONFIGS: dict[str, tuple[tuple[int, ...], ModuleDef, int, str]] = {
+    "resnet8": ((1, 1, 1), BasicBlock, 16, "cifar"),
+    "resnet20": ((3, 3, 3), BasicBlock, 16, "cifar"),
+    "resnet56": ((9, 9, 9), BasicBlock, 16, "cifar"),
+    "resnet18": ((2, 2, 2, 2), BasicBlock, 64, "imagenet"),
+    "resnet34": ((3, 4, 6, 3), BasicBlock, 64, "imagenet"),
+    "resnet50": ((3, 4, 6, 3), Bottleneck, 64, "imagenet"),
+    "resnet101": ((3, 4, 23, 3), Bottleneck, 64, "imagenet"),
+}
+
+
+def resnet(name: str, num_classes: int, **overrides) -> ResNet:
+  """Builds a named ResNet (see `RESNET_CONFIGS`); ``overrides`` replace any field."""
+  if name not in RESNET_CONFIGS:
+    raise ValueError(f"Unknown ResNet {name!r}; valid names: {sorted(RESNET_CONFIGS)}.")
+  stages, block, width, stem = RESNET_CONFIGS[name]
+  kw = dict(stage_sizes=stages, block_cls=block, num_filters=width, stem=stem)
+  kw.update(overrides)
+  return ResNet(num_classes=num_classes, **kw)

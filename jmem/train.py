@@ -1,0 +1,358 @@
+"""One jit-compiled training step and loop for Flax linen and Flax NNX classifiers.
+
+A model of either API is first turned into a pair of pure functions (`ModelFns`), so the
+step, the loop, the checkpointing and the memory measurements in `jmem.measure` are
+written once. Randomness is a pure function of ``(seed, step)`` and batches are a pure
+function of ``(seed, step)`` too, so a run resumed from a checkpoint is bit-identical to an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jmem import data as data_lib
+from jmem import measure
+
+__all__ = [
+    "ModelFns", "TrainState", "TrainConfig", "TrainResult", "model_fns", "init_state",
+    "make_loss", "make_train_step", "evaluate", "default_optimizer", "train",
+]
+
+
+class ModelFns(NamedTuple):
+  """A classifier as pure functions.
+
+  Attributes:
+    init: ``(key, x) -> (params, model_state)``.
+    apply: ``(params, model_state, x, *, train, rng) -> (logits, new_model_state)``.
+    module: the original linen module or NNX graph definition (for reference).
+  """
+
+  init: Callable[..., tuple[Any, Any]]
+  apply: Callable[..., tuple[jax.Array, Any]]
+  module: Any
+
+
+def _from_linen(module: nn.Module) -> ModelFns:
+  def init(key, x):
+    k_params, k_dropout = jax.random.split(key)
+    variables = module.init({"params": k_params, "dropout": k_dropout}, x, train=False)
+    variables = dict(variables)
+    params = variables.pop("params")
+    return params, variables
+
+  def apply(params, model_state, x, *, train, rng=None):
+    variables = {"params": params, **model_state}
+    rngs = {"dropout": rng} if rng is not None else {}
+    if train and model_state:
+      logits, new_state = module.apply(variables, x, train=True, rngs=rngs,
+                                       mutable=list(model_state))
+      return logits, dict(new_state)
+    return module.apply(variables, x, train=train, rngs=rngs), model_state
+
+  return ModelFns(init, apply, module)
+
+
+def _reseed(model_state, rng):
+  """Replaces every PRNG key in an NNX state by ``fold_in(rng, i)`` (i: its leaf index)."""
+  leaves, treedef = jax.tree.flatten(model_state)
+  keys = iter(range(len(leaves)))
+  leaves = [jax.random.fold_in(rng, next(keys)) if _is_key(x) and x.shape == () else x
+            for x in leaves]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _from_nnx(model: nnx.Module) -> ModelFns:
+  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+
+  def init(key, x):
+    del key, x  # an NNX model is initialised when it is constructed
+    return params, model_state
+
+  def apply(params, model_state, x, *, train, rng=None):
+    if rng is not None:
+      model_state = _reseed(model_state, rng)
+    m = nnx.merge(graphdef, params, model_state)
+    if train:
+      m.train()
+    else:
+      m.eval()
+    logits = m(x)
+    _, _, new_state = nnx.split(m, nnx.Param, ...)
+    return logits, new_state
+
+  return ModelFns(init, apply, graphdef)
+
+
+def model_fns(model: nn.Module | nnx.Module | ModelFns) -> ModelFns:
+  """Wraps a linen module (called as ``apply(v, x, train=...)``) or an NNX module.
+
+  An NNX module is used through ``model.train()`` / ``model.eval()`` and its RNG streams are
+  reseeded from the step's key, so it gets the same determinism as a linen module.
+  """
+  if isinstance(model, ModelFns):
+    return model
+  if isinstance(model, nn.Module):
+    return _from_linen(model)
+  if isinstance(model, nnx.Module):
+    return _from_nnx(model)
+  raise TypeError(
+      f"Expected a flax.linen.Module, a flax.nnx.Module or jmem.train.ModelFns, got "
+      f"{type(model).__name__}.")
+
+
+class TrainState(NamedTuple):
+  """Everything a training step reads and writes.
+
+  Attributes:
+    step: ``int32[]`` number of steps taken.
+    params: trainable parameters.
+    model_state: non-trainable variables (BatchNorm statistics, NNX RNG counters).
+    opt_state: optimiser state.
+  """
+
+  step: jax.Array
+  params: Any
+  model_state: Any
+  opt_state: Any
+
+
+def init_state(fns: ModelFns, optimizer: optax.GradientTransformation, key: jax.Array,
+               example_x) -> TrainState:
+  """Initialises parameters, model state and optimiser state (works under eval_shape)."""
+  params, model_state = fns.init(key, example_x)
+  return TrainState(jnp.zeros((), jnp.int32), params, model_state, optimizer.init(params))
+
+
+def make_loss(fns: ModelFns) -> Callable[..., tuple[jax.Array, tuple[jax.Array, Any]]]:
+  """``loss(params, model_state, x, y, rng) -> (mean cross-entropy, (logits, new_state))``."""
+
+  def loss(params, model_state, x, y, rng):
+    logits, new_state = fns.apply(params, model_state, x, train=True, rng=rng)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+    return ce.mean(), (logits, new_state)
+
+  return loss
+
+
+def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
+                    seed: int = 0, donate: bool = True) -> Callable[..., Any]:
+  """The jit-compiled step ``(state, x, y) -> (state, metrics)``.
+
+  The step's PRNG key is ``fold_in(key(seed), state.step)``: no key is carried in the
+  state, so randomness depends only on the seed and the step number.
+  """
+  loss_fn = make_loss(fns)
+  base_key = jax.random.key(seed)
+
+  def step(state: TrainState, x, y):
+    rng = jax.random.fold_in(base_key, state.step)
+    (loss, (logits, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, state.model_state, x, y, rng)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
+    return (TrainState(state.step + 1, params, new_model_state, opt_state),
+            {"loss": loss, "accuracy": accuracy})
+
+  return measure.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
+             batch_size: int = 256) -> float:
+  """Top-1 accuracy of the model in eval mode (running statistics, no dropout)."""
+  predict = _predict_fn(fns)
+  correct = 0
+  for i in range(0, len(x), batch_size):
+    logits = predict(state.params, state.model_state, jnp.asarray(x[i:i + batch_size]))
+    correct += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(y[i:i + batch_size])))
+  return correct / len(x)
+
+
+def _predict_fn(fns: ModelFns):
+  return measure.jit(lambda p, s, x: fns.apply(p, s, x, train=False)[0])
+
+
+def default_optimizer(learning_rate: float, steps: int, *,
+                      weight_decay: float = 1e-4) -> optax.GradientTransformation:
+  """AdamW with linear warm-up (5% of steps) and cosine decay to zero."""
+  warmup = max(1, steps // 20)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1))
+  return optax.adamw(schedule, weight_decay=weight_decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Options of `train`.
+
+  Attributes:
+    steps: optimiser steps.
+    batch_size: examples per step (at most the number of training examples).
+    learning_rate: peak learning rate of `default_optimizer`.
+    weight_decay: AdamW weight decay.
+    seed: seeds initialisation, batch order and dropout.
+    eval_every: evaluate on the test set every this many steps (0: only at the end).
+    checkpoint_dir: where orbax checkpoints go (``None``: no checkpoints).
+    checkpoint_every: save every this many steps (and at the end).
+    resume: continue from the latest checkpoint in ``checkpoint_dir`` if there is one.
+    progress: show a progress bar.
+  """
+
+  steps: int = 300
+  batch_size: int = 128
+  learning_rate: float = 3e-3
+  weight_decay: float = 1e-4
+  seed: int = 0
+  eval_every: int = 0
+  checkpoint_dir: str | None = None
+  checkpoint_every: int = 100
+  resume: bool = False
+  progress: bool = True
+
+  def validate(self, num_train: int) -> None:
+    if not isinstance(self.steps, int) or self.steps < 0:
+      raise ValueError(f"steps must be a non-negative integer, got {self.steps!r}.")
+    if not 0 < self.batch_size <= num_train:
+      raise ValueError(
+          f"batch_size {self.batch_size} must be between 1 and the number of training "
+          f"examples ({num_train}); lower --batch-size.")
+    if self.learning_rate <= 0:
+      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
+    if self.eval_every < 0 or self.checkpoint_every < 1:
+      raise ValueError("eval_every must be >= 0 and checkpoint_every >= 1.")
+    if self.resume and self.checkpoint_dir is None:
+      raise ValueError("resume=True needs a checkpoint_dir to resume from.")
+
+
+class TrainResult(NamedTuple):
+  """What `train` returns.
+
+  Attributes:
+    state: final `TrainState`.
+    test_accuracy: accuracy on the test set at the end.
+    history: one dict per evaluation: ``step``, ``loss``, ``train_accuracy``,
+      ``test_accuracy``.
+    resumed_from: step the run resumed from (0 for a fresh run).
+  """
+
+  state: TrainState
+  test_accuracy: float
+  history: list[dict[str, float]]
+  resumed_from: int
+
+
+# ---------------------------------------------------------------- checkpointing (orbax)
+
+def _is_key(x) -> bool:
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_savable(state: TrainState) -> list[Any]:
+  leaves = jax.tree.leaves(state)
+  return [np.asarray(jax.random.key_data(x)) if _is_key(x) else x for x in leaves]
+
+
+def _from_savable(saved: list[Any], like: TrainState) -> TrainState:
+  leaves, treedef = jax.tree.flatten(like)
+  out = []
+  for new, old in zip(saved, leaves, strict=True):
+    if _is_key(old):
+      out.append(jax.random.wrap_key_data(jnp.asarray(new), impl=jax.random.key_impl(old)))
+    else:
+      out.append(jnp.asarray(new, dtype=old.dtype))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _checkpoint_manager(directory: str, every: int):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  directory = os.path.abspath(directory)
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"Cannot create checkpoint directory {directory!r}: {e}") from e
+  if not os.access(directory, os.W_OK):
+    raise ValueError(f"Checkpoint directory {directory!r} is not writable.")
+  options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every,
+                                         enable_async_checkpointing=False)
+  return ocp, ocp.CheckpointManager(directory, options=options)
+
+
+def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
+          config: TrainConfig = TrainConfig(), *,
+          optimizer: optax.GradientTransformation | None = None,
+          stop_after: int | None = None) -> TrainResult:
+  """Trains a classifier on ``dataset`` with one jit-compiled step.
+
+  Args:
+    model: a linen module (``__call__(x, train)``), an NNX module or `ModelFns`.
+    dataset: the data (see `jmem.data`).
+    config: a `TrainConfig`.
+    optimizer: overrides `default_optimizer` (``config.learning_rate`` is then unused).
+    stop_after: stop (as if killed) once this many total steps are done, without the final
+      evaluation; used to test that resuming is exact.
+
+  Returns:
+    A `TrainResult`.
+  """
+  config.validate(len(dataset.x_train))
+  fns = model_fns(model)
+  optimizer = optimizer or default_optimizer(config.learning_rate, config.steps,
+                                             weight_decay=config.weight_decay)
+  key = jax.random.key(config.seed)
+  state = init_state(fns, optimizer, jax.random.fold_in(key, 1), jnp.asarray(dataset.x_train[:1]))
+  start = 0
+  manager = ocp = None
+  if config.checkpoint_dir is not None:
+    ocp, manager = _checkpoint_manager(config.checkpoint_dir, config.checkpoint_every)
+    latest = manager.latest_step() if config.resume else None
+    if latest is not None:
+      abstract = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
+                  for x in _to_savable(state)]
+      restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+      state = _from_savable(list(restored), state)
+      start = int(state.step)
+  # The step donates its state; copy it so arrays the caller owns (an NNX model's
+  # parameters, say) are never invalidated.
+  state = jax.tree.map(lambda a: a.copy(), state)
+  step_fn = make_train_step(fns, optimizer, seed=config.seed)
+  x_all, y_all = dataset.x_train, dataset.y_train
+  history: list[dict[str, float]] = []
+  end = config.steps if stop_after is None else min(stop_after, config.steps)
+
+  from rich.progress import Progress  # pylint: disable=g-import-not-at-top
+  with Progress(disable=not config.progress, transient=True) as bar:
+    task = bar.add_task(f"train {dataset.name}", total=config.steps, completed=start)
+    metrics = None
+    for step in range(start, end):
+      idx = data_lib.batch_indices(len(x_all), config.batch_size, step, seed=config.seed)
+      state, metrics = step_fn(state, jnp.asarray(x_all[idx]), jnp.asarray(y_all[idx]))
+      done = step + 1
+      if manager is not None and (done % config.checkpoint_every == 0 or done == config.steps):
+        manager.save(done, args=ocp.args.StandardSave(_to_savable(state)))
+      if config.eval_every and done % config.eval_every == 0 and done != config.steps:
+        history.append({"step": done, "loss": float(metrics["loss"]),
+                        "train_accuracy": float(metrics["accuracy"]),
+                        "test_accuracy": evaluate(fns, state, dataset.x_test, dataset.y_test)})
+      bar.update(task, completed=done)
+  if manager is not None:
+    manager.wait_until_finished()
+    manager.close()
+  if stop_after is not None and end < config.steps:
+    return TrainResult(state, float("nan"), history, start)
+  acc = evaluate(fns, state, dataset.x_test, dataset.y_test)
+  final = {"step": config.steps, "test_accuracy": acc}
+  if metrics is not None:
+    final.update(loss=float(metrics["loss"]), train_accuracy=float(metrics["accuracy"]))
+  history.append(final)
+  return TrainResult(state, acc, history, start)

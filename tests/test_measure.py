@@ -1,0 +1,153 @@
+"""The measurement harness measures what it claims to."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jmem import measure
+
+
+def test_tanh_matmul_saves_only_its_intermediate():
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+  report = measure.saved_residuals(lambda x, w: jnp.tanh(x @ w).sum(), x, w)
+  acts = [r for r in report.residuals if r.source == "activation"]
+  assert acts, "the tanh derivative needs a saved intermediate"
+  assert all(r.shape == (4, 16) for r in acts)          # intermediate-shaped, not x or w
+  assert report.activation_bytes == 4 * 16 * 4 * len(acts)
+  assert report.argument_bytes == x.nbytes + w.nbytes   # x and w are resident anyway
+
+
+def test_saved_residuals_is_compile_only_and_honours_argnums():
+  x = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)  # 16 MiB, never allocated
+  w = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+  f = lambda w, x: jnp.sin(x @ w).sum()
+  full = measure.saved_residuals(f, w, x)
+  only_w = measure.saved_residuals(f, w, x, argnums=0)
+  assert full.activation_bytes == only_w.activation_bytes == 2048 * 2048 * 4
+  with pytest.raises(ValueError, match="argnums"):
+    measure.saved_residuals(f, w, x, argnums=2)
+
+
+def test_duplicate_residuals_counted_once():
+  def f(x):
+    y = jnp.sin(x)
+    return (y * y).sum()   # y is needed twice by the product rule, stored once
+  report = measure.saved_residuals(f, jnp.ones((100,)))
+  assert report.activation_bytes <= 2 * 400
+
+
+def _scan_loss(c, remat):
+  def body(c, _):
+    return jnp.tanh(jnp.sin(c) @ c), None
+  body = jax.checkpoint(body) if remat else body
+  return lax.scan(body, c, None, length=16)[0].sum()
+
+
+def test_checkpoint_of_scan_body_lowers_temp_and_saved_bytes():
+  c = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+  exact = measure.compiled_memory(jax.grad(functools.partial(_scan_loss, remat=False)), c)
+  remat = measure.compiled_memory(jax.grad(functools.partial(_scan_loss, remat=True)), c)
+  assert remat.temp_bytes < 0.5 * exact.temp_bytes
+  s_exact = measure.saved_residuals(functools.partial(_scan_loss, remat=False), c)
+  s_remat = measure.saved_residuals(functools.partial(_scan_loss, remat=True), c)
+  assert s_remat.activation_bytes == 16 * 128 * 128 * 4   # only the carries
+  assert s_exact.activation_bytes > 3 * s_remat.activation_bytes
+
+
+def test_compiled_memory_accepts_jitted_functions_and_reports_arguments():
+  f = jax.jit(lambda a: jnp.sin(a) @ a)
+  mem = measure.compiled_memory(f, jnp.ones((64, 64)))
+  assert mem.argument_bytes == 64 * 64 * 4 and mem.output_bytes == 64 * 64 * 4
+  assert mem.total_bytes >= mem.argument_bytes + mem.output_bytes
+
+
+def _mesh():
+  return jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def test_psum_is_one_all_reduce():
+  mesh = _mesh()
+  f = jax.jit(jax.shard_map(lambda a: lax.psum(a, "d"), mesh=mesh, in_specs=P("d"),
+                            out_specs=P()))
+  a = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+  counts = measure.collective_counts(f, a)
+  assert counts == {"all-reduce": 1, "all-gather": 0, "collective-permute": 0,
+                    "all-to-all": 0, "reduce-scatter": 0}
+
+
+def test_ppermute_and_all_gather_are_counted():
+  mesh = _mesh()
+  perm = [(i, (i + 1) % 8) for i in range(8)]
+  f = jax.jit(jax.shard_map(
+      lambda a: lax.all_gather(lax.ppermute(a, "d", perm), "d", tiled=True),
+      mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+  a = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("d")))
+  counts = measure.collective_counts(f, a)
+  assert counts["collective-permute"] == 1 and counts["all-gather"] == 1
+  assert counts["all-reduce"] == 0
+
+
+def test_collective_regex_ignores_instruction_names():
+  text = ("%all-reduce.1 = f32[] all-reduce(f32[] %x), to_apply=%sum\n"
+          "%y = f32[] add(f32[] %all-reduce.1, f32[] %all-reduce.1)\n"
+          "%cp = (f32[2], f32[2]) collective-permute-start(f32[2] %z)\n"
+          "%cpd = f32[2] collective-permute-done((f32[2], f32[2]) %cp)\n")
+  counts = measure.collective_counts(text)
+  assert counts["all-reduce"] == 1 and counts["collective-permute"] == 1
+
+
+def test_time_steps_ratio_and_errors():
+  a = jnp.ones((256, 256))
+  fast = jax.jit(lambda: a + 1)
+  slow = jax.jit(lambda: functools.reduce(lambda x, _: jnp.tanh(x @ x), range(8), a))
+  out = measure.time_steps({"fast": fast, "slow": slow}, warmup=1, repeats=5)
+  assert out["fast"]["ratio"] == 1.0
+  assert out["slow"]["ratio"] > 1.0
+  assert out["slow"]["min_s"] <= out["slow"]["median_s"]
+  with pytest.raises(ValueError, match="baseline"):
+    measure.time_steps({"fast": fast}, baseline="nope")
+  with pytest.raises(ValueError, match="repeats"):
+    measure.time_steps({"fast": fast}, repeats=0)
+
+
+def test_by_dtype_and_largest():
+  def f(x):
+    y = jnp.sin(x)
+    m = (x > 0)                         # boolean residual
+    return jnp.where(m, y * y, 0.0).sum()
+  report = measure.saved_residuals(f, jnp.ones((10, 10)))
+  by = report.by_dtype()
+  assert by and sum(by.values()) == report.activation_bytes
+  assert report.largest(1)[0].nbytes == max(r.nbytes for r in report.residuals
+                                           if r.source == "activation")
+  assert np.dtype("bool").name in by or "bool" in by
+
+
+def _chain_loss(ws, x, remat):
+  block = lambda w, x: jnp.tanh(jnp.sin(x @ w) @ w)
+  block = jax.checkpoint(block) if remat else block
+  for w in ws:
+    x = block(w, x)
+  return x.sum()
+
+
+def test_jmem_jit_keeps_unrolled_remat_on_cpu():
+  ws = [jax.ShapeDtypeStruct((128, 128), jnp.float32)] * 12
+  x = jax.ShapeDtypeStruct((512, 128), jnp.float32)
+  grad = lambda remat: jax.grad(functools.partial(_chain_loss, remat=remat))
+  exact = measure.compiled_memory(measure.jit(grad(False)), ws, x).temp_bytes
+  remat = measure.compiled_memory(measure.jit(grad(True)), ws, x).temp_bytes
+  assert remat < 0.5 * exact
+  if jax.default_backend() == "cpu":
+    # What plain jax.jit gives on XLA:CPU: CSE folds the recomputation into the forward.
+    plain = measure.compiled_memory(jax.jit(grad(True)), ws, x).temp_bytes
+    assert plain >= exact
+  # The option changes memory, not results.
+  w = [jnp.full((128, 128), 0.01)] * 12
+  xv = jnp.ones((512, 128))
+  np.testing.assert_array_equal(measure.jit(grad(True))(w, xv)[0], jax.jit(grad(False))(w, xv)[0])
