@@ -9,4 +9,7 @@ from jmem.measure import saved_residuals as saved_residuals
 from jmem.measure import time_steps as time_steps
 from jmem.measure import xla_compiler_options as xla_compiler_options
 
+from jmem.ops.inplace_abn import inplace_abn as inplace_abn
+from jmem.parallel.sync_bn import sync_batch_norm as sync_batch_norm
+
 __version__ = "0.1.0"

@@ -78,9 +78,23 @@ def _remat(model):
   return model.clone(block_transform=nn.remat)
 
 
+def _inplace_abn(model):
+  if not hasattr(model, "norm_act"):
+    raise ValueError(f"Technique 'inplace-abn' needs a model with a norm_act field; "
+                     f"{type(model).__name__} has none.")
+  import functools  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jmem.ops.inplace_abn import InPlaceABN  # pylint: disable=g-import-not-at-top
+  # InPlace-ABN needs an invertible activation: leaky_relu replaces relu everywhere.
+  return model.clone(norm_act=functools.partial(InPlaceABN, activation="leaky_relu", slope=0.01),
+                     act=functools.partial(nn.leaky_relu, negative_slope=0.01))
+
+
 register_technique(Technique("exact", lambda m: m, "plain backprop (the baseline)"))
 register_technique(Technique("remat", _remat,
                              "jax.checkpoint per residual block (JAX-native peer)"))
+register_technique(Technique("inplace-abn", _inplace_abn,
+                             "In-Place Activated BatchNorm (leaky_relu 0.01), saves only outputs"))
 
 
 @dataclasses.dataclass(frozen=True)

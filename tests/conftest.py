@@ -1,4 +1,4 @@
-"""Test set-up: 8 simulated CPU devices, strict numerics. Runs before jax is imported."""
+"""Test set-up: 8 simulated CPU devices. Runs before jax is imported."""
 
 import os
 
@@ -7,8 +7,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
-jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 def pytest_report_header(config):

@@ -2,6 +2,7 @@
 
 from jmem.models.resnet import BasicBlock as BasicBlock
 from jmem.models.resnet import Bottleneck as Bottleneck
+from jmem.models.resnet import PreActBlock as PreActBlock
 from jmem.models.resnet import RESNET_CONFIGS as RESNET_CONFIGS
 from jmem.models.resnet import ResNet as ResNet
 from jmem.models.resnet import resnet as resnet

@@ -20,23 +20,28 @@ import jax.numpy as jnp
 
 ModuleDef = Any
 
-__all__ = ["BasicBlock", "Bottleneck", "ResNet", "RESNET_CONFIGS", "resnet"]
+__all__ = ["BasicBlock", "Bottleneck", "PreActBlock", "ResNet", "RESNET_CONFIGS", "resnet"]
 
 
 class BasicBlock(nn.Module):
-  """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut."""
+  """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut.
+
+  ``norm_act(name)`` builds "normalise then activate" (BN + act by default, or a fused
+  layer such as InPlace-ABN); ``norm`` alone is used where no activation follows.
+  """
 
   filters: int
   conv: ModuleDef
   norm: ModuleDef
   act: Callable[[Any], Any]
+  norm_act: Callable[[str], Callable[[Any], Any]]
   strides: int = 1
 
   @nn.compact
   def __call__(self, x):
     residual = x
     y = self.conv(self.filters, (3, 3), (self.strides, self.strides), name="conv1")(x)
-    y = self.act(self.norm(name="bn1")(y))
+    y = self.norm_act("bn1")(y)
     y = self.conv(self.filters, (3, 3), name="conv2")(y)
     y = self.norm(name="bn2", scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
@@ -53,15 +58,16 @@ class Bottleneck(nn.Module):
   conv: ModuleDef
   norm: ModuleDef
   act: Callable[[Any], Any]
+  norm_act: Callable[[str], Callable[[Any], Any]]
   strides: int = 1
 
   @nn.compact
   def __call__(self, x):
     residual = x
     y = self.conv(self.filters, (1, 1), name="conv1")(x)
-    y = self.act(self.norm(name="bn1")(y))
+    y = self.norm_act("bn1")(y)
     y = self.conv(self.filters, (3, 3), (self.strides, self.strides), name="conv2")(y)
-    y = self.act(self.norm(name="bn2")(y))
+    y = self.norm_act("bn2")(y)
     y = self.conv(self.filters * 4, (1, 1), name="conv3")(y)
     y = self.norm(name="bn3", scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
@@ -69,6 +75,33 @@ class Bottleneck(nn.Module):
                            name="proj_conv")(residual)
       residual = self.norm(name="proj_bn")(residual)
     return self.act(residual + y)
+
+
+class PreActBlock(nn.Module):
+  """Pre-activation block: (norm-act, 3x3 conv) x2 plus shortcut (He et al. 2016, v2).
+
+  Every convolution's input is the output of a norm-act pair, which is where InPlace-ABN
+  removes a stored tensor.
+  """
+
+  filters: int
+  conv: ModuleDef
+  norm: ModuleDef
+  act: Callable[[Any], Any]
+  norm_act: Callable[[str], Callable[[Any], Any]]
+  strides: int = 1
+
+  @nn.compact
+  def __call__(self, x):
+    y = self.norm_act("bn1")(x)
+    shortcut = x
+    if x.shape[-1] != self.filters or self.strides != 1:
+      shortcut = self.conv(self.filters, (1, 1), (self.strides, self.strides),
+                           name="proj_conv")(y)
+    y = self.conv(self.filters, (3, 3), (self.strides, self.strides), name="conv1")(y)
+    y = self.norm_act("bn2")(y)
+    y = self.conv(self.filters, (3, 3), name="conv2")(y)
+    return y + shortcut
 
 
 class ResNet(nn.Module):
@@ -85,6 +118,10 @@ class ResNet(nn.Module):
     act: activation function.
     norm: normalisation layer class; called as ``norm(use_running_average=..., name=...)``.
     conv: convolution layer class; called like `flax.linen.Conv`.
+    norm_act: a layer class that normalises and activates in one (e.g. InPlace-ABN),
+      called as ``norm_act(use_running_average=..., name=...)``; ``None`` = ``act(norm(.))``.
+    preactivation: pre-activation layout (use with `PreActBlock`): the stem is a bare conv
+      and a final norm-act precedes the pooling.
     block_transform: maps the block class to the class actually used, e.g.
       ``flax.linen.remat`` for rematerialisation per block. ``None`` = exact.
     scan_blocks: run the identical blocks of a stage (all but its first) under
@@ -102,6 +139,8 @@ class ResNet(nn.Module):
   act: Callable[[Any], Any] = nn.relu
   norm: ModuleDef = nn.BatchNorm
   conv: ModuleDef = nn.Conv
+  norm_act: ModuleDef | None = None
+  preactivation: bool = False
   block_transform: Callable[[ModuleDef], ModuleDef] | None = None
   scan_blocks: bool = False
 
@@ -112,20 +151,29 @@ class ResNet(nn.Module):
     conv = functools.partial(self.conv, use_bias=False, padding="SAME", dtype=self.dtype)
     norm = functools.partial(self.norm, use_running_average=not train, momentum=0.9,
                              epsilon=1e-5, dtype=self.dtype)
+    if self.norm_act is None:
+      act = self.act
+      norm_act = lambda name: (lambda y: act(norm(name=name)(y)))
+    else:
+      norm_act = functools.partial(self.norm_act, use_running_average=not train, momentum=0.9,
+                                   epsilon=1e-5)
+      norm_act = functools.partial(lambda name, f: f(name=name), f=norm_act)
     x = x.astype(self.dtype)
     if self.stem == "imagenet":
       x = conv(self.num_filters, (7, 7), (2, 2), name="stem_conv")(x)
-      x = self.act(norm(name="stem_bn")(x))
+      if not self.preactivation:
+        x = norm_act("stem_bn")(x)
       x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
     else:
       x = conv(self.num_filters, (3, 3), name="stem_conv")(x)
-      x = self.act(norm(name="stem_bn")(x))
+      if not self.preactivation:
+        x = norm_act("stem_bn")(x)
     block_cls = self.block_cls
     if self.block_transform is not None:
       block_cls = self.block_transform(block_cls)
     for i, size in enumerate(self.stage_sizes):
       filters = self.num_filters * 2**i
-      kw = dict(conv=conv, norm=norm, act=self.act)
+      kw = dict(conv=conv, norm=norm, act=self.act, norm_act=norm_act)
       x = block_cls(filters, strides=2 if i > 0 else 1, name=f"stage{i + 1}_block1", **kw)(x)
       if self.scan_blocks and size > 1:
         body = nn.scan(_ScanBody, variable_axes={True: 0}, split_rngs={True: True},
@@ -134,6 +182,8 @@ class ResNet(nn.Module):
       else:
         for j in range(1, size):
           x = block_cls(filters, name=f"stage{i + 1}_block{j + 1}", **kw)(x)
+    if self.preactivation:
+      x = norm_act("final_bn")(x)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
@@ -153,6 +203,7 @@ class _ScanBody(nn.Module):
 # name -> (stage_sizes, block, num_filters, stem)
 RESNET_CONFIGS: dict[str, tuple[tuple[int, ...], ModuleDef, int, str]] = {
     "resnet8": ((1, 1, 1), BasicBlock, 16, "cifar"),
+    "preact20": ((3, 3, 3), PreActBlock, 16, "cifar"),
     "resnet20": ((3, 3, 3), BasicBlock, 16, "cifar"),
     "resnet56": ((9, 9, 9), BasicBlock, 16, "cifar"),
     "resnet18": ((2, 2, 2, 2), BasicBlock, 64, "imagenet"),
@@ -167,6 +218,7 @@ def resnet(name: str, num_classes: int, **overrides) -> ResNet:
   if name not in RESNET_CONFIGS:
     raise ValueError(f"Unknown ResNet {name!r}; valid names: {sorted(RESNET_CONFIGS)}.")
   stages, block, width, stem = RESNET_CONFIGS[name]
-  kw = dict(stage_sizes=stages, block_cls=block, num_filters=width, stem=stem)
+  kw = dict(stage_sizes=stages, block_cls=block, num_filters=width, stem=stem,
+            preactivation=block is PreActBlock)
   kw.update(overrides)
   return ResNet(num_classes=num_classes, **kw)

@@ -1,0 +1,10 @@
+"""Multi-device building blocks."""
+
+from jmem.parallel.sync_bn import BatchStats as BatchStats
+from jmem.parallel.sync_bn import NNXSyncBatchNorm as NNXSyncBatchNorm
+from jmem.parallel.sync_bn import SyncBatchNorm as SyncBatchNorm
+from jmem.parallel.sync_bn import batch_stats as batch_stats
+from jmem.parallel.sync_bn import swap_nnx_batch_norm as swap_nnx_batch_norm
+from jmem.parallel.sync_bn import sync_batch_norm as sync_batch_norm
+from jmem.parallel.sync_bn import sync_batch_norm_interceptor as sync_batch_norm_interceptor
+from jmem.parallel.sync_bn import sync_batch_norm_reference as sync_batch_norm_reference

@@ -1,0 +1,377 @@
+"""In-Place Activated BatchNorm: BN + invertible activation whose VJP needs only the output.
+
+Forward: ``y = γ' (x - μ) / sqrt(σ² + ε) + β`` with ``γ' = |γ| + ε`` (never zero, so always
+invertible), ``z = act(y)``. Only ``z`` (plus per-channel statistics) is saved. Backward
+inverts the activation (``y`` and ``dy = dz · act'(y)`` from ``z``), then the affine step
+(``x̂ = (y - β) / γ'``), and runs the one-collective BN backward of `jmem.parallel.sync_bn`
+with the GLOBAL count: ``dx = γ'/σ (dy - (Σdy + x̂ Σx̂dy) / N)``, ``dγ = sign(γ) Σx̂dy``,
+``dβ = Σdy``. The next layer (a convolution) saves ``z`` anyway, so the BN input ``x`` no
+longer needs to be kept at all.
+
+Activations: ``leaky_relu`` (slope > 0), ``elu`` (alpha > 0) and ``identity``. ReLU is not
+invertible and is refused.
+
+Weight mapping to plain BN: a plain BN with scale ``s`` equals InPlace-ABN with
+``γ = s - ε`` if ``s > ε`` (in general ``γ = sign(s)(|s| - ε)`` needs ``|s| ≥ ε`` and gives
+``|s|``: negative scales become positive, so flip the sign of the next layer's weights);
+InPlace-ABN's ``γ`` is plain BN's ``|γ| + ε``. See `to_batch_norm_scale` and
+`from_batch_norm_scale`.
+
+References:
+  Rota Bulò, Porzi & Kontschieder, In-Place Activated BatchNorm for Memory-Optimized
+  Training of DNNs, CVPR 2018, https://arxiv.org/abs/1712.02616
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jmem.parallel import sync_bn
+
+__all__ = [
+    "ACTIVATIONS", "ABNConfig", "inplace_abn", "inplace_abn_reference",
+    "to_batch_norm_scale", "from_batch_norm_scale",
+]
+
+ACTIVATIONS = ("leaky_relu", "elu", "identity")
+
+
+class ABNConfig(NamedTuple):
+  """Static options of `inplace_abn` (hashable)."""
+
+  activation: str = "leaky_relu"
+  slope: float = 0.01       # leaky_relu negative slope, > 0
+  alpha: float = 1.0        # elu alpha, > 0
+  epsilon: float = 1e-5
+  axis_name: str | tuple[str, ...] | None = None
+  axis_index_groups: tuple[tuple[int, ...], ...] | None = None
+
+  def validate(self) -> "ABNConfig":
+    if self.activation == "relu":
+      raise ValueError(
+          "InPlace-ABN cannot use relu: it is not invertible (slope 0), so the input cannot "
+          "be recovered from the output. Use activation='leaky_relu' with slope > 0 (e.g. "
+          "0.01), 'elu' or 'identity'.")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"Unknown activation {self.activation!r}; InPlace-ABN supports "
+                       f"{ACTIVATIONS}.")
+    if self.activation == "leaky_relu" and not self.slope > 0:
+      raise ValueError(f"leaky_relu slope must be > 0 to be invertible, got {self.slope}.")
+    if self.activation == "elu" and not self.alpha > 0:
+      raise ValueError(f"elu alpha must be > 0, got {self.alpha}.")
+    if not self.epsilon > 0:
+      raise ValueError(f"epsilon must be > 0, got {self.epsilon}.")
+    return self
+
+
+def _act(y, cfg: ABNConfig):
+  if cfg.activation == "leaky_relu":
+    return jnp.where(y >= 0, y, y * cfg.slope)
+  if cfg.activation == "elu":
+    return jnp.where(y >= 0, y, cfg.alpha * jnp.expm1(jnp.minimum(y, 0.0)))
+  return y
+
+
+def _act_inverse(z, dz, cfg: ABNConfig):
+  """``(y, dy)`` from the activation output ``z`` and its cotangent ``dz`` (float32)."""
+  if cfg.activation == "leaky_relu":
+    neg = z < 0
+    return jnp.where(neg, z / cfg.slope, z), jnp.where(neg, dz * cfg.slope, dz)
+  if cfg.activation == "elu":
+    neg = z < 0
+    # z > -alpha in exact arithmetic; rounding can reach it, so keep log1p finite.
+    ratio = jnp.maximum(z / cfg.alpha, -1.0 + 1e-7)
+    y = jnp.where(neg, jnp.log1p(jnp.minimum(ratio, 0.0)), z)
+    return y, jnp.where(neg, dz * (z + cfg.alpha), dz)
+  return z, dz
+
+
+def _gamma(scale, epsilon):
+  return jnp.abs(scale) + epsilon
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _abn_train(x, scale, bias, mask, shift, cfg: ABNConfig):
+  stats = sync_bn.batch_stats(x, axis_name=cfg.axis_name, axis_index_groups=cfg.axis_index_groups,
+                              mask=mask, shift=shift)
+  invstd = lax.rsqrt(stats.var + cfg.epsilon)
+  y = (x.astype(jnp.float32) - stats.mean) * (invstd * _gamma(scale, cfg.epsilon)) + bias
+  return _act(y, cfg).astype(x.dtype), stats
+
+
+def _abn_train_fwd(x, scale, bias, mask, shift, cfg):
+  z, stats = _abn_train(x, scale, bias, mask, shift, cfg)
+  # Saved: the OUTPUT z and per-channel vectors; neither x nor the mean.
+  return (z, stats), (z, scale, bias, mask, lax.rsqrt(stats.var + cfg.epsilon), stats.count)
+
+
+def _abn_train_bwd(cfg, res, cts):
+  param_varying = sync_bn._params_vary(cfg.axis_name, cts[0], res[1])  # pylint: disable=protected-access
+  sign = jnp.sign(res[1])   # before the barrier, which makes everything device-varying
+  res, cts = sync_bn.tie_to_cotangent(res, cts)
+  z, scale, bias, mask, invstd, count = res
+  y, dy = _act_inverse(z.astype(jnp.float32), cts[0].astype(jnp.float32), cfg)
+  g = _gamma(scale, cfg.epsilon)
+  xhat = (y - bias) / g
+  dx, dg, db = sync_bn.bn_backward(
+      dy, xhat, mask, g * invstd, count, axis_name=cfg.axis_name,
+      axis_index_groups=cfg.axis_index_groups, param_varying=param_varying)
+  return dx.astype(z.dtype), (sign * dg).astype(scale.dtype), db.astype(bias.dtype), None, None
+
+
+_abn_train.defvjp(_abn_train_fwd, _abn_train_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _abn_eval(x, scale, bias, mean, var, cfg: ABNConfig):
+  invstd = lax.rsqrt(var.astype(jnp.float32) + cfg.epsilon)
+  y = (x.astype(jnp.float32) - mean) * (invstd * _gamma(scale, cfg.epsilon)) + bias
+  return _act(y, cfg).astype(x.dtype)
+
+
+def _abn_eval_fwd(x, scale, bias, mean, var, cfg):
+  z = _abn_eval(x, scale, bias, mean, var, cfg)
+  return z, (z, scale, bias, lax.rsqrt(var.astype(jnp.float32) + cfg.epsilon))
+
+
+def _abn_eval_bwd(cfg, res, dz):
+  param_varying = sync_bn._params_vary(cfg.axis_name, dz, res[1])  # pylint: disable=protected-access
+  sign = jnp.sign(res[1])
+  res, dz = sync_bn.tie_to_cotangent(res, dz)
+  z, scale, bias, invstd = res
+  y, dy = _act_inverse(z.astype(jnp.float32), dz.astype(jnp.float32), cfg)
+  g = _gamma(scale, cfg.epsilon)
+  xhat = (y - bias) / g
+  axes = tuple(range(z.ndim - 1))
+  sums = jnp.stack([jnp.sum(dy, axis=axes), jnp.sum(dy * xhat, axis=axes)])
+  if not param_varying:
+    sums = lax.psum(sums, cfg.axis_name, axis_index_groups=cfg.axis_index_groups)
+  dx = dy * (g * invstd)
+  return (dx.astype(z.dtype), (sign * sums[1]).astype(scale.dtype),
+          sums[0].astype(bias.dtype), None, None)
+
+
+_abn_eval.defvjp(_abn_eval_fwd, _abn_eval_bwd)
+
+
+def _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups) -> ABNConfig:
+  groups = None if axis_index_groups is None else tuple(tuple(int(i) for i in g)
+                                                        for g in axis_index_groups)
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
+  return ABNConfig(activation, float(slope), float(alpha), float(epsilon), axis_name,
+                   groups).validate()
+
+
+def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
+                activation: str = "leaky_relu", slope: float = 0.01, alpha: float = 1.0,
+                epsilon: float = 1e-5, axis_name: str | tuple[str, ...] | None = None,
+                axis_index_groups: Sequence[Sequence[int]] | None = None,
+                mask: jax.Array | None = None, shift: jax.Array | None = None,
+                use_running_average: bool = False, running_mean: jax.Array | None = None,
+                running_var: jax.Array | None = None,
+                implementation: str = "xla") -> tuple[jax.Array, sync_bn.BatchStats | None]:
+  """Batch norm + invertible activation that saves only its output for the backward pass.
+
+  Args:
+    x: ``[..., C]`` input, channels last (float32, bfloat16 or float16; statistics and
+      the backward reductions run in float32).
+    scale: ``float[C]`` γ; the effective scale is ``|γ| + epsilon``.
+    bias: ``float[C]`` β.
+    activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (``"relu"`` is refused).
+    slope: leaky_relu negative slope, > 0.
+    alpha: elu alpha, > 0.
+    epsilon: variance epsilon (also the |γ| offset), > 0.
+    axis_name: reduce statistics over this named axis (InPlace-ABN-Sync): one all-reduce
+      forward, one backward, global counts in the backward.
+    axis_index_groups: optional groups within the axis.
+    mask: optional boolean, broadcastable to ``x`` with the same rank; True = valid.
+    shift: shared shift of the statistics merge (pass the running mean).
+    use_running_average: eval mode: normalise with ``running_mean`` / ``running_var``, no
+      collective in the forward pass.
+    running_mean: ``float[C]``, required in eval mode.
+    running_var: ``float[C]``, required in eval mode.
+    implementation: ``"xla"`` (default; reference and CPU path) or ``"pallas"`` (fused
+      kernels from `pallas_kernels.inplace_abn`, local statistics only).
+
+  Returns:
+    ``(z, stats)``: ``z`` like ``x``; ``stats`` the batch `BatchStats` (None in eval mode).
+  """
+  cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
+  sync_bn.check_axis_name(cfg.axis_name)
+  c = x.shape[-1]
+  scale = jnp.asarray(scale, jnp.float32)
+  bias = jnp.asarray(bias, jnp.float32)
+  if scale.shape != (c,) or bias.shape != (c,):
+    raise ValueError(f"scale and bias must have shape ({c},) for x of shape {x.shape}, got "
+                     f"{scale.shape} and {bias.shape}.")
+  if implementation not in ("xla", "pallas"):
+    raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}.")
+  if use_running_average:
+    if running_mean is None or running_var is None:
+      raise ValueError("Eval mode (use_running_average=True) needs running_mean and running_var.")
+    z = _abn_eval(x, scale, bias, jnp.asarray(running_mean, jnp.float32),
+                  jnp.asarray(running_var, jnp.float32), cfg)
+    return z, None
+  mask = sync_bn._check_mask(x, mask)  # pylint: disable=protected-access
+  if implementation == "pallas":
+    if cfg.axis_name is not None or mask is not None:
+      raise ValueError("implementation='pallas' supports local, unmasked InPlace-ABN only; "
+                       "use implementation='xla' with axis_name or mask.")
+    from pallas_kernels import inplace_abn as kernels  # pylint: disable=g-import-not-at-top
+    z, stats = kernels.inplace_abn_pallas(x, scale, bias, cfg)
+    return z, jax.tree.map(lax.stop_gradient, stats)
+  shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
+  z, stats = _abn_train(x, scale, bias, mask, shift, cfg)
+  return z, jax.tree.map(lax.stop_gradient, stats)
+
+
+def inplace_abn_reference(x, scale, bias, *, activation="leaky_relu", slope=0.01, alpha=1.0,
+                          epsilon=1e-5, axis_name=None, axis_index_groups=None, mask=None,
+                          shift=None, use_running_average=False, running_mean=None,
+                          running_var=None):
+  """BN then activation by plain autodiff (saves x): the oracle of `inplace_abn`."""
+  cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
+  g = _gamma(jnp.asarray(scale, jnp.float32), epsilon)
+  if use_running_average:
+    mean, var, stats = running_mean, running_var, None
+  else:
+    stats = sync_bn.batch_stats(x, axis_name=axis_name, axis_index_groups=cfg.axis_index_groups,
+                                mask=mask, shift=shift)
+    mean, var = stats.mean, stats.var
+  y = (x.astype(jnp.float32) - mean) * lax.rsqrt(var + epsilon) * g + bias
+  return _act(y, cfg).astype(x.dtype), stats
+
+
+def to_batch_norm_scale(scale: jax.Array, epsilon: float = 1e-5) -> jax.Array:
+  """The plain-BN scale that InPlace-ABN's ``scale`` acts as: ``|γ| + ε``."""
+  return jnp.abs(scale) + epsilon
+
+
+def from_batch_norm_scale(bn_scale: jax.Array, epsilon: float = 1e-5) -> jax.Array:
+  """InPlace-ABN ``γ`` reproducing a plain-BN scale ``s`` with ``s ≥ ε``: ``s - ε``.
+
+  Raises:
+    ValueError: (when concrete) if some ``s < ε``: such a BN is not expressible exactly,
+      because InPlace-ABN's effective scale is always ≥ ε (a negative scale must be moved
+      into the next layer's weights first).
+  """
+  bn_scale = jnp.asarray(bn_scale)
+  if not isinstance(bn_scale, jax.core.Tracer) and bool(jnp.any(bn_scale < epsilon)):
+    raise ValueError(f"Plain-BN scales below epsilon={epsilon} (including negative ones) have "
+                     "no exact InPlace-ABN equivalent; fold their sign into the next layer.")
+  return bn_scale - epsilon
+
+
+# ---------------------------------------------------------------------------- Flax modules
+
+from typing import Any, Callable  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+import flax.linen as nn  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from flax import nnx  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def _abn_fns(cfg: ABNConfig, implementation: str):
+  kw = dict(activation=cfg.activation, slope=cfg.slope, alpha=cfg.alpha, epsilon=cfg.epsilon,
+            axis_name=cfg.axis_name, axis_index_groups=cfg.axis_index_groups,
+            implementation=implementation)
+
+  def train_fn(x, scale, bias, mask, shift):
+    return inplace_abn(x, scale, bias, mask=mask, shift=shift, **kw)
+
+  def eval_fn(x, scale, bias, mean, var):
+    return inplace_abn(x, scale, bias, use_running_average=True, running_mean=mean,
+                       running_var=var, **kw)[0]
+
+  return train_fn, eval_fn
+
+
+class InPlaceABN(nn.Module):
+  """BatchNorm followed by its activation, saving only the output (Flax linen).
+
+  Replaces ``act(BatchNorm()(x))``. Variable names are flax.linen.BatchNorm's; the effective
+  scale is ``|scale| + epsilon`` (see `to_batch_norm_scale`). Set ``axis_name`` for the
+  synchronised variant (`InPlaceABNSync`).
+
+  Attributes:
+    use_running_average: eval mode (may be given at call time instead).
+    axis: feature axis.
+    momentum: running-average decay (Flax convention; PyTorch's 0.1 is 0.9 here).
+    epsilon: variance epsilon and |γ| offset, > 0.
+    activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"``.
+    slope: leaky_relu slope, > 0.
+    alpha: elu alpha, > 0.
+    axis_name: named axis to synchronise statistics over (None: local).
+    axis_index_groups: optional groups within the axis.
+    implementation: ``"xla"`` or ``"pallas"``.
+  """
+
+  use_running_average: bool | None = None
+  axis: int = -1
+  momentum: float = 0.99
+  epsilon: float = 1e-5
+  activation: str = "leaky_relu"
+  slope: float = 0.01
+  alpha: float = 1.0
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  bias_init: Callable[..., Any] = nn.initializers.zeros
+  scale_init: Callable[..., Any] = nn.initializers.ones
+  axis_name: str | tuple[str, ...] | None = None
+  axis_index_groups: Any = None
+  implementation: str = "xla"
+
+  @nn.compact
+  def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    cfg = _config(self.activation, self.slope, self.alpha, self.epsilon, self.axis_name,
+                  self.axis_index_groups)
+    train_fn, eval_fn = _abn_fns(cfg, self.implementation)
+    return sync_bn.linen_norm_call(self, x, use_running_average, mask, train_fn=train_fn,
+                                   eval_fn=eval_fn, use_scale=True, use_bias=True)
+
+
+class InPlaceABNSync(InPlaceABN):
+  """`InPlaceABN` with statistics synchronised over ``axis_name`` (which must be set)."""
+
+  @nn.compact
+  def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    if self.axis_name is None:
+      raise ValueError("InPlaceABNSync needs axis_name (the mapped axis to synchronise over); "
+                       "use InPlaceABN for local statistics.")
+    return super().__call__(x, use_running_average, mask=mask)
+
+
+class NNXInPlaceABN(nnx.Module):
+  """`InPlaceABN` for Flax NNX (variables named as flax.nnx.BatchNorm's)."""
+
+  def __init__(self, num_features: int, *, use_running_average: bool = False, axis: int = -1,
+               momentum: float = 0.99, epsilon: float = 1e-5, activation: str = "leaky_relu",
+               slope: float = 0.01, alpha: float = 1.0, dtype=None, param_dtype=jnp.float32,
+               axis_name=None, axis_index_groups=None, implementation: str = "xla",
+               rngs: nnx.Rngs | None = None):
+    del rngs  # deterministic initialisation: scale 1, bias 0
+    self.cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
+    self.mean = nnx.BatchStat(jnp.zeros((num_features,), jnp.float32))
+    self.var = nnx.BatchStat(jnp.ones((num_features,), jnp.float32))
+    self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
+    self.bias = nnx.Param(jnp.zeros((num_features,), param_dtype))
+    self.use_running_average = use_running_average
+    self.axis, self.momentum, self.dtype = axis, momentum, dtype
+    self.implementation = implementation
+
+  def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    use_ra = self.use_running_average if use_running_average is None else use_running_average
+    train_fn, eval_fn = _abn_fns(self.cfg, self.implementation)
+    y, mean, var = sync_bn.normalize_with_state(
+        x, axis=self.axis, scale=self.scale[...], bias=self.bias[...], running_mean=self.mean[...],
+        running_var=self.var[...], use_running_average=use_ra, mask=mask, train_fn=train_fn,
+        eval_fn=eval_fn, momentum=self.momentum)
+    if not use_ra:
+      self.mean[...], self.var[...] = mean, var
+    return y.astype(self.dtype or x.dtype)

@@ -1,0 +1,173 @@
+"""InPlace-ABN: exact against BN + activation, saves only its output, refuses ReLU."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jmem import measure, models, train
+from jmem.ops import inplace_abn as iabn
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=5e-2, atol=5e-2)}
+
+
+def _data(dtype=jnp.float32, seed=0, shape=(16, 5, 5, 8)):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=shape) * 3 + 1, dtype)
+  g = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
+  b = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
+  ct = jnp.asarray(rng.normal(size=shape), dtype)
+  return x, g, b, ct
+
+
+def _close(a, b, dtype):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  scale = max(1.0, float(np.abs(b).max()))
+  np.testing.assert_allclose(a / scale, b / scale, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("activation,kw", [("leaky_relu", dict(slope=0.1)),
+                                           ("elu", dict(alpha=0.7)), ("identity", {})])
+@pytest.mark.parametrize("eval_mode", [False, True])
+def test_forward_and_vjp_match_reference(dtype, activation, kw, eval_mode):
+  x, g, b, ct = _data(dtype)
+  kw = dict(kw, activation=activation, use_running_average=eval_mode,
+            running_mean=jnp.linspace(0, 1, 8), running_var=jnp.linspace(1, 4, 8))
+  f = lambda x, g, b: iabn.inplace_abn(x, g, b, **kw)[0]
+  r = lambda x, g, b: iabn.inplace_abn_reference(x, g, b, **kw)[0]
+  z, vjp = jax.vjp(f, x, g, b)
+  z_ref, vjp_ref = jax.vjp(r, x, g, b)
+  assert z.dtype == dtype
+  _close(z, z_ref, dtype)
+  for a, e in zip(vjp(ct), vjp_ref(ct)):
+    _close(a, e, dtype)
+
+
+def test_saves_only_its_output():
+  x, g, b, ct = _data()
+  loss = lambda fn: (lambda x, g, b: jnp.sum(fn(x, g, b)[0] * ct))
+  ours = measure.saved_residuals(loss(iabn.inplace_abn), x, g, b)
+  full = [r for r in ours.residuals if r.source == "activation" and r.shape == x.shape]
+  assert len(full) == 1                              # z, nothing else of x's size
+  assert ours.activation_bytes <= x.nbytes + 1024
+  ref = measure.saved_residuals(loss(iabn.inplace_abn_reference), x, g, b)
+  assert ref.activation_bytes >= 2 * x.nbytes
+
+
+def test_sync_unbalanced_matches_single_device():
+  counts, cap = [5, 0, 3, 8, 1, 0, 2, 7], 8
+  x, g, b, ct = _data(shape=(8 * cap, 3, 4), seed=1)
+  mask = np.zeros((8 * cap, 1, 1), bool)
+  for d, c in enumerate(counts):
+    mask[d * cap:d * cap + c] = True
+  valid = mask[:, 0, 0]
+  want = jax.grad(lambda x, g, b: jnp.sum(iabn.inplace_abn_reference(x, g, b)[0] * ct[valid]),
+                  argnums=(0, 1, 2))(x[valid], g, b)
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+  specs = (P("d"), P(), P(), P("d"), P("d"))
+
+  def local(x, g, b, m, ct):
+    z, _ = iabn.inplace_abn(x, g, b, axis_name="d", mask=m)
+    return jax.lax.psum(jnp.sum(jnp.where(m, z * ct, 0.0)), "d")
+
+  f = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P())
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, g, b, mask, ct), specs)]
+  grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(*args)
+  dx = np.asarray(grads[0])
+  assert np.isfinite(dx).all()
+  np.testing.assert_allclose(dx[valid], want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(grads[1], want[1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(grads[2], want[2], rtol=1e-5, atol=1e-5)
+  counted = measure.collective_counts(jax.jit(jax.grad(f, argnums=(0, 1, 2))), *args)
+  assert counted["all-reduce"] <= 3          # BN forward, BN backward, and the loss psum
+
+
+def test_elu_saturation_has_no_nan():
+  x = jnp.concatenate([jnp.full((4, 2), -1e4), jnp.ones((4, 2))], 0)
+  g = jax.grad(lambda x: jnp.sum(iabn.inplace_abn(x, jnp.ones(2), jnp.zeros(2),
+                                                  activation="elu")[0]))(x)
+  assert np.isfinite(np.asarray(g)).all()
+
+
+def test_weight_mapping_to_plain_batch_norm():
+  x, _, b, _ = _data()
+  s = jnp.linspace(0.5, 2.0, 8)
+  z, _ = iabn.inplace_abn(x, iabn.from_batch_norm_scale(s), b)
+  mean, var = x.mean((0, 1, 2)), x.var((0, 1, 2))
+  plain = nn.leaky_relu((x - mean) / jnp.sqrt(var + 1e-5) * s + b, 0.01)
+  np.testing.assert_allclose(z, plain, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(iabn.to_batch_norm_scale(iabn.from_batch_norm_scale(s)), s, rtol=1e-6)
+  with pytest.raises(ValueError, match="epsilon"):
+    iabn.from_batch_norm_scale(jnp.array([-1.0, 1.0]))
+
+
+def test_bad_input_errors():
+  x, g, b, _ = _data()
+  with pytest.raises(ValueError, match="relu"):
+    iabn.inplace_abn(x, g, b, activation="relu")
+  with pytest.raises(ValueError, match="slope"):
+    iabn.inplace_abn(x, g, b, slope=0.0)
+  with pytest.raises(ValueError, match="slope"):
+    iabn.inplace_abn(x, g, b, slope=-0.1)
+  with pytest.raises(ValueError, match="alpha"):
+    iabn.inplace_abn(x, g, b, activation="elu", alpha=0.0)
+  with pytest.raises(ValueError, match="epsilon"):
+    iabn.inplace_abn(x, g, b, epsilon=0.0)
+  with pytest.raises(NameError, match="not bound"):
+    iabn.inplace_abn(x, g, b, axis_name="batch")
+  with pytest.raises(ValueError, match="mask"):
+    iabn.inplace_abn(x, g, b, mask=jnp.ones((16,), bool))
+  with pytest.raises(ValueError, match="implementation"):
+    iabn.inplace_abn(x, g, b, implementation="cuda")
+  with pytest.raises(ValueError, match="axis_name"):
+    iabn.InPlaceABNSync().init(jax.random.key(0), x, use_running_average=False)
+
+
+def test_modules_linen_and_nnx():
+  x, _, _, _ = _data()
+  m = iabn.InPlaceABN(momentum=0.9)
+  v = m.init(jax.random.key(0), x, use_running_average=False)
+  z, upd = m.apply(v, x, use_running_average=False, mutable=["batch_stats"])
+  bn_vars = {"params": {"scale": jnp.ones(8) + 1e-5, "bias": jnp.zeros(8)},
+             "batch_stats": v["batch_stats"]}
+  ref = nn.leaky_relu(nn.BatchNorm(momentum=0.9).apply(
+      bn_vars, x, use_running_average=False, mutable=["batch_stats"])[0], 0.01)
+  np.testing.assert_allclose(z, ref, rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(upd["batch_stats"]["mean"]).sum()) > 0
+  n = iabn.NNXInPlaceABN(8, momentum=0.9)
+  np.testing.assert_allclose(n(x), z, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(n.mean[...], upd["batch_stats"]["mean"], rtol=1e-6)
+  n.eval()
+  assert n(x).shape == x.shape
+
+
+def _step_memory(model):
+  fns = train.model_fns(model)
+  opt = train.default_optimizer(1e-3, 10)
+  x = jax.ShapeDtypeStruct((32, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((32,), jnp.int32)
+  state = jax.eval_shape(lambda k: train.init_state(fns, opt, k, jnp.zeros((1, 16, 16, 1))),
+                         jax.random.key(0))
+  loss = train.make_loss(fns)
+  rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  saved = measure.saved_residuals(lambda *a: loss(*a)[0], state.params, state.model_state, x,
+                                  y, rng, argnums=0).activation_bytes
+  temp = measure.compiled_memory(train.make_train_step(fns, opt, donate=False), state, x,
+                                 y).temp_bytes
+  return saved, temp
+
+
+def test_preactivation_step_saves_memory():
+  leaky = functools.partial(nn.leaky_relu, negative_slope=0.01)
+  twin = models.create_model("preact20", 10, act=leaky)
+  abn = twin.clone(norm_act=functools.partial(iabn.InPlaceABN, activation="leaky_relu",
+                                              slope=0.01))
+  (s_bn, t_bn), (s_abn, t_abn) = _step_memory(twin), _step_memory(abn)
+  assert s_abn <= 0.6 * s_bn
+  assert t_abn < 0.8 * t_bn

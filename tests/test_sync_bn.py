@@ -1,0 +1,236 @@
+"""SyncBN: exact for masked, unbalanced batches on 8 devices, one all-reduce each way."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jmem import measure
+from jmem.parallel import sync_bn
+
+COUNTS = [5, 0, 3, 8, 1, 0, 2, 7]
+CAP, C = 8, 3
+
+
+def _mesh():
+  return jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def _data(seed=0, offset=1.0, spread=2.0, counts=COUNTS):
+  rng = np.random.default_rng(seed)
+  x = (rng.normal(size=(8 * CAP, 4, C)) * spread + offset).astype(np.float32)
+  mask = np.zeros((8 * CAP, 1, 1), bool)
+  for d, c in enumerate(counts):
+    mask[d * CAP:d * CAP + c] = True
+  g = rng.normal(size=C).astype(np.float32)
+  b = rng.normal(size=C).astype(np.float32)
+  ct = rng.normal(size=x.shape).astype(np.float32)
+  return x, mask, g, b, ct
+
+
+def _plain_bn(x, g, b, eps=1e-5):
+  """Oracle: textbook BN on one device (two-pass)."""
+  axes = tuple(range(x.ndim - 1))
+  mean = x.mean(axis=axes)
+  var = ((x - mean) ** 2).mean(axis=axes)
+  return (x - mean) / jnp.sqrt(var + eps) * g + b
+
+
+def _sharded_loss(fn, mesh):
+  def f(x, g, b, m, ct):
+    y, _ = fn(x, g, b, axis_name="d", mask=m)
+    return jax.lax.psum(jnp.sum(jnp.where(m, y * ct, 0.0)), "d"), y
+  return jax.shard_map(f, mesh=mesh, in_specs=(P("d"), P(), P(), P("d"), P("d")),
+                       out_specs=(P(), P("d")))
+
+
+@pytest.mark.parametrize("fn", [sync_bn.sync_batch_norm, sync_bn.sync_batch_norm_reference])
+def test_unbalanced_masked_matches_plain_bn_on_valid_samples(fn):
+  mesh = _mesh()
+  x, mask, g, b, ct = _data()
+  valid = mask[:, 0, 0]
+  want_y = _plain_bn(x[valid], g, b)
+  want = jax.grad(lambda x, g, b: jnp.sum(_plain_bn(x, g, b) * ct[valid]), argnums=(0, 1, 2))(
+      x[valid], g, b)
+  specs = (P("d"), P(), P(), P("d"), P("d"))
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, g, b, mask, ct), specs)]
+  loss = _sharded_loss(fn, mesh)
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+  y, dx = np.asarray(y), np.asarray(grads[0])
+  assert np.isfinite(y).all() and np.isfinite(dx).all()     # empty devices: no NaN
+  np.testing.assert_allclose(y[valid], want_y, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx[valid], want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(dx[~valid], 0.0)
+  np.testing.assert_allclose(grads[1], want[1], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(grads[2], want[2], rtol=1e-5, atol=1e-5)
+
+
+def test_one_all_reduce_forward_one_backward():
+  mesh = _mesh()
+  x, mask, g, b, ct = _data()
+  specs = (P("d"), P(), P(), P("d"))
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, g, b, mask), specs)]
+  f = jax.shard_map(lambda x, g, b, m: sync_bn.sync_batch_norm(x, g, b, axis_name="d", mask=m)[0],
+                    mesh=mesh, in_specs=specs, out_specs=P("d"))
+  ctd = jax.device_put(ct, NamedSharding(mesh, P("d")))
+  fwd = measure.collective_counts(jax.jit(f), *args)
+  both = measure.collective_counts(
+      jax.jit(lambda x, g, b, m, ct: jax.vjp(lambda x, g, b: f(x, g, b, m), x, g, b)[1](ct)),
+      *args, ctd)
+  assert fwd["all-reduce"] == 1 and both["all-reduce"] == 2
+  assert sum(fwd.values()) == 1 and sum(both.values()) == 2
+
+
+def test_all_devices_empty_is_finite():
+  mesh = _mesh()
+  x, mask, g, b, ct = _data(counts=[0] * 8)
+  specs = (P("d"), P(), P(), P("d"), P("d"))
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, g, b, mask, ct), specs)]
+  (_, y), grads = jax.jit(jax.value_and_grad(_sharded_loss(sync_bn.sync_batch_norm, mesh),
+                                             argnums=(0, 1, 2), has_aux=True))(*args)
+  for a in (y, *grads):
+    assert np.isfinite(np.asarray(a)).all()
+
+
+def test_pmap_and_vmap_give_per_device_parameter_grads():
+  x, mask, g, b, ct = _data(1)
+  valid = mask[:, 0, 0]
+  want = jax.grad(lambda g, b: jnp.sum(_plain_bn(x[valid], g, b) * ct[valid]),
+                  argnums=(0, 1))(g, b)
+  xs, ms, cts = (a.reshape((8, CAP) + a.shape[1:]) for a in (x, mask, ct))
+
+  def local(x, m, ct, g, b):
+    def loss(g, b):
+      y, _ = sync_bn.sync_batch_norm(x, g, b, axis_name="i", mask=m)
+      return jnp.sum(jnp.where(m, y * ct, 0.0))
+    return jax.grad(loss, argnums=(0, 1))(g, b)
+
+  for transform in (functools.partial(jax.pmap, axis_name="i", in_axes=(0, 0, 0, None, None)),
+                    functools.partial(jax.vmap, axis_name="i", in_axes=(0, 0, 0, None, None))):
+    dg, db = transform(local)(xs, ms, cts, g, b)
+    # Per-device partial gradients, as plain autodiff gives there: their sum is the total.
+    np.testing.assert_allclose(dg.sum(0), want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db.sum(0), want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_axis_index_groups():
+  x, mask, g, b, _ = _data(2)
+  xs, ms = x.reshape((8, CAP) + x.shape[1:]), mask.reshape((8, CAP, 1, 1))
+  groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+  f = jax.pmap(lambda x, m: sync_bn.sync_batch_norm(x, g, b, axis_name="i", mask=m,
+                                                    axis_index_groups=groups)[0], axis_name="i")
+  ys = np.asarray(f(xs, ms)).reshape(x.shape)
+  for grp in groups:
+    rows = np.zeros(len(x), bool)
+    for d in grp:
+      rows[d * CAP:(d + 1) * CAP] = True
+    sel = rows & mask[:, 0, 0]
+    np.testing.assert_allclose(ys[sel], _plain_bn(x[sel], g, b), rtol=1e-5, atol=1e-5)
+
+
+def test_large_offset_is_stable():
+  rng = np.random.default_rng(3)
+  x = (1e4 + 0.01 * rng.normal(size=(8 * 64, C))).astype(np.float32)
+  true_var = x.astype(np.float64).var(axis=0)
+  # Single device: two-pass, no shift needed.
+  local = sync_bn.batch_stats(jnp.asarray(x))
+  np.testing.assert_allclose(local.var, true_var, rtol=1e-3)
+  # 8 devices, one psum, shift = a running mean (here 1e4 + 0.05: five sigmas off).
+  shift = jnp.full((C,), 1e4 + 0.05, jnp.float32)
+  f = jax.vmap(lambda x: sync_bn.batch_stats(x, axis_name="i", shift=shift), axis_name="i")
+  stats = f(jnp.asarray(x.reshape(8, 64, C)))
+  np.testing.assert_allclose(stats.var[0], true_var, rtol=1e-3)
+  np.testing.assert_allclose(stats.mean[0], x.astype(np.float64).mean(0), rtol=1e-7)
+  # What E[x^2] - E[x]^2 gives in float32 (MXNet's / Flax's form): useless.
+  naive = (x ** 2).mean(0) - x.mean(0) ** 2
+  assert np.abs(naive - true_var).max() > 10 * true_var.max()
+
+
+def test_running_stats_and_eval_mode():
+  stats = sync_bn.BatchStats(jnp.array([1.0, 2.0]), jnp.array([4.0, 9.0]), jnp.array([4.0, 0.0]))
+  m, v = sync_bn.update_running_stats(jnp.zeros(2), jnp.ones(2), stats, momentum=0.9)
+  np.testing.assert_allclose(m, [0.1, 0.0])                  # channel 2 saw nothing: kept
+  np.testing.assert_allclose(v, [0.9 + 0.4, 1.0])
+  _, vu = sync_bn.update_running_stats(jnp.zeros(2), jnp.ones(2), stats, momentum=0.0,
+                                       unbiased=True)
+  np.testing.assert_allclose(vu, [4.0 * 4 / 3, 1.0])
+  # Eval mode of the module: no collective at all.
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  model = sync_bn.SyncBatchNorm(use_running_average=True, axis_name="d")
+  x = jnp.ones((16, 3))
+  variables = model.init(jax.random.key(0), x)
+  f = jax.jit(jax.shard_map(lambda v, x: model.apply(v, x), mesh=mesh, in_specs=(P(), P("d")),
+                            out_specs=P("d")))
+  assert sum(measure.collective_counts(f, variables, x).values()) == 0
+
+
+def test_linen_module_matches_flax_batch_norm():
+  x = jax.random.normal(jax.random.key(0), (8, 5, 5, 4)) * 3 + 2
+  ours, theirs = sync_bn.SyncBatchNorm(momentum=0.9), nn.BatchNorm(momentum=0.9)
+  v = theirs.init(jax.random.key(1), x, use_running_average=False)
+  assert jax.tree.structure(ours.init(jax.random.key(1), x, use_running_average=False)) == \
+      jax.tree.structure(v)
+
+  def run(m):
+    def loss(p):
+      y, upd = m.apply({"params": p, "batch_stats": v["batch_stats"]}, x,
+                       use_running_average=False, mutable=["batch_stats"])
+      return jnp.sum(jnp.sin(y)), (y, upd)
+    return jax.grad(loss, has_aux=True)(v["params"])
+
+  (g1, (y1, u1)), (g2, (y2, u2)) = run(ours), run(theirs)
+  np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves((g1, u1)), jax.tree.leaves((g2, u2))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  # The interceptor turns an unmodified flax BatchNorm into ours.
+  with sync_bn.sync_batch_norm_interceptor():
+    y3, u3 = theirs.apply(v, x, use_running_average=False, mutable=["batch_stats"])
+  np.testing.assert_allclose(y3, y2, rtol=1e-5, atol=1e-5)
+  eval_y = ours.apply(u1 | {"params": v["params"]}, x, use_running_average=True)
+  np.testing.assert_allclose(eval_y, theirs.apply(u2 | {"params": v["params"]}, x,
+                                                  use_running_average=True), rtol=1e-5, atol=1e-5)
+
+
+def test_nnx_module_and_swap():
+  x = jax.random.normal(jax.random.key(0), (8, 4)) * 2 + 1
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.bn = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
+      self.more = nnx.List([nnx.BatchNorm(4, momentum=0.9, rngs=rngs)])
+
+    def __call__(self, x):
+      return self.more[0](self.bn(x))
+
+  net, ref = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+  assert sync_bn.swap_nnx_batch_norm(net) == 2
+  assert isinstance(net.bn, sync_bn.NNXSyncBatchNorm)
+  np.testing.assert_allclose(net(x), ref(x), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(net.bn.mean[...], ref.bn.mean[...], rtol=1e-6)
+  net.eval(), ref.eval()
+  np.testing.assert_allclose(net(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_input_float32_reductions():
+  x = (jax.random.normal(jax.random.key(0), (64, 8)) * 3 + 5).astype(jnp.bfloat16)
+  y, stats = sync_bn.sync_batch_norm(x)
+  assert y.dtype == jnp.bfloat16 and stats.var.dtype == jnp.float32
+  want = _plain_bn(x.astype(jnp.float32), jnp.ones(8), jnp.zeros(8))
+  np.testing.assert_allclose(y.astype(jnp.float32), want, atol=2e-2)   # bf16 output rounding
+
+
+def test_bad_input_errors():
+  x = jnp.ones((4, 3))
+  with pytest.raises(NameError, match="not bound"):
+    sync_bn.sync_batch_norm(x, axis_name="batch")
+  with pytest.raises(ValueError, match="mask"):
+    sync_bn.sync_batch_norm(x, mask=jnp.ones((4,), bool))
+  with pytest.raises(ValueError, match="epsilon"):
+    sync_bn.sync_batch_norm(x, epsilon=0.0)
+  with pytest.raises(ValueError, match="scale"):
+    sync_bn.sync_batch_norm(x, jnp.ones(4))
