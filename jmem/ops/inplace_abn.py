@@ -329,7 +329,8 @@ class InPlaceABN(nn.Module):
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
-    cfg = _config(self.activation, self.slope, self.alpha, self.epsilon, self.axis_name,
+    axis_name = None if self.is_initializing() else self.axis_name   # as flax's BatchNorm
+    cfg = _config(self.activation, self.slope, self.alpha, self.epsilon, axis_name,
                   self.axis_index_groups)
     train_fn, eval_fn = _abn_fns(cfg, self.implementation)
     return sync_bn.linen_norm_call(self, x, use_running_average, mask, train_fn=train_fn,

@@ -444,7 +444,9 @@ class SyncBatchNorm(nn.Module):
       raise ValueError(f"epsilon must be > 0, got {self.epsilon}.")
     return linen_norm_call(
         self, x, use_running_average, mask,
-        train_fn=_sync_train_fn(self.axis_name, self.axis_index_groups, self.epsilon),
+        # Like flax: no collective while initialising (init may run outside the mapping).
+        train_fn=_sync_train_fn(None if self.is_initializing() else self.axis_name,
+                                self.axis_index_groups, self.epsilon),
         eval_fn=_bn_eval_fn(self.epsilon), use_scale=self.use_scale, use_bias=self.use_bias,
         unbiased_running_var=self.unbiased_running_var)
 
@@ -468,6 +470,7 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
     x, *rest = args
     use_ra = rest[0] if rest else kwargs.get("use_running_average")
     name = axis_name if axis_name is not None else mod.axis_name
+    name = None if mod.is_initializing() else name
     groups = axis_index_groups if axis_index_groups is not None else mod.axis_index_groups
     return linen_norm_call(
         mod, x, use_ra, kwargs.get("mask"),

@@ -1,0 +1,130 @@
+"""InPlace-ABN vs its BN + leaky_relu twin, and SyncBN vs Flax BatchNorm on unbalanced masks.
+
+Writes benchmarks/results/inplace_abn.{json,md,_memory.png} and
+benchmarks/results/sync_bn.{json,md}. Runs on 8 simulated CPU devices:
+
+  python benchmarks/norm.py [--seeds 0,1,2] [--steps 300]
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jmem import bench, measure  # noqa: E402
+from jmem.parallel import sync_bn  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def inplace_abn_rows(seeds, steps):
+  if "bn-leaky" not in bench.technique_names():
+    bench.register_technique(bench.Technique(
+        "bn-leaky", lambda m: m.clone(act=functools.partial(nn.leaky_relu, negative_slope=0.01)),
+        "BN + leaky_relu(0.01): InPlace-ABN's exact twin"))
+  config = bench.BenchConfig(model="preact20", techniques=("bn-leaky", "inplace-abn"),
+                             seeds=seeds, steps=steps)
+  rows = bench.run_bench(config, progress=False)
+  twin = next(r for r in rows if r["technique"] == "bn-leaky")
+  for r in rows:
+    r["saved_ratio_to_twin"] = r["saved_bytes"] / twin["saved_bytes"]
+    r["temp_ratio_to_twin"] = r["temp_bytes"] / twin["temp_bytes"]
+    r["time_ratio_to_twin"] = r["step_time_s"] / twin["step_time_s"]
+    r["accuracy_minus_twin"] = r["accuracy"] - twin["accuracy"]
+  return config, rows
+
+
+def sync_bn_rows(counts=(5, 0, 3, 8, 1, 0, 2, 7)):
+  cap, c = 8, 4
+  rng = np.random.default_rng(0)
+  x = (rng.normal(size=(8 * cap, c)) * 2 + 3).astype(np.float32)
+  mask = np.zeros((8 * cap, 1), bool)
+  for d, n in enumerate(counts):
+    mask[d * cap:d * cap + n] = True
+  valid = mask[:, 0]
+  xv = x[valid]
+  want = (xv - xv.mean(0)) / np.sqrt(xv.var(0) + 1e-5)
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+  xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+  ms = jax.device_put(mask, NamedSharding(mesh, P("d")))
+  rows = []
+  for name, module in (("flax.linen.BatchNorm", nn.BatchNorm), ("jmem SyncBatchNorm",
+                                                                 sync_bn.SyncBatchNorm)):
+    m = module(use_running_average=False, axis_name="d", momentum=0.0)
+    v = m.init(jax.random.key(0), x[:cap], mask=mask[:cap])
+    v = jax.tree.map(lambda a: jnp.asarray(a), v)
+
+    def fwd(x, mk, v=v, m=m):
+      y, upd = m.apply(v, x, mask=mk, mutable=["batch_stats"])
+      return y, upd["batch_stats"]["mean"]
+
+    f = jax.jit(jax.shard_map(fwd, mesh=mesh, in_specs=(P("d"), P("d")),
+                              out_specs=(P("d"), P())))
+    y, running_mean = f(xs, ms)
+    y = np.asarray(y)
+    g = jax.jit(jax.shard_map(
+        lambda x, mk: jax.grad(lambda x: jnp.sum(jnp.where(mk, fwd(x, mk)[0], 0.0) ** 2))(x),
+        mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d")))
+    rows.append(dict(
+        implementation=name, counts=list(counts),
+        max_abs_error_valid=float(np.nanmax(np.abs(y[valid] - want))),
+        nan_outputs=int(np.isnan(y).sum()),
+        running_mean_error=float(np.nanmax(np.abs(np.asarray(running_mean) - xv.mean(0)))),
+        all_reduce_forward=measure.collective_counts(f, xs, ms)["all-reduce"],
+        all_reduce_forward_backward=measure.collective_counts(g, xs, ms)["all-reduce"]))
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--seeds", default="0,1,2")
+  p.add_argument("--steps", type=int, default=300)
+  args = p.parse_args(argv)
+  seeds = tuple(int(s) for s in args.seeds.split(","))
+
+  sync = sync_bn_rows() + sync_bn_rows((5, 1, 3, 8, 1, 2, 2, 7))
+  with open(os.path.join(RESULTS, "sync_bn.json"), "w") as f:
+    json.dump({"meta": {"devices": "8 simulated CPU",
+                        "jax": jax.__version__}, "rows": sync}, f, indent=2)
+  lines = ["# SyncBN vs flax.linen.BatchNorm: masked, unbalanced batch over 8 devices", "",
+           "Oracle: plain BN on the concatenated valid samples. Forward+backward is the gradient "
+           "of a local loss (no loss psum), so every all-reduce counted is the layer's.", "",
+           "| implementation | valid per device | max abs error (valid) | NaN outputs | "
+           "running-mean error | all-reduce fwd | all-reduce fwd+bwd |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+  for r in sync:
+    lines.append(f"| {r['implementation']} | {r['counts']} | {r['max_abs_error_valid']:.3g} | "
+                 f"{r['nan_outputs']} "
+                 f"| {r['running_mean_error']:.3g} | {r['all_reduce_forward']} | "
+                 f"{r['all_reduce_forward_backward']} |")
+  with open(os.path.join(RESULTS, "sync_bn.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+  config, rows = inplace_abn_rows(seeds, args.steps)
+  bench.write_results(rows, RESULTS, stem="inplace_abn",
+                      meta={"config": vars(config) | {"seeds": list(seeds)},
+                            "twin": "bn-leaky (BN + leaky_relu 0.01, same preact20)"})
+  extra = ["", "| technique | saved / twin | temp / twin | step time / twin | accuracy - twin |",
+           "|---|---:|---:|---:|---:|"]
+  for r in rows:
+    extra.append(f"| {r['technique']} | {r['saved_ratio_to_twin']:.3f} | "
+                 f"{r['temp_ratio_to_twin']:.3f} | {r['time_ratio_to_twin']:.2f} | "
+                 f"{100 * r['accuracy_minus_twin']:+.2f} pt |")
+  with open(os.path.join(RESULTS, "inplace_abn.md"), "a") as f:
+    f.write("\n".join(extra) + "\n")
+  print(bench.format_table(rows) + "\n".join(extra))
+
+
+if __name__ == "__main__":
+  main()
