@@ -23,12 +23,8 @@ ModuleDef = Any
 __all__ = ["BasicBlock", "Bottleneck", "PreActBlock", "ResNet", "RESNET_CONFIGS", "resnet"]
 
 
-class BasicBlock(nn.Module):
-  """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut.
-
-  ``norm_act(name)`` builds "normalise then activate" (BN + act by default, or a fused
-  layer such as InPlace-ABN); ``norm`` alone is used where no activation follows.
-  """
+class _Block(nn.Module):
+  """Fields shared by the residual blocks (the ResNet passes them all)."""
 
   filters: int
   conv: ModuleDef
@@ -36,6 +32,14 @@ class BasicBlock(nn.Module):
   act: Callable[[Any], Any]
   norm_act: Callable[[str], Callable[[Any], Any]]
   strides: int = 1
+
+
+class BasicBlock(_Block):
+  """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut.
+
+  ``norm_act(name)`` builds "normalise then activate" (BN + act by default, or a fused
+  layer such as InPlace-ABN); ``norm`` alone is used where no activation follows.
+  """
 
   @nn.compact
   def __call__(self, x):
@@ -51,15 +55,8 @@ class BasicBlock(nn.Module):
     return self.act(residual + y)
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(_Block):
   """1x1 reduce, 3x3, 1x1 expand (x4), with an identity (or projection) shortcut."""
-
-  filters: int
-  conv: ModuleDef
-  norm: ModuleDef
-  act: Callable[[Any], Any]
-  norm_act: Callable[[str], Callable[[Any], Any]]
-  strides: int = 1
 
   @nn.compact
   def __call__(self, x):
@@ -77,19 +74,12 @@ class Bottleneck(nn.Module):
     return self.act(residual + y)
 
 
-class PreActBlock(nn.Module):
+class PreActBlock(_Block):
   """Pre-activation block: (norm-act, 3x3 conv) x2 plus shortcut (He et al. 2016, v2).
 
   Every convolution's input is the output of a norm-act pair, which is where InPlace-ABN
   removes a stored tensor.
   """
-
-  filters: int
-  conv: ModuleDef
-  norm: ModuleDef
-  act: Callable[[Any], Any]
-  norm_act: Callable[[str], Callable[[Any], Any]]
-  strides: int = 1
 
   @nn.compact
   def __call__(self, x):
