@@ -25,11 +25,13 @@ References:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 from jmem.parallel import sync_bn
@@ -270,12 +272,6 @@ def from_batch_norm_scale(bn_scale: jax.Array, epsilon: float = 1e-5) -> jax.Arr
 
 
 # ---------------------------------------------------------------------------- Flax modules
-
-from typing import Any, Callable  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
-import flax.linen as nn  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from flax import nnx  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
 
 def _abn_fns(cfg: ABNConfig, implementation: str):
   kw = dict(activation=cfg.activation, slope=cfg.slope, alpha=cfg.alpha, epsilon=cfg.epsilon,

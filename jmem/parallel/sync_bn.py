@@ -25,12 +25,15 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
 __all__ = [
@@ -335,12 +338,6 @@ def sync_batch_norm_reference(x, scale=None, bias=None, *, axis_name: AxisName =
 
 
 # ---------------------------------------------------------------------------- Flax modules
-
-import contextlib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
-import flax.linen as nn  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-from flax import nnx  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-
 
 def _to_last(x, axis):
   return x if axis in (-1, x.ndim - 1) else jnp.moveaxis(x, axis, -1)
