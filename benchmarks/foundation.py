@@ -6,23 +6,16 @@ benchmarks/results/foundation_resnet50.{json,md,_memory.png}.
   python benchmarks/foundation.py [--seeds 0,1,2] [--steps 300]
 """
 
-import argparse
-import os
 import sys
 
+from _common import RESULTS, seeds_and_steps
 from jmem import bench
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__)
-  p.add_argument("--seeds", default="0,1,2")
-  p.add_argument("--steps", type=int, default=300)
-  args = p.parse_args(argv)
-  seeds = tuple(int(s) for s in args.seeds.split(","))
+  seeds, steps = seeds_and_steps(__doc__, argv)
 
-  digits = bench.BenchConfig(techniques=("exact", "remat"), seeds=seeds, steps=args.steps)
+  digits = bench.BenchConfig(techniques=("exact", "remat"), seeds=seeds, steps=steps)
   rows = bench.run_bench(digits, progress=False)
   bench.write_results(rows, RESULTS, stem="foundation_digits",
                       meta={"config": vars(digits) | {"seeds": list(seeds)}})

@@ -11,7 +11,6 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 
-import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 
@@ -21,11 +20,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from _common import RESULTS, seeds_and_steps  # noqa: E402
 from jmem import bench, measure  # noqa: E402
 from jmem.parallel import sync_bn  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
 
 def inplace_abn_rows(seeds, steps):
   if "bn-leaky" not in bench.technique_names():
@@ -86,11 +83,7 @@ def sync_bn_rows(counts=(5, 0, 3, 8, 1, 0, 2, 7)):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__)
-  p.add_argument("--seeds", default="0,1,2")
-  p.add_argument("--steps", type=int, default=300)
-  args = p.parse_args(argv)
-  seeds = tuple(int(s) for s in args.seeds.split(","))
+  seeds, steps = seeds_and_steps(__doc__, argv)
 
   sync = sync_bn_rows() + sync_bn_rows((5, 1, 3, 8, 1, 2, 2, 7))
   with open(os.path.join(RESULTS, "sync_bn.json"), "w") as f:
@@ -111,7 +104,7 @@ def main(argv=None):
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
 
-  config, rows = inplace_abn_rows(seeds, args.steps)
+  config, rows = inplace_abn_rows(seeds, steps)
   bench.write_results(rows, RESULTS, stem="inplace_abn",
                       meta={"config": vars(config) | {"seeds": list(seeds)},
                             "twin": "bn-leaky (BN + leaky_relu 0.01, same preact20)"})

@@ -11,6 +11,7 @@ benchmark scripts pick it up from the registry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -18,6 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,7 @@ from jmem import train as train_lib
 
 __all__ = [
     "Technique", "BenchConfig", "register_technique", "get_technique", "technique_names",
-    "run_bench", "write_results", "format_table",
+    "run_bench", "write_results", "format_table", "step_memory",
 ]
 
 
@@ -74,7 +76,6 @@ def _remat(model):
   if not hasattr(model, "block_transform"):
     raise ValueError(f"Technique 'remat' needs a model with a block_transform field; "
                      f"{type(model).__name__} has none.")
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
   return model.clone(block_transform=nn.remat)
 
 
@@ -82,8 +83,6 @@ def _inplace_abn(model):
   if not hasattr(model, "norm_act"):
     raise ValueError(f"Technique 'inplace-abn' needs a model with a norm_act field; "
                      f"{type(model).__name__} has none.")
-  import functools  # pylint: disable=g-import-not-at-top
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from jmem.ops.inplace_abn import InPlaceABN  # pylint: disable=g-import-not-at-top
   # InPlace-ABN needs an invertible activation: leaky_relu replaces relu everywhere.
   return model.clone(norm_act=functools.partial(InPlaceABN, activation="leaky_relu", slope=0.01),
@@ -146,11 +145,15 @@ def _log(msg: str, quiet: bool) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _measure_memory(fns, optimizer, x_spec, y_spec) -> tuple[int, int]:
+def step_memory(fns, optimizer, x_spec, y_spec, *, step=None) -> tuple[int, int]:
+  """``(saved activation bytes, compiled temp bytes)`` of a whole train step, compile-only.
+
+  ``step`` is the jitted step to compile (default: a fresh non-donating one).
+  """
   abstract = jax.eval_shape(
       lambda k, x: train_lib.init_state(fns, optimizer, k, x), jax.random.key(0),
       jax.ShapeDtypeStruct((1,) + x_spec.shape[1:], x_spec.dtype))
-  step = train_lib.make_train_step(fns, optimizer, donate=False)
+  step = step or train_lib.make_train_step(fns, optimizer, donate=False)
   temp = measure.compiled_memory(step, abstract, x_spec, y_spec).temp_bytes
   loss = train_lib.make_loss(fns)
   rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
@@ -187,7 +190,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     optimizer = train_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
     _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, "
          f"{config.image_size}x{config.image_size})", quiet)
-    saved, temp = _measure_memory(fns, optimizer, x_spec, y_spec)
+    step = train_lib.make_train_step(fns, optimizer, donate=False)  # measured, then timed
+    saved, temp = step_memory(fns, optimizer, x_spec, y_spec, step=step)
     row: dict[str, Any] = dict(
         technique=name, model=config.model, dataset=dataset.name,
         batch_size=config.batch_size, image_size=config.image_size, steps=config.steps,
@@ -208,7 +212,6 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
           state = result.state
       row["accuracy_per_seed"] = accs
       row["accuracy"] = float(statistics.mean(accs))
-      step = train_lib.make_train_step(fns, optimizer, donate=False)
       idx = data_lib.batch_indices(len(dataset.x_train), config.batch_size, 0, seed=0)
       xb, yb = jnp.asarray(dataset.x_train[idx]), jnp.asarray(dataset.y_train[idx])
       timing_steps[name] = (lambda s=step, st=state: s(st, xb, yb))

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jmem import measure, models, train
+from jmem import bench, measure, models, train
 from jmem.ops import inplace_abn as iabn
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=5e-2, atol=5e-2)}
@@ -148,19 +148,9 @@ def test_modules_linen_and_nnx():
 
 
 def _step_memory(model):
-  fns = train.model_fns(model)
-  opt = train.default_optimizer(1e-3, 10)
   x = jax.ShapeDtypeStruct((32, 16, 16, 1), jnp.float32)
   y = jax.ShapeDtypeStruct((32,), jnp.int32)
-  state = jax.eval_shape(lambda k: train.init_state(fns, opt, k, jnp.zeros((1, 16, 16, 1))),
-                         jax.random.key(0))
-  loss = train.make_loss(fns)
-  rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-  saved = measure.saved_residuals(lambda *a: loss(*a)[0], state.params, state.model_state, x,
-                                  y, rng, argnums=0).activation_bytes
-  temp = measure.compiled_memory(train.make_train_step(fns, opt, donate=False), state, x,
-                                 y).temp_bytes
-  return saved, temp
+  return bench.step_memory(train.model_fns(model), train.default_optimizer(1e-3, 10), x, y)
 
 
 def test_preactivation_step_saves_memory():

@@ -114,7 +114,7 @@ def _abn_train_fwd(x, scale, bias, mask, shift, cfg):
 
 
 def _abn_train_bwd(cfg, res, cts):
-  param_varying = sync_bn._params_vary(cfg.axis_name, cts[0], res[1])  # pylint: disable=protected-access
+  param_varying = sync_bn.params_stay_local(cfg.axis_name, cts[0], res[1])
   sign = jnp.sign(res[1])   # before the barrier, which makes everything device-varying
   res, cts = sync_bn.tie_to_cotangent(res, cts)
   z, scale, bias, mask, invstd, count = res
@@ -143,7 +143,7 @@ def _abn_eval_fwd(x, scale, bias, mean, var, cfg):
 
 
 def _abn_eval_bwd(cfg, res, dz):
-  param_varying = sync_bn._params_vary(cfg.axis_name, dz, res[1])  # pylint: disable=protected-access
+  param_varying = sync_bn.params_stay_local(cfg.axis_name, dz, res[1])
   sign = jnp.sign(res[1])
   res, dz = sync_bn.tie_to_cotangent(res, dz)
   z, scale, bias, invstd = res
@@ -221,7 +221,7 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
     z = _abn_eval(x, scale, bias, jnp.asarray(running_mean, jnp.float32),
                   jnp.asarray(running_var, jnp.float32), cfg)
     return z, None
-  mask = sync_bn._check_mask(x, mask)  # pylint: disable=protected-access
+  mask = sync_bn.check_mask(x, mask)
   if implementation == "pallas":
     if cfg.axis_name is not None or mask is not None:
       raise ValueError("implementation='pallas' supports local, unmasked InPlace-ABN only; "

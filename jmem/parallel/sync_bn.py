@@ -38,7 +38,7 @@ from jax import lax
 
 __all__ = [
     "BatchStats", "batch_stats", "sync_batch_norm", "sync_batch_norm_reference",
-    "update_running_stats", "check_axis_name",
+    "update_running_stats", "check_axis_name", "check_mask", "params_stay_local",
 ]
 
 AxisName = str | tuple[str, ...] | None
@@ -96,7 +96,8 @@ def _psum(x, axis_name, axis_index_groups):
   return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
 
 
-def _check_mask(x, mask):
+def check_mask(x, mask):
+  """Validates a mask (same rank as ``x``, broadcastable) and returns it as booleans."""
   if mask is None:
     return None
   mask = jnp.asarray(mask)
@@ -153,7 +154,7 @@ def batch_stats(x: jax.Array, *, axis_name: AxisName = None,
     `BatchStats` in float32, identical on every device of a group. Gradients flow through
     mean and var (this is plain JAX; `sync_batch_norm` has the one-collective VJP).
   """
-  mask = _check_mask(x, mask)
+  mask = check_mask(x, mask)
   check_axis_name(axis_name)
   reduce_axes = tuple(range(x.ndim - 1))
   xf = x.astype(jnp.float32)
@@ -234,7 +235,7 @@ def bn_backward(dy, xhat, mask, gamma_invstd, count, *, axis_name, axis_index_gr
   return dx, sums[1], sums[0]
 
 
-def _params_vary(axis_name, dy, scale) -> bool:
+def params_stay_local(axis_name, dy, scale) -> bool:
   """Whether cotangents of γ/β should stay per-device (vmap/pmap, or varying params)."""
   names = set(_axes_tuple(axis_name))
   if not names:
@@ -262,7 +263,7 @@ def _sync_bn_fwd(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsi
 
 def _sync_bn_bwd(axis_name, axis_index_groups, epsilon, res, cts):
   del epsilon
-  param_varying = _params_vary(axis_name, cts[0], res[1])
+  param_varying = params_stay_local(axis_name, cts[0], res[1])
   res, cts = tie_to_cotangent(res, cts)
   x, scale, mask, mean, invstd, count = res
   dy = cts[0].astype(jnp.float32)
@@ -284,7 +285,7 @@ def _prepare(x, scale, bias, mask, shift):
     raise ValueError(f"scale and bias must have shape ({c},) for x of shape {x.shape}, got "
                      f"{scale.shape} and {bias.shape}.")
   shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
-  return scale, bias, _check_mask(x, mask), shift
+  return scale, bias, check_mask(x, mask), shift
 
 
 def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None,
@@ -361,7 +362,7 @@ def normalize_with_state(x, *, axis, scale, bias, running_mean, running_var, use
   if use_running_average:
     return _from_last(eval_fn(xl, scale, bias, running_mean, running_var), axis), \
         running_mean, running_var
-  ml = None if mask is None else _to_last(_check_mask(x, mask), axis)
+  ml = None if mask is None else _to_last(check_mask(x, mask), axis)
   y, stats = train_fn(xl, scale, bias, ml, running_mean)
   new_mean, new_var = update_running_stats(running_mean, running_var, stats, momentum=momentum,
                                            unbiased=unbiased_running_var)
