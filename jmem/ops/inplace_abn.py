@@ -72,7 +72,8 @@ class ABNConfig(NamedTuple):
     return self
 
 
-def _act(y, cfg: ABNConfig):
+def apply_activation(y, cfg: ABNConfig):
+  """``act(y)`` for an `ABNConfig` (pure jnp: also used inside the Pallas kernels)."""
   if cfg.activation == "leaky_relu":
     return jnp.where(y >= 0, y, y * cfg.slope)
   if cfg.activation == "elu":
@@ -80,7 +81,7 @@ def _act(y, cfg: ABNConfig):
   return y
 
 
-def _act_inverse(z, dz, cfg: ABNConfig):
+def invert_activation(z, dz, cfg: ABNConfig):
   """``(y, dy)`` from the activation output ``z`` and its cotangent ``dz`` (float32)."""
   if cfg.activation == "leaky_relu":
     neg = z < 0
@@ -104,7 +105,7 @@ def _abn_train(x, scale, bias, mask, shift, cfg: ABNConfig):
                               mask=mask, shift=shift)
   invstd = lax.rsqrt(stats.var + cfg.epsilon)
   y = (x.astype(jnp.float32) - stats.mean) * (invstd * _gamma(scale, cfg.epsilon)) + bias
-  return _act(y, cfg).astype(x.dtype), stats
+  return apply_activation(y, cfg).astype(x.dtype), stats
 
 
 def _abn_train_fwd(x, scale, bias, mask, shift, cfg):
@@ -118,7 +119,7 @@ def _abn_train_bwd(cfg, res, cts):
   sign = jnp.sign(res[1])   # before the barrier, which makes everything device-varying
   res, cts = sync_bn.tie_to_cotangent(res, cts)
   z, scale, bias, mask, invstd, count = res
-  y, dy = _act_inverse(z.astype(jnp.float32), cts[0].astype(jnp.float32), cfg)
+  y, dy = invert_activation(z.astype(jnp.float32), cts[0].astype(jnp.float32), cfg)
   g = _gamma(scale, cfg.epsilon)
   xhat = (y - bias) / g
   dx, dg, db = sync_bn.bn_backward(
@@ -134,7 +135,7 @@ _abn_train.defvjp(_abn_train_fwd, _abn_train_bwd)
 def _abn_eval(x, scale, bias, mean, var, cfg: ABNConfig):
   invstd = lax.rsqrt(var.astype(jnp.float32) + cfg.epsilon)
   y = (x.astype(jnp.float32) - mean) * (invstd * _gamma(scale, cfg.epsilon)) + bias
-  return _act(y, cfg).astype(x.dtype)
+  return apply_activation(y, cfg).astype(x.dtype)
 
 
 def _abn_eval_fwd(x, scale, bias, mean, var, cfg):
@@ -147,7 +148,7 @@ def _abn_eval_bwd(cfg, res, dz):
   sign = jnp.sign(res[1])
   res, dz = sync_bn.tie_to_cotangent(res, dz)
   z, scale, bias, invstd = res
-  y, dy = _act_inverse(z.astype(jnp.float32), dz.astype(jnp.float32), cfg)
+  y, dy = invert_activation(z.astype(jnp.float32), dz.astype(jnp.float32), cfg)
   g = _gamma(scale, cfg.epsilon)
   xhat = (y - bias) / g
   axes = tuple(range(z.ndim - 1))
@@ -178,7 +179,8 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
                 mask: jax.Array | None = None, shift: jax.Array | None = None,
                 use_running_average: bool = False, running_mean: jax.Array | None = None,
                 running_var: jax.Array | None = None,
-                implementation: str = "xla") -> tuple[jax.Array, sync_bn.BatchStats | None]:
+                implementation: str = "xla",
+                interpret: bool | None = None) -> tuple[jax.Array, sync_bn.BatchStats | None]:
   """Batch norm + invertible activation that saves only its output for the backward pass.
 
   Args:
@@ -199,8 +201,10 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
       collective in the forward pass.
     running_mean: ``float[C]``, required in eval mode.
     running_var: ``float[C]``, required in eval mode.
-    implementation: ``"xla"`` (default; reference and CPU path) or ``"pallas"`` (fused
-      kernels from `pallas_kernels.inplace_abn`, local statistics only).
+    implementation: ``"xla"`` (default; reference and CPU path) or ``"pallas"`` (the
+      training-mode kernels of `pallas_kernels.inplace_abn`; no mask; eval mode is one
+      elementwise op and stays XLA).
+    interpret: Pallas interpret mode (``None``: on non-GPU backends, with a warning).
 
   Returns:
     ``(z, stats)``: ``z`` like ``x``; ``stats`` the batch `BatchStats` (None in eval mode).
@@ -222,14 +226,14 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
                   jnp.asarray(running_var, jnp.float32), cfg)
     return z, None
   mask = sync_bn.check_mask(x, mask)
-  if implementation == "pallas":
-    if cfg.axis_name is not None or mask is not None:
-      raise ValueError("implementation='pallas' supports local, unmasked InPlace-ABN only; "
-                       "use implementation='xla' with axis_name or mask.")
-    from pallas_kernels import inplace_abn as kernels  # pylint: disable=g-import-not-at-top
-    z, stats = kernels.inplace_abn_pallas(x, scale, bias, cfg)
-    return z, jax.tree.map(lax.stop_gradient, stats)
   shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
+  if implementation == "pallas":
+    if mask is not None:
+      raise ValueError("implementation='pallas' does not take a mask; use implementation='xla' "
+                       "for masked batches.")
+    from pallas_kernels import inplace_abn as kernels  # pylint: disable=g-import-not-at-top
+    z, stats = kernels.inplace_abn_pallas(x, scale, bias, cfg, shift=shift, interpret=interpret)
+    return z, jax.tree.map(lax.stop_gradient, stats)
   z, stats = _abn_train(x, scale, bias, mask, shift, cfg)
   return z, jax.tree.map(lax.stop_gradient, stats)
 
@@ -248,7 +252,7 @@ def inplace_abn_reference(x, scale, bias, *, activation="leaky_relu", slope=0.01
                                 mask=mask, shift=shift)
     mean, var = stats.mean, stats.var
   y = (x.astype(jnp.float32) - mean) * lax.rsqrt(var + epsilon) * g + bias
-  return _act(y, cfg).astype(x.dtype), stats
+  return apply_activation(y, cfg).astype(x.dtype), stats
 
 
 def to_batch_norm_scale(scale: jax.Array, epsilon: float = 1e-5) -> jax.Array:

@@ -37,8 +37,8 @@ from flax import nnx
 from jax import lax
 
 __all__ = [
-    "BatchStats", "batch_stats", "sync_batch_norm", "sync_batch_norm_reference",
-    "update_running_stats", "check_axis_name", "check_mask", "params_stay_local",
+    "BatchStats", "batch_stats", "combine_moments", "sync_batch_norm", "sync_batch_norm_reference",
+    "update_running_stats", "check_axis_name", "check_mask", "params_stay_local", "varying_axes",
 ]
 
 AxisName = str | tuple[str, ...] | None
@@ -76,7 +76,8 @@ def check_axis_name(axis_name: AxisName) -> None:
       ) from e
 
 
-def _varying(x) -> frozenset:
+def varying_axes(x) -> frozenset:
+  """The manual (shard_map) axes over which ``x`` varies; empty outside shard_map."""
   aval = jax.typeof(x)
   mat = getattr(aval, "manual_axis_type", None)
   if mat is not None:
@@ -160,6 +161,22 @@ def batch_stats(x: jax.Array, *, axis_name: AxisName = None,
   xf = x.astype(jnp.float32)
   maskf = None if mask is None else mask.astype(jnp.float32)
   n, m0, corr, m2 = _local_moments(xf, maskf, reduce_axes)
+  return combine_moments(n, m0, corr, m2, axis_name=axis_name,
+                         axis_index_groups=axis_index_groups, shift=shift)
+
+
+def combine_moments(n, m0, corr, m2, *, axis_name: AxisName = None,
+                    axis_index_groups: Sequence[Sequence[int]] | None = None,
+                    shift: jax.Array | None = None) -> BatchStats:
+  """Global `BatchStats` from each device's local moments, in ONE psum.
+
+  Args:
+    n: ``float32[C]`` local valid count.
+    m0: ``float32[C]`` a first local mean (any value close to the mean).
+    corr: ``float32[C]`` correction: the local mean is ``m0 + corr``.
+    m2: ``float32[C]`` local centred sum of squares.
+    axis_name, axis_index_groups, shift: as in `batch_stats`.
+  """
   if axis_name is None:
     return BatchStats(m0 + corr, m2 / jnp.maximum(n, 1.0), n)
   k = (jnp.zeros_like(m0) if shift is None
@@ -240,10 +257,10 @@ def params_stay_local(axis_name, dy, scale) -> bool:
   names = set(_axes_tuple(axis_name))
   if not names:
     return True
-  dy_v = _varying(dy)
+  dy_v = varying_axes(dy)
   if not names & dy_v:      # not under shard_map's varying-type system (vmap, old pmap)
     return True
-  return bool(names & _varying(scale))
+  return bool(names & varying_axes(scale))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

@@ -1,0 +1,237 @@
+"""Pallas kernels for InPlace-ABN: fused statistics, normalise+affine+activation, and backward.
+
+The input ``[..., C]`` is viewed as ``[M, C]`` and tiled ``(block_rows, block_channels)``
+over a 2-D grid, so every kernel has ``ceil(M/bm) * ceil(C/bc)`` independent programs.
+
+Forward:
+  1. ``_moments_kernel``: per tile, valid count, mean ``m0`` and the corrected two-pass
+     ``(Σd/n, Σd² - (Σd)²/n)`` with ``d = x - m0``; the tiles (a few per channel) are merged
+     in XLA with Chan's formula and, with ``axis_name``, across devices by the one psum of
+     `jmem.parallel.sync_bn.combine_moments`.
+  2. ``_forward_kernel``: ``z = act((x - μ) · γ'/σ + β)`` in one read of ``x`` and one write.
+
+Backward (saves only ``z``):
+  3. ``_backward_sums_kernel``: inverts the activation and the affine step tile by tile and
+     writes per-tile ``Σdy`` and ``Σdy·x̂``; summed in XLA (and psummed: one collective).
+  4. ``_backward_dx_kernel``: ``dx = γ'/σ (dy - (Σdy + x̂ Σdy·x̂)/N)``, inverting again
+     (recomputing is cheaper than storing ``y`` and ``dy``).
+
+Triton constraints are respected: power-of-2 blocks, no value-level slicing; rows and
+channels beyond the array are masked in the reductions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from jmem.ops.inplace_abn import ABNConfig, apply_activation, invert_activation
+from jmem.parallel import sync_bn
+
+__all__ = ["Tiles", "inplace_abn_pallas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """Tile sizes (powers of two; clipped to the array) and Triton warps per program."""
+
+  block_rows: int = 128
+  block_channels: int = 64
+  num_warps: int = 4
+
+  @classmethod
+  def get_default(cls) -> "Tiles":
+    return cls()
+
+  def for_shape(self, rows: int, channels: int) -> tuple[int, int]:
+    for b in (self.block_rows, self.block_channels):
+      if b <= 0 or b & (b - 1):
+        raise ValueError(f"Tile sizes must be powers of two, got {self}.")
+    return (min(self.block_rows, pl.next_power_of_2(rows)),
+            min(self.block_channels, pl.next_power_of_2(channels)))
+
+
+def _valid_rows(shape, rows, block_rows):
+  start = pl.program_id(0) * block_rows
+  return start + lax.broadcasted_iota(jnp.int32, shape, 0) < rows
+
+
+def _moments_kernel(x_ref, m0_ref, corr_ref, m2_ref, *, rows, block_rows):
+  x = x_ref[...].astype(jnp.float32)
+  valid = _valid_rows(x.shape, rows, block_rows)
+  n = jnp.minimum(rows - pl.program_id(0) * block_rows, block_rows).astype(jnp.float32)
+  x = jnp.where(valid, x, 0.0)
+  m0 = jnp.sum(x, axis=0) / n
+  d = jnp.where(valid, x - m0, 0.0)
+  s1 = jnp.sum(d, axis=0)
+  m0_ref[...] = m0
+  corr_ref[...] = s1 / n
+  m2_ref[...] = jnp.maximum(jnp.sum(d * d, axis=0) - s1 * s1 / n, 0.0)
+
+
+def _forward_kernel(x_ref, mean_ref, a_ref, b_ref, z_ref, *, cfg):
+  y = (x_ref[...].astype(jnp.float32) - mean_ref[...]) * a_ref[...] + b_ref[...]
+  z_ref[...] = apply_activation(y, cfg).astype(z_ref.dtype)
+
+
+def _reconstruct(z_ref, dz_ref, g_ref, b_ref, cfg):
+  y, dy = invert_activation(z_ref[...].astype(jnp.float32), dz_ref[...].astype(jnp.float32), cfg)
+  return (y - b_ref[...]) / g_ref[...], dy
+
+
+def _backward_sums_kernel(z_ref, dz_ref, g_ref, b_ref, sdy_ref, sdyx_ref, *, rows, block_rows,
+                          cfg):
+  xhat, dy = _reconstruct(z_ref, dz_ref, g_ref, b_ref, cfg)
+  valid = _valid_rows(dy.shape, rows, block_rows)
+  dy = jnp.where(valid, dy, 0.0)
+  sdy_ref[...] = jnp.sum(dy, axis=0)
+  sdyx_ref[...] = jnp.sum(jnp.where(valid, dy * xhat, 0.0), axis=0)
+
+
+def _backward_dx_kernel(z_ref, dz_ref, g_ref, b_ref, k_ref, c1_ref, c2_ref, dx_ref, *, cfg):
+  xhat, dy = _reconstruct(z_ref, dz_ref, g_ref, b_ref, cfg)
+  dx_ref[...] = (k_ref[...] * (dy - c1_ref[...] - xhat * c2_ref[...])).astype(dx_ref.dtype)
+
+
+def _same_varying(args):
+  """Casts every operand to vary over the union of the operands' manual axes (shard_map)."""
+  varying = [sync_bn.varying_axes(a) for a in args]
+  names = frozenset().union(*varying)
+  if not names:
+    return args
+  return [a if v == names else lax.pcast(a, tuple(names - v), to="varying")
+          for a, v in zip(args, varying)]
+
+
+class _Launch:
+  """Grid and block specs for an ``[M, C]`` array with given tiles."""
+
+  def __init__(self, x2, tiles: Tiles, interpret: bool):
+    (self.rows, self.channels), self.dtype = x2.shape, x2.dtype
+    # Inside shard_map (check_vma) outputs must say how they vary: as the input does.
+    self.mat = getattr(jax.typeof(x2), "manual_axis_type", None)
+    self.bm, self.bc = tiles.for_shape(self.rows, self.channels)
+    self.grid = (pl.cdiv(self.rows, self.bm), pl.cdiv(self.channels, self.bc))
+    self.interpret = interpret
+    # Explicit Triton params: the default GPU backend of pallas_call is now Mosaic GPU.
+    self.params = pl_triton.CompilerParams(num_warps=tiles.num_warps)
+    self.tile = pl.BlockSpec((self.bm, self.bc), lambda i, j: (i, j))
+    self.vec = pl.BlockSpec((self.bc,), lambda i, j: (j,))
+    self.partial = pl.BlockSpec((None, self.bc), lambda i, j: (i, j))
+
+  def struct(self, shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=self.mat)
+
+  def partial_shape(self):
+    return self.struct((self.grid[0], self.channels), jnp.float32)
+
+  def full_shape(self):
+    return self.struct((self.rows, self.channels), self.dtype)
+
+  def call(self, kernel, in_specs, out_specs, out_shape, *args):
+    args = _same_varying(args)
+    return pl.pallas_call(kernel, grid=self.grid, in_specs=in_specs, out_specs=out_specs,
+                          out_shape=out_shape, interpret=self.interpret,
+                          compiler_params=self.params)(*args)
+
+  def tile_counts(self):
+    counts = jnp.full((self.grid[0],), float(self.bm), jnp.float32)
+    return counts.at[-1].set(float(self.rows - (self.grid[0] - 1) * self.bm))[:, None]
+
+
+def _local_moments(x2, launch: _Launch):
+  """Per-device ``(n, m0, corr, m2)`` of ``[M, C]`` from per-tile moments (Chan merge)."""
+  kern = functools.partial(_moments_kernel, rows=launch.rows, block_rows=launch.bm)
+  shape = launch.partial_shape()
+  m0_t, corr_t, m2_t = launch.call(kern, [launch.tile], [launch.partial] * 3, [shape] * 3, x2)
+  n_t = launch.tile_counts()
+  n = jnp.full((launch.channels,), float(launch.rows), jnp.float32)
+  k = m0_t[0]                                   # a shared shift close to every tile's mean
+  d_t = (m0_t - k) + corr_t
+  dmean = jnp.sum(n_t * d_t, axis=0) / n
+  m2 = jnp.sum(m2_t, axis=0) + jnp.sum(n_t * (d_t - dmean) ** 2, axis=0)
+  return n, k, dmean, m2
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _abn(x2, scale, bias, shift, cfg: ABNConfig, tiles: Tiles, interpret: bool):
+  launch = _Launch(x2, tiles, interpret)
+  stats = sync_bn.combine_moments(*_local_moments(x2, launch), axis_name=cfg.axis_name,
+                                  axis_index_groups=cfg.axis_index_groups, shift=shift)
+  a = lax.rsqrt(stats.var + cfg.epsilon) * (jnp.abs(scale) + cfg.epsilon)
+  z = launch.call(functools.partial(_forward_kernel, cfg=cfg), [launch.tile] + [launch.vec] * 3,
+                  launch.tile, launch.full_shape(), x2, stats.mean, a, bias)
+  return z, stats
+
+
+def _abn_fwd(x2, scale, bias, shift, cfg, tiles, interpret):
+  z, stats = _abn(x2, scale, bias, shift, cfg, tiles, interpret)
+  return (z, stats), (z, scale, bias, lax.rsqrt(stats.var + cfg.epsilon), stats.count)
+
+
+def _abn_bwd(cfg, tiles, interpret, res, cts):
+  param_varying = sync_bn.params_stay_local(cfg.axis_name, cts[0], res[1])
+  sign = jnp.sign(res[1])
+  res, cts = sync_bn.tie_to_cotangent(res, cts)
+  z, scale, bias, invstd, count = res
+  dz = cts[0]
+  launch = _Launch(z, tiles, interpret)
+  g = jnp.abs(scale) + cfg.epsilon
+  kern = functools.partial(_backward_sums_kernel, rows=launch.rows, block_rows=launch.bm, cfg=cfg)
+  shape = launch.partial_shape()
+  sdy_t, sdyx_t = launch.call(kern, [launch.tile] * 2 + [launch.vec] * 2, [launch.partial] * 2,
+                              [shape] * 2, z, dz, g, bias)
+  local = jnp.stack([jnp.sum(sdy_t, axis=0), jnp.sum(sdyx_t, axis=0)])
+  glob = local if cfg.axis_name is None else lax.psum(
+      local, cfg.axis_name, axis_index_groups=cfg.axis_index_groups)
+  inv_n = 1.0 / jnp.maximum(count, 1.0)
+  dx = launch.call(functools.partial(_backward_dx_kernel, cfg=cfg),
+                   [launch.tile] * 2 + [launch.vec] * 5, launch.tile,
+                   launch.full_shape(), z, dz, g, bias, g * invstd,
+                   glob[0] * inv_n, glob[1] * inv_n)
+  sums = local if (cfg.axis_name is None or param_varying) else glob
+  return (dx, (sign * sums[1]).astype(scale.dtype), sums[0].astype(bias.dtype), None)
+
+
+_abn.defvjp(_abn_fwd, _abn_bwd)
+
+
+def inplace_abn_pallas(x: jax.Array, scale: jax.Array, bias: jax.Array, cfg: ABNConfig, *,
+                       shift: jax.Array | None = None, tiles: Tiles | None = None,
+                       interpret: bool | None = None):
+  """InPlace-ABN training-mode forward and VJP as Pallas kernels.
+
+  Args:
+    x: ``[..., C]`` float input (channels last).
+    scale, bias: ``float32[C]``.
+    cfg: validated `ABNConfig` (activation, epsilon, optional ``axis_name``: statistics
+      synchronised by one psum forward and one backward, as the XLA path).
+    shift: shared shift of the cross-device merge (the running mean).
+    tiles: `Tiles` (default `Tiles.get_default()`).
+    interpret: run the kernels in the Pallas interpreter. ``None``: only when the default
+      backend is not a GPU, with a warning (the interpreter is far slower than the XLA path).
+      Under ``jax.shard_map`` the interpreter needs ``check_vma=False`` (it evaluates the
+      kernel's literals as non-varying values); the GPU lowering does not.
+
+  Returns:
+    ``(z, BatchStats)`` as `jmem.ops.inplace_abn.inplace_abn`.
+  """
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+    if interpret:
+      warnings.warn(
+          "inplace_abn(implementation='pallas') on a non-GPU backend runs the Pallas kernels "
+          "in interpret mode, which is much slower than implementation='xla' (the default).",
+          stacklevel=3)
+  tiles = Tiles.get_default() if tiles is None else tiles
+  c = x.shape[-1]
+  shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
+  z, stats = _abn(x.reshape(-1, c), scale, bias, shift, cfg, tiles, bool(interpret))
+  return z.reshape(x.shape), stats
