@@ -41,7 +41,8 @@ class Technique:
 
   Attributes:
     name: registry name (what ``--techniques`` takes).
-    apply: maps the exact linen model to the model with the technique switched on.
+    apply: maps the exact linen model to the model with the technique switched on (a
+      module, or `jmem.train.ModelFns` when the technique changes how it is run).
     description: one line for tables and ``--help``.
   """
 
@@ -89,9 +90,25 @@ def _inplace_abn(model):
                      act=functools.partial(nn.leaky_relu, negative_slope=0.01))
 
 
+def _spatial(devices: int, height: int):
+  def apply(model):
+    from jmem.parallel import spatial  # pylint: disable=g-import-not-at-top
+    if jax.device_count() < devices:
+      raise ValueError(
+          f"Technique 'spatial-{devices}' needs {devices} devices, found {jax.device_count()}; "
+          f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={devices} before "
+          "jax is imported (the jmem CLI does this itself).")
+    mesh = spatial.spatial_mesh(1, height, devices // height, devices=jax.devices()[:devices])
+    return spatial.spatial_model_fns(model, mesh)
+  return apply
+
+
 register_technique(Technique("exact", lambda m: m, "plain backprop (the baseline)"))
 register_technique(Technique("remat", _remat,
                              "jax.checkpoint per residual block (JAX-native peer)"))
+register_technique(Technique("spatial-8", _spatial(8, 2),
+                             "activations sharded over H x W = 2 x 4 devices, halo exchange "
+                             "(per-device figures; ConvNeXt models)"))
 register_technique(Technique("inplace-abn", _inplace_abn,
                              "In-Place Activated BatchNorm (leaky_relu 0.01), saves only outputs"))
 

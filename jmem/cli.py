@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 __all__ = ["main"]
@@ -100,7 +101,16 @@ def _train(args) -> int:
   return 0
 
 
+def _simulate_host_devices(argv) -> None:
+  """Spatial techniques need 8 devices: on a CPU-only machine, simulate them (before jax)."""
+  wanted = any("spatial-" in a for a in (sys.argv[1:] if argv is None else argv))
+  flags = os.environ.get("XLA_FLAGS", "")
+  if wanted and "host_platform_device_count" not in flags:   # read when the backend starts
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
+  _simulate_host_devices(argv)
   parser = _parser()
   args = parser.parse_args(argv)
   try:

@@ -1,0 +1,480 @@
+"""Spatial tensor parallelism: activations sharded along H and/or W, halos by ``ppermute``.
+
+Inside ``jax.shard_map`` each device holds a block of the image (channels last,
+``[N, H, W, C]`` or any ``[N, *spatial, C]``), weights are replicated. A window op (conv,
+pooling) on a sharded dimension needs only a thin halo from each neighbour:
+
+* A dimension of global size ``L`` split in ``n`` blocks of ``l = L/n``, window ``k`` with
+  dilation ``d`` (extent ``e = d(k-1)+1``), stride ``s`` and padding ``(p_lo, p_hi)``.
+  When the global output has ``L/s`` positions and ``s`` divides ``l`` (every "same"-style
+  conv, strided or not, and patchify convs with ``k = s``), output block ``i`` is exactly
+  what block ``i``'s input, extended by ``p_lo`` positions on the left and ``e - s - p_lo``
+  on the right, gives with no padding. A negative right extension trims the block.
+* The halos come from the neighbours by one ``lax.ppermute`` per side and sharded
+  dimension; ``ppermute`` with a non-cyclic permutation yields zeros at the global edges,
+  which is the zero padding (pooling sets its own pad value there). H is exchanged first,
+  then W on the H-extended block, so corners travel too.
+* Gradients come from autodiff: the transpose of ``ppermute`` sends each halo's cotangent
+  back to its owner. The conv keeps the haloed input it already built as its residual, so
+  the backward needs one exchange per side (2 per sharded dim) and the replicated weights
+  one all-reduce: 4 collective-permutes + 1 all-reduce for a k7 conv sharded on W, where
+  XLA's automatic partitioning of the same conv emits 6 + 1.
+
+Anything else that a spatially sharded CNN needs is here too: global average pooling (one
+psum), window pooling with halos, per-sample DropPath with one draw per sample on every
+shard, and mesh helpers. BatchNorm over the whole image is `jmem.parallel.sync_bn` with
+``axis_name`` set to the spatial (and data) axes; layer norm over channels is local.
+
+References:
+  PyTorch DTensor convolution ops (``torch/distributed/tensor/_tp_conv.py``);
+  Dryden et al., Channel and filter parallelism for large-scale CNN training, SC'19.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jmem.parallel import sync_bn
+
+__all__ = [
+    "HaloPlan", "plan_halo", "halo_exchange", "halo_conv", "halo_conv_reference", "halo_pool",
+    "global_avg_pool", "drop_path", "spatial_mesh", "activation_spec", "replicated",
+    "spatial_model_fns",
+]
+
+AxisNames = Sequence[str | None]
+
+
+def _pair(v, n, name):
+  if isinstance(v, int):
+    return (v,) * n
+  v = tuple(v)
+  if len(v) != n:
+    raise ValueError(f"{name} needs {n} values (one per spatial dim), got {v}.")
+  return v
+
+
+def _padding(padding, window, strides, dilation, in_sizes):
+  """Explicit ``(lo, hi)`` per spatial dim, XLA's rules for "SAME" and "VALID"."""
+  n = len(window)
+  if isinstance(padding, str):
+    mode = padding.upper()
+    if mode == "VALID":
+      return ((0, 0),) * n
+    if mode != "SAME":
+      raise ValueError(f"padding must be 'SAME', 'VALID' or explicit pairs, got {padding!r}.")
+    out = []
+    for k, s, d, size in zip(window, strides, dilation, in_sizes):
+      e = d * (k - 1) + 1
+      total = max((-(-size // s) - 1) * s + e - size, 0)
+      out.append((total // 2, total - total // 2))
+    return tuple(out)
+  if isinstance(padding, int):
+    return ((padding, padding),) * n
+  pads = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
+  if len(pads) != n:
+    raise ValueError(f"padding needs {n} pairs, got {padding!r}.")
+  return pads
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloPlan:
+  """How one spatial dimension of a window op is handled on one device.
+
+  Attributes:
+    axis_name: mesh axis it is sharded over (None: not sharded).
+    left: input positions received from the left neighbour (the global left padding).
+    right: input positions received from the right neighbour; negative: trim that many.
+    padding: ``(lo, hi)`` for the local window op (0 on a sharded dim).
+    out_left, out_right: output positions whose cotangents the backward of a convolution
+      receives from the left / right neighbour (their windows overlap this block).
+    grad_padding: padding of the convolution whose input-VJP, applied to the cotangent
+      extended by ``out_left``/``out_right``, is this block's input gradient.
+  """
+
+  axis_name: str | None
+  left: int
+  right: int
+  padding: tuple[int, int]
+  out_left: int = 0
+  out_right: int = 0
+  grad_padding: tuple[int, int] = (0, 0)
+
+
+def plan_halo(local_size: int, *, window: int, stride: int = 1, dilation: int = 1,
+              padding: tuple[int, int] = (0, 0), axis_name: str | None = None,
+              dim_name: str = "W") -> HaloPlan:
+  """The halo of one spatial dimension (see the module docstring); raises if impossible.
+
+  Args:
+    local_size: per-device size ``l`` of the dimension.
+    window, stride, dilation, padding: the window op's, as for the unsharded array.
+    axis_name: the mesh axis the dimension is sharded over (None: local dim).
+    dim_name: for error messages.
+  """
+  if axis_name is None:
+    return HaloPlan(None, 0, 0, tuple(padding), grad_padding=tuple(padding))
+  n = lax.axis_size(axis_name)
+  size = local_size * n
+  extent = dilation * (window - 1) + 1
+  lo, hi = padding
+  out = (size + lo + hi - extent) // stride + 1
+  if local_size % stride or out * stride != size:
+    raise ValueError(
+        f"{dim_name} sharded over {axis_name!r} ({n} devices x {local_size}): a window of "
+        f"{window} (dilation {dilation}, stride {stride}, padding {padding}) gives {out} "
+        f"outputs for {size} inputs, which does not split into equal blocks of "
+        f"{local_size}/{stride}. Use 'SAME' padding (output = input/stride) and a per-device "
+        f"size divisible by the stride, or do not shard this dim (an all-gather would be "
+        f"needed).")
+  left, right = lo, extent - stride - lo
+  # Outputs of the neighbours whose windows reach into this block (for the input VJP).
+  out_left = max(0, (extent - 1 - lo) // stride)
+  out_right = (lo - 1) // stride + 1 if lo >= 1 else 0
+  if max(left, right, out_left * stride, out_right * stride) > local_size or left < 0:
+    raise ValueError(
+        f"The halo of {dim_name} ({left} left, {right} right) is wider than the "
+        f"{local_size} positions each of the {n} devices holds on {axis_name!r}: use fewer "
+        f"devices on this axis, a larger input, or a smaller kernel/dilation.")
+  grad_padding = (out_left * stride + lo, (out_right - 1) * stride - lo + extent)
+  return HaloPlan(axis_name, left, right, (0, 0), out_left, out_right, grad_padding)
+
+
+def _receive(x, *, dim, axis_name, left, right, pad_value=0.0):
+  """The strips this block gets from its left and right neighbours (None where empty)."""
+  n = lax.axis_size(axis_name)
+  size = x.shape[dim]
+  idx = lax.axis_index(axis_name)
+  got_left = got_right = None
+  if left > 0:
+    edge = lax.slice_in_dim(x, size - left, size, axis=dim)
+    got_left = lax.ppermute(edge, axis_name, perm=[(i, i + 1) for i in range(n - 1)])
+    if pad_value != 0.0:
+      got_left = jnp.where(idx == 0, jnp.asarray(pad_value, x.dtype), got_left)
+  if right > 0:
+    edge = lax.slice_in_dim(x, 0, right, axis=dim)
+    got_right = lax.ppermute(edge, axis_name, perm=[(i + 1, i) for i in range(n - 1)])
+    if pad_value != 0.0:
+      got_right = jnp.where(idx == n - 1, jnp.asarray(pad_value, x.dtype), got_right)
+  return got_left, got_right
+
+
+def _attach(x, strips, *, dim, right):
+  """``x`` with its received strips concatenated along ``dim`` (trimmed if ``right < 0``)."""
+  got_left, got_right = strips
+  body = x if right >= 0 else lax.slice_in_dim(x, 0, x.shape[dim] + right, axis=dim)
+  parts = [p for p in (got_left, body, got_right) if p is not None]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=dim)
+
+
+def halo_exchange(x: jax.Array, *, dim: int, axis_name: str, left: int, right: int,
+                  pad_value: float = 0.0) -> jax.Array:
+  """``x`` extended along ``dim`` by ``left``/``right`` positions of its mesh neighbours.
+
+  Must run inside ``shard_map`` (or pmap) binding ``axis_name``. The blocks at the global
+  edges receive ``pad_value``. ``right < 0`` trims the block instead.
+  """
+  strips = _receive(x, dim=dim, axis_name=axis_name, left=left, right=right,
+                    pad_value=pad_value)
+  return _attach(x, strips, dim=dim, right=right)
+
+
+def _check_axes(axis_names: AxisNames, nd: int) -> tuple[str | None, ...]:
+  axis_names = tuple(axis_names) if axis_names is not None else (None,) * nd
+  if len(axis_names) != nd:
+    raise ValueError(f"axis_names needs one entry per spatial dim ({nd}), got {axis_names}.")
+  sync_bn.check_axis_name(tuple(a for a in axis_names if a is not None) or None)
+  return axis_names
+
+
+def _plans(x, *, window, strides, dilation, padding, axis_names) -> tuple[HaloPlan, ...]:
+  nd = x.ndim - 2
+  axis_names = _check_axes(axis_names, nd)
+  global_sizes = [x.shape[1 + i] * (1 if a is None else lax.axis_size(a))
+                  for i, a in enumerate(axis_names)]
+  pads = _padding(padding, window, strides, dilation, global_sizes)
+  return tuple(plan_halo(x.shape[1 + i], window=k, stride=s, dilation=d, padding=p,
+                         axis_name=a, dim_name="HWD"[i] if nd > 1 else "W")
+               for i, (a, k, s, d, p) in enumerate(zip(axis_names, window, strides, dilation,
+                                                       pads)))
+
+
+def _extend(x, plans, *, pad_value=0.0, out=False):
+  """Exchanges along every sharded dim in order (H, then W on the H-extended block, ...).
+
+  Returns ``(extended x, received strips)``. ``out=True`` uses the output-side halos.
+  """
+  strips = []
+  for i, plan in enumerate(plans):
+    if plan.axis_name is None:
+      strips.append((None, None))
+      continue
+    left, right = (plan.out_left, plan.out_right) if out else (plan.left, plan.right)
+    got = _receive(x, dim=1 + i, axis_name=plan.axis_name, left=left, right=right,
+                   pad_value=pad_value)
+    x = _attach(x, got, dim=1 + i, right=right)
+    strips.append(got)
+  return x, tuple(strips)
+
+
+def _rebuild(x, strips, plans):
+  """The extended input from ``x`` and the strips received in the forward (no exchange)."""
+  for i, (plan, got) in enumerate(zip(plans, strips)):
+    if plan.axis_name is not None:
+      x = _attach(x, got, dim=1 + i, right=plan.right)
+  return x
+
+
+def _haloed(x, *, window, strides, dilation, padding, axis_names, pad_value=0.0):
+  """``(x with halos, local padding)`` for a window op over x's spatial dims 1..nd."""
+  plans = _plans(x, window=window, strides=strides, dilation=dilation, padding=padding,
+                 axis_names=axis_names)
+  return _extend(x, plans, pad_value=pad_value)[0], tuple(p.padding for p in plans)
+
+
+def _dimension_numbers(nd):
+  sp = "HWD"[:nd] if nd > 1 else "W"
+  return ("N" + sp + "C", sp + "IO", "N" + sp + "C")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConvSpec:
+  plans: tuple[HaloPlan, ...]
+  strides: tuple[int, ...]
+  dilation: tuple[int, ...]
+  groups: int
+  precision: Any
+  preferred_element_type: Any
+
+  def conv(self, x, kernel, padding):
+    return lax.conv_general_dilated(
+        x, kernel, window_strides=self.strides, padding=padding, rhs_dilation=self.dilation,
+        dimension_numbers=_dimension_numbers(x.ndim - 2), feature_group_count=self.groups,
+        precision=self.precision, preferred_element_type=self.preferred_element_type)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _halo_conv(x, kernel, spec: _ConvSpec):
+  x_ext, _ = _extend(x, spec.plans)
+  return spec.conv(x_ext, kernel, tuple(p.padding for p in spec.plans))
+
+
+def _halo_conv_fwd(x, kernel, spec):
+  x_ext, strips = _extend(x, spec.plans)
+  y = spec.conv(x_ext, kernel, tuple(p.padding for p in spec.plans))
+  # Saved: x and the thin received strips (not a second full-size haloed copy).
+  return y, (x, strips, kernel)
+
+
+def _halo_conv_bwd(spec, res, dy):
+  x, strips, kernel = res
+  # Kernel gradient: the forward's halos are reused, no exchange. Autodiff of the local conv
+  # sums it over the shards when the kernel is replicated (check_vma's pvary transposes to
+  # psum); under pmap or check_vma=False it stays per-device, as autodiff would leave it.
+  x_ext = _rebuild(x, strips, spec.plans)
+  _, vjp_kernel = jax.vjp(lambda k: spec.conv(x_ext, k, tuple(p.padding for p in spec.plans)),
+                          kernel)
+  (dk,) = vjp_kernel(dy)   # for a replicated kernel under shard_map: summed over shards
+  # Input gradient: the cotangents of the neighbours' outputs that read this block, then
+  # the local transposed convolution, whose output is exactly this block's size.
+  dy_ext, _ = _extend(dy, spec.plans, out=True)
+  _, vjp_x = jax.vjp(lambda v: spec.conv(v, kernel, tuple(p.grad_padding for p in spec.plans)),
+                     x)
+  (dx,) = vjp_x(dy_ext.astype(dy.dtype))
+  return dx, dk
+
+
+_halo_conv.defvjp(_halo_conv_fwd, _halo_conv_bwd)
+
+
+def halo_conv(x: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] = 1,
+              padding: str | int | Sequence = "SAME", dilation: int | Sequence[int] = 1,
+              feature_group_count: int = 1, axis_names: AxisNames | None = None,
+              precision=None, preferred_element_type=None) -> jax.Array:
+  """Convolution of a spatially sharded activation with a replicated kernel.
+
+  Forward: one ``ppermute`` per side and sharded dim brings the input halos, then a local
+  convolution with no padding on the sharded dims. Backward (custom VJP): the kernel
+  gradient reuses the forward's halos (saved as thin strips beside ``x``, no exchange) and
+  is summed over the shards (one all-reduce); the input gradient gets the cotangents of the
+  neighbours' overlapping outputs (one ``ppermute`` per side) and runs a local transposed
+  convolution of exactly the block's size. A k7 conv sharded on W: 4 collective-permutes +
+  1 all-reduce for forward + backward (XLA's automatic partitioning: 6 + 1).
+
+  Args:
+    x: ``[N, *spatial, C_in]`` local block (channels last), inside ``shard_map``.
+    kernel: ``[*window, C_in / groups, C_out]`` (flax's layout), replicated.
+    strides, padding, dilation: as for the unsharded ``lax.conv_general_dilated``
+      (``padding`` "SAME", "VALID", an int or ``(lo, hi)`` pairs; the global image's).
+    feature_group_count: groups (``C_in`` for depthwise).
+    axis_names: per spatial dim, the mesh axis it is sharded over or None. ``None``:
+      nothing sharded (a plain convolution: the same code runs unsharded).
+
+  Returns:
+    ``[N, *spatial / strides, C_out]``: this device's block of the global output.
+
+  Raises:
+    ValueError: if the global output does not split into equal blocks (e.g. a per-device
+      width that is not a multiple of the stride), or a halo is wider than a block.
+    NameError: if an axis name is not bound by an enclosing shard_map / pmap.
+  """
+  nd = x.ndim - 2
+  if kernel.ndim != nd + 2:
+    raise ValueError(f"kernel of rank {kernel.ndim} does not match x of rank {x.ndim} "
+                     f"({nd} spatial dims): expected [*window, C_in/groups, C_out].")
+  window = kernel.shape[:nd]
+  strides, dilation = _pair(strides, nd, "strides"), _pair(dilation, nd, "dilation")
+  plans = _plans(x, window=window, strides=strides, dilation=dilation, padding=padding,
+                 axis_names=axis_names)
+  spec = _ConvSpec(plans, strides, dilation, feature_group_count, precision,
+                   preferred_element_type)
+  if all(p.axis_name is None for p in plans):
+    return spec.conv(x, kernel, tuple(p.padding for p in plans))
+  return _halo_conv(x, kernel, spec)
+
+
+def halo_conv_reference(x, kernel, *, strides=1, padding="SAME", dilation=1,
+                        feature_group_count=1):
+  """The unsharded convolution on the full array: the oracle of `halo_conv`."""
+  nd = x.ndim - 2
+  strides, dilation = _pair(strides, nd, "strides"), _pair(dilation, nd, "dilation")
+  pads = _padding(padding, kernel.shape[:nd], strides, dilation, x.shape[1:-1])
+  return lax.conv_general_dilated(x, kernel, strides, pads, rhs_dilation=dilation,
+                                  dimension_numbers=_dimension_numbers(nd),
+                                  feature_group_count=feature_group_count)
+
+
+def halo_pool(x: jax.Array, *, window: int | Sequence[int], strides: int | Sequence[int] | None
+              = None, padding: str | Sequence = "VALID", kind: str = "max",
+              axis_names: AxisNames | None = None) -> jax.Array:
+  """Max or average pooling of a spatially sharded activation (halos as `halo_conv`).
+
+  Average pooling divides by the number of in-image positions of each window (padding
+  excluded), as ``flax.linen.avg_pool(count_include_pad=False)``.
+  """
+  nd = x.ndim - 2
+  window = _pair(window, nd, "window")
+  strides = window if strides is None else _pair(strides, nd, "strides")
+  if kind not in ("max", "avg"):
+    raise ValueError(f"kind must be 'max' or 'avg', got {kind!r}.")
+  dims, ones = (1,) + window + (1,), (1,) * nd
+  st = (1,) + strides + (1,)
+
+  def pool(v, init, op, pad_value):
+    v, pads = _haloed(v, window=window, strides=strides, dilation=ones, padding=padding,
+                      axis_names=axis_names, pad_value=pad_value)
+    return lax.reduce_window(v, init, op, dims, st, ((0, 0),) + pads + ((0, 0),))
+
+  if kind == "max":
+    return pool(x, -jnp.inf, lax.max, -jnp.inf)
+  total = pool(x, 0.0, lax.add, 0.0)
+  count = pool(jnp.ones(x.shape[:-1] + (1,), x.dtype), 0.0, lax.add, 0.0)
+  return total / count
+
+
+def global_avg_pool(x: jax.Array, *, axis_names: AxisNames | None = None) -> jax.Array:
+  """Mean over the spatial dims ``[N, *spatial, C] -> [N, C]``, one psum when sharded."""
+  nd = x.ndim - 2
+  axis_names = _check_axes(axis_names, nd)
+  names = tuple(a for a in axis_names if a is not None)
+  total = jnp.sum(x, axis=tuple(range(1, 1 + nd)), dtype=jnp.float32)
+  count = float(np.prod(x.shape[1:-1]))
+  if names:
+    total = lax.psum(total, names)
+    count *= float(np.prod([lax.axis_size(a) for a in names]))
+  return (total / count).astype(x.dtype)
+
+
+def drop_path(x: jax.Array, rate: float, key: jax.Array | None, *, deterministic: bool,
+              data_axis: str | None = None) -> jax.Array:
+  """Stochastic depth: drop whole samples of a residual branch, rescale the rest.
+
+  The draw depends only on the key and the sample, so every spatial shard of a sample
+  makes the same choice as long as the key is replicated over the spatial axes; with
+  ``data_axis``, samples on different data shards get independent draws.
+  """
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"drop_path rate must be in [0, 1), got {rate}.")
+  if deterministic or rate == 0.0:
+    return x
+  if key is None:
+    raise ValueError("drop_path needs a PRNG key in training mode (deterministic=False).")
+  if data_axis is not None:
+    key = jax.random.fold_in(key, lax.axis_index(data_axis))
+  keep = jax.random.bernoulli(key, 1.0 - rate, (x.shape[0],) + (1,) * (x.ndim - 1))
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def spatial_mesh(data: int = 1, height: int = 1, width: int | None = None, *,
+                 devices=None, axis_names: tuple[str, str, str] = ("data", "h", "w")) -> Mesh:
+  """A ``(data, h, w)`` mesh; ``width`` defaults to the remaining devices.
+
+  Raises:
+    ValueError: if the sizes do not multiply to the number of devices given.
+  """
+  devices = np.asarray(jax.devices() if devices is None else devices).reshape(-1)
+  if width is None:
+    if len(devices) % (data * height):
+      raise ValueError(f"{len(devices)} devices do not split into data={data} x h={height}.")
+    width = len(devices) // (data * height)
+  if data * height * width != len(devices):
+    raise ValueError(f"data={data} x h={height} x w={width} = {data * height * width} is not "
+                     f"the number of devices ({len(devices)}).")
+  return Mesh(devices.reshape(data, height, width), axis_names)
+
+
+def activation_spec(mesh: Mesh, ndim: int = 4) -> P:
+  """PartitionSpec of an ``[N, H, W, C]`` activation on a `spatial_mesh` (size-1 axes dropped)."""
+  data, h, w = mesh.axis_names
+  size = dict(zip(mesh.axis_names, mesh.devices.shape))
+  pick = lambda a: a if size[a] > 1 else None
+  if ndim == 4:
+    return P(pick(data), pick(h), pick(w), None)
+  if ndim == 3:
+    return P(pick(data), pick(w), None)
+  raise ValueError(f"activation_spec supports 3-D and 4-D activations, got ndim={ndim}.")
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Sharding of parameters (replicated on every device of ``mesh``)."""
+  return NamedSharding(mesh, P())
+
+
+def spatial_model_fns(model, mesh: Mesh):
+  """`jmem.train.ModelFns` of ``model`` run with its activations sharded on ``mesh``.
+
+  ``model`` is a linen module with ``axis_names`` and ``data_axis`` fields (e.g.
+  `jmem.models.ConvNeXt`); ``mesh`` a `spatial_mesh` ``(data, h, w)``. Parameters are
+  initialised by the unsharded model (they are the same) and replicated; ``apply`` runs the
+  sharded clone inside ``jax.shard_map``, so the training step of `jmem.train` is unchanged:
+  autodiff of the shard_map all-reduces the replicated parameters' gradients.
+  """
+  from jmem import train as train_lib  # pylint: disable=g-import-not-at-top
+  for field in ("axis_names", "data_axis"):
+    if not hasattr(model, field):
+      raise ValueError(f"Spatial sharding needs a model with an {field!r} field (such as "
+                       f"jmem.models.ConvNeXt); {type(model).__name__} has none.")
+  data, h, w = mesh.axis_names
+  size = dict(zip(mesh.axis_names, mesh.devices.shape))
+  sharded = model.clone(axis_names=(h if size[h] > 1 else None, w if size[w] > 1 else None),
+                        data_axis=data if size[data] > 1 else None)
+  base, local = train_lib.model_fns(model), train_lib.model_fns(sharded)
+  x_spec = activation_spec(mesh)
+  out_spec = P(data) if size[data] > 1 else P()
+
+  def apply(params, model_state, x, *, train, rng=None):
+    def run(params, model_state, x, rng):
+      return local.apply(params, model_state, x, train=train, rng=rng)
+    return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), x_spec, P()),
+                         out_specs=(out_spec, P()))(params, model_state, x, rng)
+
+  return train_lib.ModelFns(base.init, apply, sharded)
