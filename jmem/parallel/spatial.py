@@ -472,6 +472,13 @@ def spatial_model_fns(model, mesh: Mesh):
   out_spec = P(data) if size[data] > 1 else P()
 
   def apply(params, model_state, x, *, train, rng=None):
+    for dim, axis in zip(x.shape, (data, h, w)):
+      if dim % size[axis]:
+        raise ValueError(
+            f"Input of shape {x.shape} is not divisible by the mesh {size} along {axis!r} "
+            f"({dim} % {size[axis]} != 0): resize or pad the images, or change the batch size, "
+            f"so that N, H and W are multiples of the data, h and w mesh sizes.")
+
     def run(params, model_state, x, rng):
       return local.apply(params, model_state, x, train=train, rng=rng)
     return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), x_spec, P()),
