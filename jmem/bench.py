@@ -103,12 +103,24 @@ def _spatial(devices: int, height: int):
   return apply
 
 
+def _sbp(keep_ratio: float):
+  def apply(model):
+    if not hasattr(model, "keep_ratio"):
+      raise ValueError(f"Technique 'sbp-{keep_ratio}' needs a video model with a keep_ratio "
+                       f"field (stt-resnet8, video-vit); {type(model).__name__} has none.")
+    return model.clone(keep_ratio=keep_ratio)
+  return apply
+
+
 register_technique(Technique("exact", lambda m: m, "plain backprop (the baseline)"))
 register_technique(Technique("remat", _remat,
                              "jax.checkpoint per residual block (JAX-native peer)"))
 register_technique(Technique("spatial-8", _spatial(8, 2),
                              "activations sharded over H x W = 2 x 4 devices, halo exchange "
                              "(per-device figures; ConvNeXt models)"))
+for _r in (0.5, 0.25, 0.125):
+  register_technique(Technique(f"sbp-{_r}", _sbp(_r),
+                               f"stochastic backpropagation, keep ratio {_r} (video models)"))
 register_technique(Technique("inplace-abn", _inplace_abn,
                              "In-Place Activated BatchNorm (leaky_relu 0.01), saves only outputs"))
 
@@ -121,7 +133,9 @@ class BenchConfig:
     model: a name from `jmem.models.MODEL_NAMES`.
     techniques: technique names; ``exact`` is always measured first as the baseline.
     batch_size: examples per step.
-    image_size: side of the (resized) digit images.
+    image_size: side of the (resized) digit images, or of the frames of the moving-digit
+      clips for video models (digits of a third of it; at least 24 for 16 frames).
+    num_frames: frames per clip (video models only).
     steps: training steps per technique and seed.
     seeds: one training run per seed; accuracy is their mean.
     memory_only: compile and measure memory only, no training or timing.
@@ -135,6 +149,7 @@ class BenchConfig:
   image_size: int = 16
   steps: int = 300
   seeds: tuple[int, ...] = (0,)
+  num_frames: int = 16
   memory_only: bool = False
   learning_rate: float = 3e-3
   timing_repeats: int = 10
@@ -190,7 +205,11 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   """
   config.validate()
   names = ["exact"] + [t for t in config.techniques if t != "exact"]
-  dataset = data_lib.digits(config.image_size)
+  if models_lib.model_task(config.model) == "video":
+    dataset = data_lib.moving_digits(config.num_frames, frame_size=config.image_size,
+                                     digit_size=config.image_size // 3)
+  else:
+    dataset = data_lib.digits(config.image_size)
   if not config.memory_only and config.batch_size > len(dataset.x_train):
     raise ValueError(
         f"batch_size {config.batch_size} is larger than the {len(dataset.x_train)} training "

@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                  help=f"comma-separated, from: {', '.join(bench.technique_names())} "
                  f"(default: {','.join(d.techniques)})")
   b.add_argument("--batch-size", type=int, default=d.batch_size)
-  b.add_argument("--image-size", type=int, default=d.image_size)
+  b.add_argument("--image-size", type=int, default=d.image_size,
+                 help="image side, or frame side for video models (>= 24)")
+  b.add_argument("--num-frames", type=int, default=d.num_frames, help="frames per clip (video)")
   b.add_argument("--steps", type=int, default=d.steps)
   b.add_argument("--seeds", type=_int_list, default=d.seeds, help="comma-separated, e.g. 0,1,2")
   b.add_argument("--learning-rate", type=float, default=d.learning_rate)
@@ -67,7 +69,7 @@ def _bench(args) -> int:
   from jmem import bench  # pylint: disable=g-import-not-at-top
   config = bench.BenchConfig(
       model=args.model, techniques=args.techniques, batch_size=args.batch_size,
-      image_size=args.image_size, steps=args.steps, seeds=args.seeds,
+      image_size=args.image_size, num_frames=args.num_frames, steps=args.steps, seeds=args.seeds,
       memory_only=args.memory_only, learning_rate=args.learning_rate)
   config.validate()
   output_dir = bench.check_output_dir(args.output_dir)

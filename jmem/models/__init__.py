@@ -10,8 +10,17 @@ from jmem.models.resnet import RESNET_CONFIGS as RESNET_CONFIGS
 from jmem.models.resnet import ResNet as ResNet
 from jmem.models.resnet import resnet as resnet
 from jmem.models.small import SmallCNN as SmallCNN
+from jmem.models.video import VIDEO_CONFIGS as VIDEO_CONFIGS
+from jmem.models.video import StTVideo as StTVideo
+from jmem.models.video import VideoTransformer as VideoTransformer
+from jmem.models.video import video_model as video_model
 
-MODEL_NAMES = tuple(RESNET_CONFIGS) + tuple(CONVNEXT_CONFIGS)
+MODEL_NAMES = tuple(RESNET_CONFIGS) + tuple(CONVNEXT_CONFIGS) + tuple(VIDEO_CONFIGS)
+
+
+def model_task(name: str) -> str:
+  """``"video"`` for models of ``[B, T, H, W, C]`` clips, else ``"image"``."""
+  return "video" if name in VIDEO_CONFIGS else "image"
 
 
 def create_model(name: str, num_classes: int, **overrides):
@@ -20,4 +29,6 @@ def create_model(name: str, num_classes: int, **overrides):
     return resnet(name, num_classes, **overrides)
   if name in CONVNEXT_CONFIGS:
     return convnext(name, num_classes, **overrides)
+  if name in VIDEO_CONFIGS:
+    return video_model(name, num_classes, **overrides)
   raise ValueError(f"Unknown model {name!r}; valid models: {', '.join(MODEL_NAMES)}.")

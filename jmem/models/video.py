@@ -1,0 +1,201 @@
+"""Video models with Stochastic Backpropagation switched on by one field, ``keep_ratio``.
+
+* `StTVideo`: spatial-then-temporal. A per-frame 2-D CNN (the ResNet family, GroupNorm so
+  that frames stay independent) runs under `jmem.ops.sbp.sbp` over the frame axis, then a
+  small temporal transformer trained with full backprop classifies the clip.
+* `VideoTransformer`: patch tokens of all frames through transformer blocks; the first
+  ``depth - exact_last`` blocks use layer-level SBP (`sbp_rows`) with ONE set of kept
+  tokens shared by all of them; the last ``exact_last`` blocks are exact.
+
+``keep_ratio=1`` is exact backpropagation; the parameters do not depend on ``keep_ratio``,
+so an SBP model and its exact twin start from the same weights for the same seed.
+
+References:
+  Cheng et al., Stochastic Backpropagation, CVPR 2022, https://arxiv.org/abs/2203.16755
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from jmem.models.resnet import resnet as make_resnet
+from jmem.ops import sbp as sbp_lib
+
+__all__ = ["TokenBlock", "StTVideo", "VideoTransformer", "group_norm", "spatial_lr_scale",
+           "VIDEO_CONFIGS", "video_model"]
+
+
+def group_norm(*, num_groups: int = 8, use_running_average=None, momentum=None,
+               epsilon: float = 1e-5, dtype=None, name=None, scale_init=nn.initializers.ones):
+  """GroupNorm with BatchNorm's call signature, for `jmem.models.ResNet`'s ``norm`` field.
+
+  Per-sample normalisation keeps the frames of a clip independent, which SBP needs (batch
+  statistics would couple kept and dropped frames).
+  """
+  del use_running_average, momentum
+  return nn.GroupNorm(num_groups=num_groups, epsilon=epsilon, dtype=dtype, name=name,
+                      scale_init=scale_init)
+
+
+class TokenBlock(nn.Module):
+  """Pre-norm transformer block; ``rows`` computes only those output tokens.
+
+  With ``rows``, queries (and the MLP) are computed for the kept tokens only, against the
+  keys and values of ALL tokens: what the SBP backward re-runs.
+  """
+
+  dim: int
+  heads: int = 4
+  mlp_ratio: int = 4
+
+  @nn.compact
+  def __call__(self, x, rows: jax.Array | None = None):
+    b, n, d = x.shape
+    hd = d // self.heads
+    h = nn.LayerNorm(name="norm1")(x)
+    kv = nn.DenseGeneral((2, self.heads, hd), name="kv")(h)
+    q_in, x_res = (h, x) if rows is None else (jnp.take(h, rows, 1), jnp.take(x, rows, 1))
+    q = nn.DenseGeneral((self.heads, hd), name="q")(q_in)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kv[:, :, 0]) / jnp.sqrt(hd).astype(x.dtype)
+    att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), kv[:, :, 1])
+    y = x_res + nn.DenseGeneral(d, axis=(-2, -1), name="proj")(att)
+    m = nn.Dense(self.mlp_ratio * d, name="fc1")(nn.LayerNorm(name="norm2")(y))
+    return y + nn.Dense(d, name="fc2")(nn.gelu(m))
+
+
+def _detached(module_cls, *args, **kwargs):
+  """A module instance with no parent: its variables are held by the caller as a pytree."""
+  return module_cls(*args, **kwargs, parent=None)
+
+
+class StTVideo(nn.Module):
+  """Per-frame CNN under SBP, then a temporal transformer: ``[B, T, H, W, C] -> [B, K]``.
+
+  Attributes:
+    num_classes: outputs.
+    keep_ratio: fraction of frames that get a backward pass through the CNN (1 = exact).
+    sampler: SBP sampler name or callable.
+    backbone: ResNet config name for the per-frame CNN (GroupNorm replaces BatchNorm).
+    feature_dim: per-frame feature size (the CNN's head width).
+    temporal_depth: transformer blocks over the frame features (exact backprop).
+    heads: attention heads.
+    reference: use `jmem.ops.sbp.sbp_reference` (plain autodiff with the dropped frames'
+      features under stop_gradient: the oracle in tests) instead of `sbp`.
+  """
+
+  num_classes: int
+  keep_ratio: float = 1.0
+  sampler: Any = "uniform_chunk"
+  backbone: str = "resnet8"
+  feature_dim: int = 64
+  temporal_depth: int = 2
+  heads: int = 4
+  reference: bool = False
+
+  @nn.compact
+  def __call__(self, video, train: bool = False):
+    if video.ndim != 5:
+      raise ValueError(f"StTVideo expects [B, T, H, W, C] clips, got shape {video.shape}.")
+    b, t = video.shape[:2]
+    cnn = _detached(make_resnet, self.backbone, self.feature_dim, norm=group_norm)
+
+    def per_frame(params, clips):
+      frames = clips.reshape((-1,) + clips.shape[2:])
+      feats = cnn.apply({"params": params}, frames, train=True)
+      return feats.reshape(clips.shape[:2] + feats.shape[1:])
+
+    params = self.param("spatial", lambda rng: cnn.init(rng, video[:1, 0], train=False)["params"])
+    if train and self.keep_ratio < 1.0:
+      transform = sbp_lib.sbp_reference if self.reference else sbp_lib.sbp
+      run = transform(per_frame, keep_ratio=self.keep_ratio, axis=1, sampler=self.sampler)
+      feats = run(params, video, self.make_rng("dropout"))
+    else:                                   # exact backprop (keep_ratio 1, or eval)
+      feats = per_frame(params, video)
+    x = feats + self.param("time_embed", nn.initializers.normal(0.02), (t, self.feature_dim))
+    for i in range(self.temporal_depth):
+      x = TokenBlock(self.feature_dim, self.heads, name=f"temporal{i}")(x)
+    x = nn.LayerNorm(name="norm")(jnp.mean(x, axis=1))
+    return nn.Dense(self.num_classes, name="head")(x)
+
+
+class VideoTransformer(nn.Module):
+  """Patch tokens of every frame through transformer blocks with layer-level SBP.
+
+  Attributes:
+    num_classes: outputs.
+    keep_ratio: fraction of tokens kept for the backward of the SBP blocks (1 = exact).
+    sampler: SBP sampler over the ``T * (H/p) * (W/p)`` tokens (e.g.
+      ``jmem.ops.sbp.checkerboard((T, H/p, W/p))``).
+    patch: spatial patch side.
+    dim, depth, heads: transformer width, blocks, heads.
+    exact_last: the last blocks that use exact backprop.
+  """
+
+  num_classes: int
+  keep_ratio: float = 1.0
+  sampler: Any = "uniform_chunk"
+  patch: int = 4
+  dim: int = 64
+  depth: int = 4
+  heads: int = 4
+  exact_last: int = 1
+
+  @nn.compact
+  def __call__(self, video, train: bool = False):
+    if video.ndim != 5:
+      raise ValueError(f"VideoTransformer expects [B, T, H, W, C] clips, got {video.shape}.")
+    if not 0 <= self.exact_last <= self.depth:
+      raise ValueError(f"exact_last must be in [0, depth={self.depth}], got {self.exact_last}.")
+    b, t, h, w, c = video.shape
+    p = self.patch
+    x = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", name="patch_embed")(
+        video.reshape((b * t, h, w, c)))
+    x = x.reshape(b, -1, self.dim)
+    x = x + self.param("pos_embed", nn.initializers.normal(0.02), x.shape[1:])
+    block = _detached(TokenBlock, self.dim, self.heads)
+    f_full = lambda prm, v: block.apply({"params": prm}, v)
+    f_rows = lambda prm, v, rows: block.apply({"params": prm}, v, rows)
+    idx = None
+    if train and self.keep_ratio < 1.0 and self.exact_last < self.depth:
+      idx = sbp_lib.sample_indices(self.make_rng("dropout"), x, keep_ratio=self.keep_ratio,
+                                   axis=1, sampler=self.sampler)
+    for i in range(self.depth):
+      prm = self.param(f"block{i}", lambda rng, v=x: block.init(rng, v)["params"])
+      if idx is not None and i < self.depth - self.exact_last:
+        x = sbp_lib.sbp_rows(f_full, f_rows, prm, x, idx, axis=1)
+      else:
+        x = f_full(prm, x)
+    x = nn.LayerNorm(name="norm")(jnp.mean(x, axis=1))
+    return nn.Dense(self.num_classes, name="head")(x)
+
+
+def spatial_lr_scale(optimizer: optax.GradientTransformation, scale: float = 0.1,
+                     spatial_key: str = "spatial") -> optax.GradientTransformation:
+  """Scales the updates of the parameters under ``spatial_key`` (the paper used 0.1x)."""
+  def labels(params):
+    return {k: jax.tree.map(lambda _: "spatial" if k == spatial_key else "rest", v)
+            for k, v in params.items()}
+  return optax.multi_transform(
+      {"spatial": optax.chain(optimizer, optax.scale(scale)), "rest": optimizer}, labels)
+
+
+# name -> (class, fields)
+VIDEO_CONFIGS: dict[str, tuple[Callable[..., nn.Module], dict[str, Any]]] = {
+    "stt-resnet8": (StTVideo, dict(backbone="resnet8", feature_dim=64, temporal_depth=2)),
+    "video-vit": (VideoTransformer, dict(patch=4, dim=64, depth=4, heads=4, exact_last=1)),
+}
+
+
+def video_model(name: str, num_classes: int, **overrides) -> nn.Module:
+  """Builds a named video model (see `VIDEO_CONFIGS`)."""
+  if name not in VIDEO_CONFIGS:
+    raise ValueError(f"Unknown video model {name!r}; valid names: {sorted(VIDEO_CONFIGS)}.")
+  cls, fields = VIDEO_CONFIGS[name]
+  return cls(num_classes=num_classes, **{**fields, **overrides})
+
