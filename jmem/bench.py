@@ -118,6 +118,18 @@ register_technique(Technique("remat", _remat,
 register_technique(Technique("spatial-8", _spatial(8, 2),
                              "activations sharded over H x W = 2 x 4 devices, halo exchange "
                              "(per-device figures; ConvNeXt models)"))
+def _actnn(level: str):
+  def apply(model):
+    from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
+    return actnn.convert(model, level)
+  return apply
+
+
+for _lv, _what in (("L1", "4-bit conv inputs"), ("L2", "4-bit conv + BatchNorm"),
+                   ("L3", "2-bit residuals of every block and the stem"),
+                   ("L4", "L3 offloaded to pinned host memory"),
+                   ("L5", "L4 with 1024-value groups (less metadata)")):
+  register_technique(Technique(f"actnn-{_lv}", _actnn(_lv), f"ActNN {_lv}: {_what}"))
 for _r in (0.5, 0.25, 0.125):
   register_technique(Technique(f"sbp-{_r}", _sbp(_r),
                                f"stochastic backpropagation, keep ratio {_r} (video models)"))

@@ -30,7 +30,7 @@ def test_linen_resnet_learns_digits(digits8):
   assert result.test_accuracy > 0.9
   assert [h["step"] for h in result.history] == [60, 120]
   # BatchNorm statistics were threaded through the steps.
-  stats = result.state.model_state["batch_stats"]["stem_bn"]["mean"]
+  stats = result.state.model_state["batch_stats"]["stem"]["bn"]["mean"]
   assert float(jnp.abs(stats).sum()) > 0
 
 

@@ -114,6 +114,7 @@ class ResNet(nn.Module):
       and a final norm-act precedes the pooling.
     block_transform: maps the block class to the class actually used, e.g.
       ``flax.linen.remat`` for rematerialisation per block. ``None`` = exact.
+    stem_transform: the same for the stem module (e.g. to compress it too).
     scan_blocks: run the identical blocks of a stage (all but its first) under
       ``flax.linen.scan`` with stacked parameters. Same function, different parameter
       layout; compiles once per stage instead of once per block. (On XLA:CPU the weight
@@ -132,6 +133,7 @@ class ResNet(nn.Module):
   norm_act: ModuleDef | None = None
   preactivation: bool = False
   block_transform: Callable[[ModuleDef], ModuleDef] | None = None
+  stem_transform: Callable[[ModuleDef], ModuleDef] | None = None
   scan_blocks: bool = False
 
   @nn.compact
@@ -149,15 +151,9 @@ class ResNet(nn.Module):
                                    epsilon=1e-5)
       norm_act = functools.partial(lambda name, f: f(name=name), f=norm_act)
     x = x.astype(self.dtype)
-    if self.stem == "imagenet":
-      x = conv(self.num_filters, (7, 7), (2, 2), name="stem_conv")(x)
-      if not self.preactivation:
-        x = norm_act("stem_bn")(x)
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-    else:
-      x = conv(self.num_filters, (3, 3), name="stem_conv")(x)
-      if not self.preactivation:
-        x = norm_act("stem_bn")(x)
+    stem_cls = _Stem if self.stem_transform is None else self.stem_transform(_Stem)
+    x = stem_cls(self.num_filters, self.stem, conv, norm_act, self.preactivation,
+                 name="stem")(x)
     block_cls = self.block_cls
     if self.block_transform is not None:
       block_cls = self.block_transform(block_cls)
@@ -176,6 +172,26 @@ class ResNet(nn.Module):
       x = norm_act("final_bn")(x)
     x = jnp.mean(x, axis=(1, 2))
     return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x).astype(jnp.float32)
+
+
+class _Stem(nn.Module):
+  """The stem: 7x7/2 conv + max pool ('imagenet') or a 3x3 conv ('cifar')."""
+
+  filters: int
+  kind: str
+  conv: ModuleDef
+  norm_act: Callable[[str], Callable[[Any], Any]]
+  preactivation: bool
+
+  @nn.compact
+  def __call__(self, x):
+    if self.kind == "imagenet":
+      x = self.conv(self.filters, (7, 7), (2, 2), name="conv")(x)
+      if not self.preactivation:
+        x = self.norm_act("bn")(x)
+      return nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+    x = self.conv(self.filters, (3, 3), name="conv")(x)
+    return x if self.preactivation else self.norm_act("bn")(x)
 
 
 class _ScanBody(nn.Module):

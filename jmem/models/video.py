@@ -188,7 +188,7 @@ def spatial_lr_scale(optimizer: optax.GradientTransformation, scale: float = 0.1
 # name -> (class, fields)
 VIDEO_CONFIGS: dict[str, tuple[Callable[..., nn.Module], dict[str, Any]]] = {
     "stt-resnet8": (StTVideo, dict(backbone="resnet8", feature_dim=64, temporal_depth=2)),
-    "video-vit": (VideoTransformer, dict(patch=4, dim=64, depth=4, heads=4, exact_last=1)),
+    "video-vit": (VideoTransformer, dict(patch=8, dim=64, depth=4, heads=4, exact_last=1)),
 }
 
 

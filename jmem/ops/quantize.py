@@ -1,0 +1,274 @@
+"""Per-group stochastic-rounding quantization packed into bytes, and `compress`.
+
+`quantize` flattens each sample (axis 0), zero-pads it to groups of ``group_size``, and per
+group stores the minimum ``mn`` and the scale ``s = (2^b - 1) / (mx - mn + 2e-6)`` in
+bfloat16, rounded so that every code lands in ``[0, 2^b - 1]``: ``mn`` down and ``s`` down.
+Codes ``q = floor((x - mn) s + u)``, ``u ~ U[0, 1)`` (stochastic rounding, so
+``E[q / s + mn] = x`` exactly for the stored ``mn`` and ``s``), packed ``8 / b`` per byte.
+
+`compress(f)` is the GACT idea as a JAX transform: a function with ``f``'s signature whose
+backward uses 2-bit (or ``bits``) copies of ``f``'s floating-point residuals. The residuals
+are the leaves of ``jax.vjp(f, ...)``'s VJP function; the ones that are ``f``'s own
+arguments (parameters, inputs) are kept as they are (they are alive anyway), booleans are
+bit-packed, other integers kept.
+
+References:
+  Chen et al., ActNN: Reducing Training Memory Footprint via 2-Bit Activation Compressed
+  Training, ICML 2021, https://arxiv.org/abs/2104.14129
+  Liu et al., GACT: Activation Compressed Training for Generic Network Architectures,
+  ICML 2022, https://arxiv.org/abs/2206.11357
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
+           "pack_bits", "unpack_bits", "compress"]
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+
+
+class Quantized(NamedTuple):
+  """A quantized array: ``codes`` ``uint8[N, groups * group_size * bits / 8]``,
+  ``minimum`` and ``scale`` ``bfloat16[N, groups]`` (shape and dtype are static)."""
+
+  codes: jax.Array
+  minimum: jax.Array
+  scale: jax.Array
+
+
+def _check(bits, group_size):
+  if bits not in SUPPORTED_BITS:
+    raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}.")
+  if not isinstance(group_size, int) or group_size <= 0 or (group_size * bits) % 8:
+    raise ValueError(f"group_size must be a positive integer with group_size * bits a "
+                     f"multiple of 8, got group_size={group_size!r} (bits={bits}).")
+
+
+def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
+  """``uint8[..., n]`` codes below ``2^bits`` -> ``uint8[..., n * bits / 8]``."""
+  per = 8 // bits
+  c = codes.reshape(codes.shape[:-1] + (-1, per)).astype(jnp.uint8)
+  shifts = jnp.arange(per, dtype=jnp.uint8) * bits
+  return jnp.sum(c << shifts, axis=-1, dtype=jnp.uint8) if per > 1 else c[..., 0]
+
+
+def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
+  """Inverse of `pack_bits`."""
+  per = 8 // bits
+  shifts = jnp.arange(per, dtype=jnp.uint8) * bits
+  c = (packed[..., None] >> shifts) & jnp.uint8((1 << bits) - 1)
+  return c.reshape(packed.shape[:-1] + (-1,))
+
+
+def _round_down_bf16(v):
+  b = v.astype(jnp.bfloat16)
+  return jnp.where(b.astype(jnp.float32) > v, jnp.nextafter(b, jnp.bfloat16(-jnp.inf)), b)
+
+
+def _groups(x, group_size):
+  n = x.shape[0] if x.ndim else 1
+  flat = x.reshape(n, -1).astype(jnp.float32)
+  per = flat.shape[1]
+  g = -(-per // group_size)
+  flat = jnp.pad(flat, ((0, 0), (0, g * group_size - per)))
+  return flat.reshape(n, g, group_size), per
+
+
+def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2,
+             group_size: int = 256) -> Quantized:
+  """Per-sample, per-group stochastic-rounding quantization of a float array.
+
+  Args:
+    x: float array (float32, bfloat16 or float16); axis 0 is the sample axis.
+    key: PRNG key of the stochastic rounding.
+    bits: 1, 2, 4 or 8.
+    group_size: values per group (``group_size * bits`` a multiple of 8).
+
+  Returns:
+    `Quantized`; `dequantize` with ``x``'s shape and dtype restores an unbiased estimate.
+  """
+  _check(bits, group_size)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"quantize takes a float array, got dtype {x.dtype}; integer and boolean "
+                    "arrays need no quantization (booleans: pack_bits(x, 1)).")
+  levels = float(2**bits - 1)
+  grouped, per = _groups(x, group_size)
+  # Padding must not widen the range: pad positions take the group's first value.
+  valid = (jnp.arange(grouped.shape[1] * group_size) < per).reshape(grouped.shape[1:])
+  first = grouped[..., :1]
+  grouped_r = jnp.where(valid, grouped, first)
+  mn = _round_down_bf16(jnp.min(grouped_r, axis=-1))
+  mx = jnp.max(grouped_r, axis=-1)
+  span = mx - mn.astype(jnp.float32) + 2e-6
+  scale = _round_down_bf16(levels / span)
+  v = (grouped_r - mn.astype(jnp.float32)[..., None]) * scale.astype(jnp.float32)[..., None]
+  u = _dither(key, grouped.shape)
+  q = jnp.clip(jnp.floor(v + u), 0.0, levels).astype(jnp.uint8)
+  return Quantized(pack_bits(q.reshape(q.shape[0], -1), bits), mn, scale)
+
+
+def _dither(key, shape):
+  """``U[0, 1)`` noise from a counter hash of (element index, seed): elementwise, so it
+  fuses into the quantization instead of materialising full-size random-bit arrays (the
+  threefry path needs two uint32 and one float32 arrays of the residual's size)."""
+  seed = jax.random.bits(key, (), jnp.uint32)
+  h = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
+  stride = jnp.uint32(shape[-1])
+  for d in range(len(shape) - 2, -1, -1):
+    h = h + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * stride
+    stride = stride * jnp.uint32(shape[d])
+  h = h * jnp.uint32(0x9E3779B1) + seed
+  h = h ^ (h >> 16)          # lowbias32 finaliser (Wellons)
+  h = h * jnp.uint32(0x7FEB352D)
+  h = h ^ (h >> 15)
+  h = h * jnp.uint32(0x846CA68B)
+  h = h ^ (h >> 16)
+  return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def dequantize(qx: Quantized, shape: tuple[int, ...], dtype, *, bits: int = 2,
+               group_size: int = 256) -> jax.Array:
+  """``x̂ = q / s + mn`` back to ``shape`` and ``dtype``."""
+  _check(bits, group_size)
+  q = unpack_bits(qx.codes, bits).astype(jnp.float32)
+  n, g = qx.minimum.shape
+  q = q.reshape(n, g, group_size)
+  x = q / qx.scale.astype(jnp.float32)[..., None] + qx.minimum.astype(jnp.float32)[..., None]
+  per = int(np.prod(shape[1:])) if len(shape) else 1
+  return x.reshape(n, -1)[:, :per].reshape(shape).astype(dtype)
+
+
+def packed_nbytes(shape: tuple[int, ...], *, bits: int = 2, group_size: int = 256) -> int:
+  """Bytes of a `Quantized` array of ``shape``: codes plus two bf16 per group."""
+  n = shape[0] if shape else 1
+  per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+  g = -(-per // group_size)
+  return n * g * (group_size * bits // 8 + 4)
+
+
+# ------------------------------------------------------------------------ the transform
+
+def _is_arg(leaf, args):
+  return any(leaf is a for a in args)
+
+
+def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
+             min_size: int = 1024, param_argnums: tuple[int, ...] = (0,),
+             offload: bool = False) -> Callable[..., Any]:
+  """``f`` whose backward pass uses ``bits``-bit copies of its floating residuals.
+
+  Residuals that are leaves of the ``param_argnums`` arguments (parameters) are kept as
+  they are; every other floating residual is quantized, the other arguments (activations
+  entering ``f``) included: inside a network nothing else keeps them. (If the caller keeps
+  such an input alive anyway, its compressed copy is extra memory: pass its position in
+  ``param_argnums``.)
+
+  Args:
+    f: any function of arrays (pytrees allowed) that ``jax.vjp`` can differentiate.
+    bits: bits per stored value (1, 2, 4, 8).
+    group_size: quantization group size.
+    min_size: residuals with fewer elements are kept as they are (metadata would cost
+      more than it saves).
+    param_argnums: positions of the arguments never compressed (default: the first,
+      ``f(params, x)``).
+    offload: move the compressed residuals to host memory (``pinned_host``) until the
+      backward pass (ActNN's L4).
+
+  Returns:
+    ``g(*args, compress_key=None)`` with ``g(*args) == f(*args)`` in the forward pass. The
+    stochastic-rounding key defaults to one derived from the arguments' values (different
+    every step as the data change); pass ``compress_key`` to control it. Composes with
+    jit, grad, vmap, scan and checkpoint (it is a ``custom_vjp``).
+
+  Raises:
+    ValueError: unsupported ``bits`` or bad ``group_size``.
+  """
+  _check(bits, group_size)
+
+  def g(*args, compress_key=None):
+    # One custom_vjp per call: the residual layout (static) is shared by its fwd and bwd.
+    layout: dict[str, Any] = {}
+
+    @jax.custom_vjp
+    def call(args, key):
+      return f(*args)
+
+    def fwd(args, key):
+      y, vjp_fn = jax.vjp(f, *args)
+      leaves, layout["treedef"] = jax.tree.flatten(vjp_fn)
+      kept = jax.tree.leaves([a for i, a in enumerate(args) if i in param_argnums])
+      key = _data_key(jax.tree.leaves(args)) if key is None else key
+      plan, saved = [], []
+      for i, leaf in enumerate(leaves):
+        if _is_arg(leaf, kept):
+          plan.append(("keep", None, None))       # parameters: alive anyway
+          saved.append(leaf)
+        elif jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size >= min_size:
+          plan.append(("quant", leaf.shape, leaf.dtype))
+          n = leaf.shape[0] if leaf.ndim else 1
+          saved.append(quantize(leaf.reshape(n, -1), jax.random.fold_in(key, i), bits=bits,
+                                group_size=group_size))
+        elif leaf.dtype == jnp.bool_ and leaf.size % 8 == 0 and leaf.size >= min_size:
+          plan.append(("bool", leaf.shape, None))
+          saved.append(pack_bits(leaf.reshape(-1).astype(jnp.uint8), 1))
+        else:
+          plan.append(("keep", None, None))
+          saved.append(leaf)
+      layout["plan"] = plan
+      # The output is released only once the residuals are compressed, so the next layer
+      # cannot run while this one's float residuals are still alive.
+      packed = [v for p, v in zip(plan, saved) if p[0] != "keep"]
+      y, packed = jax.lax.optimization_barrier((y, packed))
+      it = iter(packed)
+      saved = [next(it) if p[0] != "keep" else v for p, v in zip(plan, saved)]
+      if offload:
+        saved = [_to_space(v, jax.memory.Space.Host) if p[0] != "keep" else v
+                 for p, v in zip(plan, saved)]
+      return y, saved
+
+    def bwd(saved, ct):
+      # Pin the decompression after the cotangent exists: otherwise XLA hoists it into the
+      # forward pass and the float copies live until the backward (no saving at all).
+      saved, ct = jax.lax.optimization_barrier((saved, ct))
+      if offload:
+        saved = [_to_space(v, jax.memory.Space.Device) if p[0] != "keep" else v
+                 for p, v in zip(layout["plan"], saved)]
+      leaves = []
+      for (kind, shape, dtype), s in zip(layout["plan"], saved):
+        if kind == "quant":
+          n = shape[0] if len(shape) else 1
+          per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+          leaves.append(dequantize(s, (n, per), dtype, bits=bits,
+                                   group_size=group_size).reshape(shape))
+        elif kind == "bool":
+          leaves.append(unpack_bits(s, 1).astype(jnp.bool_).reshape(shape))
+        else:
+          leaves.append(s)
+      vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
+      return tuple(vjp_fn(ct)), None
+
+    call.defvjp(fwd, bwd)
+    return call(tuple(args), compress_key)
+
+  return g
+
+
+def _to_space(tree, space):
+  return jax.tree.map(lambda v: jax.device_put(v, space), tree)
+
+
+def _data_key(flat_args):
+  """A PRNG key from the arguments' values (so it changes when the data change)."""
+  acc = jnp.uint32(0x9E3779B9)
+  for a in flat_args:
+    if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating) and a.size:
+      s = jnp.sum(a.astype(jnp.float32)) + jnp.float32(a.size)
+      acc = acc * jnp.uint32(16777619) ^ jax.lax.bitcast_convert_type(s, jnp.uint32)
+  return jax.random.key(jax.lax.stop_gradient(acc))

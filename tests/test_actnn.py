@@ -1,0 +1,164 @@
+"""2-bit activation compression: an unbiased quantizer, the compress transform, levels."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jmem import bench, models, train
+from jmem.ops import actnn
+from jmem.ops import quantize as Q
+
+
+def _x(shape=(4, 300), dtype=jnp.float32, seed=0):
+  return (jax.random.normal(jax.random.key(seed), shape) * 3 + 1).astype(dtype)
+
+
+def _roundtrip(x, key, bits, group_size=256):
+  return Q.dequantize(Q.quantize(x, key, bits=bits, group_size=group_size), x.shape, x.dtype,
+                      bits=bits, group_size=group_size)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_quantizer_is_unbiased_and_bounded(bits):
+  x = _x()
+  keys = jax.random.split(jax.random.key(1), 1000)
+  samples = jax.vmap(lambda k: _roundtrip(x, k, bits))(keys)
+  # Error bound: every value within one quantization step of its group.
+  grouped = np.asarray(x).reshape(4, -1)
+  step = np.zeros_like(grouped)
+  for s in range(4):
+    for g0 in range(0, 300, 256):
+      sl = slice(g0, min(g0 + 256, 300))
+      step[s, sl] = (grouped[s, sl].max() - grouped[s, sl].min()) / (2**bits - 1)
+  err = np.abs(np.asarray(samples) - np.asarray(x)[None])
+  assert np.all(err <= step[None] * (1 + 1e-2) + 1e-5)
+  # Unbiased: the mean over 1000 keys is within 5 standard errors (sd <= step / 2).
+  mean_err = np.abs(np.asarray(samples.mean(0)) - np.asarray(x))
+  assert np.all(mean_err <= 5 * (step / 2) / np.sqrt(1000) + 1e-5), mean_err.max()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape,bits,group", [((3, 5, 7), 2, 256), ((2, 1000), 4, 64),
+                                              ((7,), 1, 8), ((1, 3, 3, 17), 8, 256)])
+def test_roundtrip_shapes_dtypes_and_packed_size(dtype, shape, bits, group):
+  x = _x(shape, dtype)
+  q = Q.quantize(x, jax.random.key(0), bits=bits, group_size=group)
+  y = Q.dequantize(q, x.shape, x.dtype, bits=bits, group_size=group)
+  assert y.shape == x.shape and y.dtype == x.dtype
+  nbytes = q.codes.nbytes + q.minimum.nbytes + q.scale.nbytes
+  assert nbytes == Q.packed_nbytes(shape, bits=bits, group_size=group)
+  n = shape[0]
+  per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+  assert q.codes.shape == (n, -(-per // group) * group * bits // 8)
+  assert q.codes.dtype == jnp.uint8 and q.minimum.dtype == jnp.bfloat16
+  if bits == 8:
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x, np.float32),
+                               atol=0.1, rtol=0.02)
+
+
+def test_pack_bits_roundtrip():
+  for bits in (1, 2, 4, 8):
+    codes = jax.random.randint(jax.random.key(bits), (3, 64), 0, 2**bits).astype(jnp.uint8)
+    packed = Q.pack_bits(codes, bits)
+    assert packed.shape == (3, 64 * bits // 8)
+    assert jnp.array_equal(Q.unpack_bits(packed, bits), codes)
+
+
+def _mlp(params, x):
+  return jnp.tanh(jax.nn.relu(x @ params["w1"]) @ params["w2"])
+
+
+def _mlp_data():
+  k = jax.random.split(jax.random.key(3), 4)
+  params = {"w1": jax.random.normal(k[0], (64, 256)) / 8,
+            "w2": jax.random.normal(k[1], (256, 32)) / 16}
+  return params, jax.random.normal(k[2], (128, 64)), jax.random.normal(k[3], (128, 32))
+
+
+def test_compress_transform_grads_8bit_close_2bit_unbiased():
+  params, x, ct = _mlp_data()
+  exact = jax.grad(lambda p: jnp.sum(_mlp(p, x) * ct))(params)
+  g8 = Q.compress(_mlp, bits=8)
+  got8 = jax.jit(jax.grad(lambda p: jnp.sum(g8(p, x) * ct)))(params)
+  for k in exact:
+    rel = float(jnp.linalg.norm(got8[k] - exact[k]) / jnp.linalg.norm(exact[k]))
+    assert rel < 0.03, (k, rel)
+  g2 = Q.compress(_mlp, bits=2)
+  grad2 = jax.jit(lambda p, key: jax.grad(
+      lambda p: jnp.sum(g2(p, x, compress_key=key) * ct))(p))
+  keys = jax.random.split(jax.random.key(9), 300)
+  runs = [grad2(params, k) for k in keys]
+  for k in exact:
+    stack = np.stack([np.asarray(r[k]) for r in runs])
+    single = np.linalg.norm(stack[0] - exact[k]) / np.linalg.norm(exact[k])
+    mean = np.linalg.norm(stack.mean(0) - exact[k]) / np.linalg.norm(exact[k])
+    assert mean < single / 8, (k, single, mean)       # error shrinks ~ 1/sqrt(300)
+  # The forward is untouched; the residuals are packed bytes, not float copies.
+  np.testing.assert_array_equal(g2(params, x), _mlp(params, x))
+  leaves = jax.tree.leaves(jax.vjp(lambda p: g2(p, x), params)[1])
+  assert not any(l.dtype == jnp.float32 and l.size >= 1024 and l.shape != (64, 256)
+                 and l.shape != (256, 32) for l in leaves)
+
+
+def test_compress_composes_with_scan_vmap_checkpoint():
+  params, x, ct = _mlp_data()
+  g = Q.compress(_mlp, bits=8)
+  xs = jnp.stack([x, x * 0.5])
+
+  def scanned(p):
+    return jax.lax.scan(lambda c, xi: (c + jnp.sum(g(p, xi)), None), 0.0, xs)[0]
+  want = jax.grad(lambda p: sum(jnp.sum(_mlp(p, xi)) for xi in xs))(params)
+  for fn in (scanned, jax.checkpoint(scanned),
+             lambda p: jnp.sum(jax.vmap(g, in_axes=(None, 0))(p, xs))):
+    got = jax.jit(jax.grad(fn))(params)
+    for k in want:
+      assert float(jnp.linalg.norm(got[k] - want[k]) / jnp.linalg.norm(want[k])) < 0.03
+
+
+def test_levels_on_resnet_memory_and_exact_l0():
+  model = models.create_model("resnet20", 10)
+  opt = optax.sgd(0.1)
+  x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((64,), jnp.int32)
+  fig = {lv: bench.step_memory(train.model_fns(actnn.convert(model, lv)), opt, x, y)
+         for lv in ("L0", "L1", "L2", "L3", "L5")}
+  assert actnn.convert(model, "L0") is model
+  saved = {k: v[0] / fig["L0"][0] for k, v in fig.items()}
+  temp = {k: v[1] / fig["L0"][1] for k, v in fig.items()}
+  assert saved["L1"] < 0.9 and saved["L2"] < 0.45 and saved["L3"] < 1 / 12, saved
+  assert saved["L5"] < saved["L3"], saved
+  assert temp["L3"] < 0.3 and temp["L2"] < temp["L1"] < 1.0, temp
+
+
+def test_l0_is_exact_and_l2_gradients_are_close():
+  model = models.create_model("resnet8", 10)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16, 16, 1)), jnp.float32)
+  y = jnp.arange(8) % 10
+  fns = train.model_fns(model)
+  params, state = fns.init(jax.random.key(0), x)
+  grad = lambda f: jax.grad(lambda p: train.make_loss(f)(p, state, x, y, None)[0])(params)
+  exact = grad(fns)
+  for lv, tol in (("L0", 0.0), ("L2", 0.25)):   # 4-bit: ~0.12 relative on one batch
+    got = grad(train.model_fns(actnn.convert(model, lv)))
+    num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(got),
+                                                          jax.tree.leaves(exact)))
+    den = sum(float(jnp.sum(b ** 2)) for b in jax.tree.leaves(exact))
+    assert np.sqrt(num / den) <= tol, (lv, np.sqrt(num / den))
+
+
+def test_bad_input_errors():
+  x = _x()
+  with pytest.raises(ValueError, match="bits must be one of"):
+    Q.quantize(x, jax.random.key(0), bits=3)
+  with pytest.raises(ValueError, match="group_size"):
+    Q.quantize(x, jax.random.key(0), group_size=0)
+  with pytest.raises(TypeError, match="float array"):
+    Q.quantize(jnp.arange(8), jax.random.key(0))
+  with pytest.raises(ValueError, match="Unknown compression level"):
+    actnn.convert(models.create_model("resnet8", 10), "L9")
+  with pytest.raises(ValueError, match="bits must be one of"):
+    actnn.Level("mine", block_bits=3)
+  with pytest.raises(ValueError, match="_transform. field"):
+    actnn.convert(models.create_model("convnext-digits", 10), "L3")   # no such hooks
