@@ -162,3 +162,28 @@ def test_bad_input_errors():
     actnn.Level("mine", block_bits=3)
   with pytest.raises(ValueError, match="_transform. field"):
     actnn.convert(models.create_model("convnext-digits", 10), "L3")   # no such hooks
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pallas_kernels_bit_identical_in_interpret_mode(bits):
+  x = _x((5, 3, 7, 11))
+  key = jax.random.key(1)
+  a = Q.quantize(x, key, bits=bits, group_size=64)
+  b = Q.quantize(x, key, bits=bits, group_size=64, implementation="pallas", interpret=True)
+  for u, v in zip(a, b):
+    assert jnp.array_equal(u, v)
+  np.testing.assert_allclose(
+      Q.dequantize(a, x.shape, x.dtype, bits=bits, group_size=64, implementation="pallas",
+                   interpret=True),
+      Q.dequantize(a, x.shape, x.dtype, bits=bits, group_size=64), rtol=1e-6, atol=1e-6)
+
+
+def test_pallas_kernels_lower_for_cuda():
+  def roundtrip(x):
+    q = Q.quantize(x, jax.random.key(1), bits=2, implementation="pallas", interpret=False)
+    return Q.dequantize(q, x.shape, x.dtype, bits=2, implementation="pallas", interpret=False)
+  text = jax.jit(roundtrip).trace(jnp.ones((32, 4096))).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 2
+  with pytest.raises(ValueError, match="implementation"):
+    Q.quantize(jnp.ones((2, 8)), jax.random.key(0), implementation="triton")

@@ -115,6 +115,8 @@ class ResNet(nn.Module):
     block_transform: maps the block class to the class actually used, e.g.
       ``flax.linen.remat`` for rematerialisation per block. ``None`` = exact.
     stem_transform: the same for the stem module (e.g. to compress it too).
+    head_pool: ``"mean"`` (global average pooling) or ``"flatten"`` (the final feature map
+      flattened into the head: position-aware, as a per-frame encoder of motion needs).
     scan_blocks: run the identical blocks of a stage (all but its first) under
       ``flax.linen.scan`` with stacked parameters. Same function, different parameter
       layout; compiles once per stage instead of once per block. (On XLA:CPU the weight
@@ -135,6 +137,7 @@ class ResNet(nn.Module):
   block_transform: Callable[[ModuleDef], ModuleDef] | None = None
   stem_transform: Callable[[ModuleDef], ModuleDef] | None = None
   scan_blocks: bool = False
+  head_pool: str = "mean"
 
   @nn.compact
   def __call__(self, x, train: bool = True):
@@ -170,7 +173,12 @@ class ResNet(nn.Module):
           x = block_cls(filters, name=f"stage{i + 1}_block{j + 1}", **kw)(x)
     if self.preactivation:
       x = norm_act("final_bn")(x)
-    x = jnp.mean(x, axis=(1, 2))
+    if self.head_pool == "mean":
+      x = jnp.mean(x, axis=(1, 2))
+    elif self.head_pool == "flatten":      # keeps where things are (e.g. for motion)
+      x = x.reshape(x.shape[0], -1)
+    else:
+      raise ValueError(f"head_pool must be 'mean' or 'flatten', got {self.head_pool!r}.")
     return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
 

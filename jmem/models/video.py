@@ -103,7 +103,9 @@ class StTVideo(nn.Module):
     if video.ndim != 5:
       raise ValueError(f"StTVideo expects [B, T, H, W, C] clips, got shape {video.shape}.")
     b, t = video.shape[:2]
-    cnn = _detached(make_resnet, self.backbone, self.feature_dim, norm=group_norm)
+    # Flattened head: global pooling would discard where the digit is, hence the motion.
+    cnn = _detached(make_resnet, self.backbone, self.feature_dim, norm=group_norm,
+                    head_pool="flatten")
 
     def per_frame(params, clips):
       frames = clips.reshape((-1,) + clips.shape[2:])

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
-           "pack_bits", "unpack_bits", "compress"]
+           "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform"]
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 
@@ -81,8 +81,44 @@ def _groups(x, group_size):
   return flat.reshape(n, g, group_size), per
 
 
-def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2,
-             group_size: int = 256) -> Quantized:
+def group_statistics(x: jax.Array, *, bits: int, group_size: int):
+  """``(groups float32[N, G, group_size], minimum bf16[N, G], scale bf16[N, G])``.
+
+  Pad positions repeat the group's first value (padding must not widen the range); the
+  minimum is rounded down and the scale down, both to bfloat16, so that every code of
+  ``(x - minimum) * scale`` lies in ``[0, 2^bits - 1]``.
+  """
+  levels = float(2**bits - 1)
+  grouped, per = _groups(x, group_size)
+  valid = (jnp.arange(grouped.shape[1] * group_size) < per).reshape(grouped.shape[1:])
+  grouped = jnp.where(valid, grouped, grouped[..., :1])
+  mn = _round_down_bf16(jnp.min(grouped, axis=-1))
+  span = jnp.max(grouped, axis=-1) - mn.astype(jnp.float32) + 2e-6
+  return grouped, mn, _round_down_bf16(levels / span)
+
+
+def hash_uniform(index: jax.Array, seed: jax.Array) -> jax.Array:
+  """``U[0, 1)`` from a uint32 element index and seed (lowbias32 hash; Wellons).
+
+  Elementwise, so it fuses into the quantization instead of materialising full-size
+  random-bit arrays (threefry needs two uint32 and one float32 array of the input's size);
+  the Pallas kernels compute the same values.
+  """
+  h = index * jnp.uint32(0x9E3779B1) + seed
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x7FEB352D)
+  h = h ^ (h >> 15)
+  h = h * jnp.uint32(0x846CA68B)
+  h = h ^ (h >> 16)
+  return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def dither_seed(key: jax.Array) -> jax.Array:
+  return jax.random.bits(key, (), jnp.uint32)
+
+
+def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 256,
+             implementation: str = "xla", interpret: bool | None = None) -> Quantized:
   """Per-sample, per-group stochastic-rounding quantization of a float array.
 
   Args:
@@ -90,6 +126,9 @@ def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2,
     key: PRNG key of the stochastic rounding.
     bits: 1, 2, 4 or 8.
     group_size: values per group (``group_size * bits`` a multiple of 8).
+    implementation: ``"xla"`` (default) or ``"pallas"`` (fused quantize+pack kernel of
+      `pallas_kernels.quantize`; bit-identical codes).
+    interpret: Pallas interpret mode (``None``: on non-GPU backends, with a warning).
 
   Returns:
     `Quantized`; `dequantize` with ``x``'s shape and dtype restores an unbiased estimate.
@@ -98,49 +137,41 @@ def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2,
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize takes a float array, got dtype {x.dtype}; integer and boolean "
                     "arrays need no quantization (booleans: pack_bits(x, 1)).")
+  _check_implementation(implementation)
+  grouped, mn, scale = group_statistics(x, bits=bits, group_size=group_size)
+  seed = dither_seed(key)
+  if implementation == "pallas":
+    from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
+    codes = kernels.quantize_pack(grouped.reshape(-1, group_size), mn.reshape(-1),
+                                  scale.reshape(-1), seed, bits=bits, interpret=interpret)
+    return Quantized(codes.reshape(mn.shape[0], -1), mn, scale)
   levels = float(2**bits - 1)
-  grouped, per = _groups(x, group_size)
-  # Padding must not widen the range: pad positions take the group's first value.
-  valid = (jnp.arange(grouped.shape[1] * group_size) < per).reshape(grouped.shape[1:])
-  first = grouped[..., :1]
-  grouped_r = jnp.where(valid, grouped, first)
-  mn = _round_down_bf16(jnp.min(grouped_r, axis=-1))
-  mx = jnp.max(grouped_r, axis=-1)
-  span = mx - mn.astype(jnp.float32) + 2e-6
-  scale = _round_down_bf16(levels / span)
-  v = (grouped_r - mn.astype(jnp.float32)[..., None]) * scale.astype(jnp.float32)[..., None]
-  u = _dither(key, grouped.shape)
-  q = jnp.clip(jnp.floor(v + u), 0.0, levels).astype(jnp.uint8)
+  v = (grouped - mn.astype(jnp.float32)[..., None]) * scale.astype(jnp.float32)[..., None]
+  index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
+  q = jnp.clip(jnp.floor(v + hash_uniform(index, seed)), 0.0, levels).astype(jnp.uint8)
   return Quantized(pack_bits(q.reshape(q.shape[0], -1), bits), mn, scale)
 
 
-def _dither(key, shape):
-  """``U[0, 1)`` noise from a counter hash of (element index, seed): elementwise, so it
-  fuses into the quantization instead of materialising full-size random-bit arrays (the
-  threefry path needs two uint32 and one float32 arrays of the residual's size)."""
-  seed = jax.random.bits(key, (), jnp.uint32)
-  h = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
-  stride = jnp.uint32(shape[-1])
-  for d in range(len(shape) - 2, -1, -1):
-    h = h + jax.lax.broadcasted_iota(jnp.uint32, shape, d) * stride
-    stride = stride * jnp.uint32(shape[d])
-  h = h * jnp.uint32(0x9E3779B1) + seed
-  h = h ^ (h >> 16)          # lowbias32 finaliser (Wellons)
-  h = h * jnp.uint32(0x7FEB352D)
-  h = h ^ (h >> 15)
-  h = h * jnp.uint32(0x846CA68B)
-  h = h ^ (h >> 16)
-  return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+def _check_implementation(implementation):
+  if implementation not in ("xla", "pallas"):
+    raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}.")
 
 
 def dequantize(qx: Quantized, shape: tuple[int, ...], dtype, *, bits: int = 2,
-               group_size: int = 256) -> jax.Array:
-  """``x̂ = q / s + mn`` back to ``shape`` and ``dtype``."""
+               group_size: int = 256, implementation: str = "xla",
+               interpret: bool | None = None) -> jax.Array:
+  """``x̂ = q / s + mn`` back to ``shape`` and ``dtype`` (``implementation`` as `quantize`)."""
   _check(bits, group_size)
-  q = unpack_bits(qx.codes, bits).astype(jnp.float32)
+  _check_implementation(implementation)
   n, g = qx.minimum.shape
-  q = q.reshape(n, g, group_size)
-  x = q / qx.scale.astype(jnp.float32)[..., None] + qx.minimum.astype(jnp.float32)[..., None]
+  if implementation == "pallas":
+    from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
+    x = kernels.unpack_dequantize(qx.codes.reshape(n * g, -1), qx.minimum.reshape(-1),
+                                  qx.scale.reshape(-1), bits=bits, interpret=interpret)
+  else:
+    q = unpack_bits(qx.codes, bits).astype(jnp.float32).reshape(n, g, group_size)
+    x = (q / qx.scale.astype(jnp.float32)[..., None] +
+         qx.minimum.astype(jnp.float32)[..., None])
   per = int(np.prod(shape[1:])) if len(shape) else 1
   return x.reshape(n, -1)[:, :per].reshape(shape).astype(dtype)
 
