@@ -122,7 +122,8 @@ class StTVideo(nn.Module):
     x = feats + self.param("time_embed", nn.initializers.normal(0.02), (t, self.feature_dim))
     for i in range(self.temporal_depth):
       x = TokenBlock(self.feature_dim, self.heads, name=f"temporal{i}")(x)
-    x = nn.LayerNorm(name="norm")(jnp.mean(x, axis=1))
+    # Read out every time step (not their mean): the order of the frames is the motion.
+    x = nn.LayerNorm(name="norm")(x.reshape(b, t * self.feature_dim))
     return nn.Dense(self.num_classes, name="head")(x)
 
 
