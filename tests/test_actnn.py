@@ -187,3 +187,29 @@ def test_pallas_kernels_lower_for_cuda():
   assert text.count("__gpu$xla.gpu.triton") == 2
   with pytest.raises(ValueError, match="implementation"):
     Q.quantize(jnp.ones((2, 8)), jax.random.key(0), implementation="triton")
+
+
+def test_nnx_graph_surgery():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 16, 16, 1)), jnp.float32)
+  y = jnp.arange(16) % 10
+  opt = optax.sgd(0.1)
+  x_spec = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
+  y_spec = jax.ShapeDtypeStruct((64,), jnp.int32)
+
+  def run(level):
+    model = models.SmallCNN(1, 10, rngs=nnx.Rngs(0))
+    if level is not None:
+      assert actnn.convert_nnx(model, level) is model
+    fns = train.model_fns(model)
+    params, state = fns.init(None, x)
+    g = jax.grad(lambda p: train.make_loss(fns)(p, state, x, y, jax.random.key(0))[0])(params)
+    return jax.tree.leaves(g), bench.step_memory(fns, opt, x_spec, y_spec)[0]
+  exact, saved_exact = run(None)
+  for level, tol in (("L0", 0.0), ("L2", 0.15)):
+    got, saved = run(level)
+    rel = np.sqrt(sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(got, exact)) /
+                  sum(float(jnp.sum(b ** 2)) for b in exact))
+    assert rel <= tol, (level, rel)
+    if level == "L2":
+      assert saved < 0.5 * saved_exact, (saved, saved_exact)

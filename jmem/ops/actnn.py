@@ -43,11 +43,12 @@ import flax.core.lift as lift
 import flax.linen as nn
 import jax
 import numpy as np
+from flax import nnx
 from flax.linen import transforms as nn_transforms
 
 from jmem.ops import quantize as q
 
-__all__ = ["Level", "LEVELS", "get_level", "compressed", "convert"]
+__all__ = ["Level", "LEVELS", "get_level", "compressed", "convert", "CompressedNNX", "convert_nnx"]
 
 
 def _lift_compress(fn, variables=True, rngs=True, *, bits, group_size, offload):
@@ -159,3 +160,56 @@ def _need(model, field, lv):
   if not hasattr(model, field):
     raise ValueError(f"Level {lv.name} needs a model with a {field!r} field (such as "
                      f"jmem.models.ResNet); {type(model).__name__} has none.")
+
+
+# ------------------------------------------------------------------------------ Flax NNX
+
+class CompressedNNX(nnx.Module):
+  """An NNX module whose call saves ``bits``-bit copies of its residuals.
+
+  The inner module's state (parameters, batch statistics, RNG counters) goes through
+  `jmem.ops.quantize.compress` as the never-compressed first argument, and the updated state
+  is written back, so BatchNorm statistics and dropout streams behave as before.
+  """
+
+  def __init__(self, inner: nnx.Module, *, bits: int = 2, group_size: int = 256,
+               offload: bool = False):
+    self.inner = inner
+    self.bits, self.group_size, self.offload = bits, group_size, offload
+
+  def __call__(self, *args):
+    graphdef, state = nnx.split(self.inner)
+
+    def pure(state, *args):
+      module = nnx.merge(graphdef, state)
+      return module(*args), nnx.state(module)
+    fn = q.compress(pure, bits=self.bits, group_size=self.group_size, param_argnums=(0,),
+                    offload=self.offload)
+    y, new_state = fn(state, *args)
+    nnx.update(self.inner, new_state)
+    return y
+
+
+def convert_nnx(model: nnx.Module, level: str | Level = "L3", *,
+                block_types: tuple[type, ...] = ()) -> nnx.Module:
+  """Graph surgery on an NNX model, in place (and returned): `convert` for Flax NNX.
+
+  L1/L2 wrap every ``nnx.Conv`` (and, at L2, ``nnx.BatchNorm``) in `CompressedNNX` at 4
+  bits. L3+ wrap every instance of ``block_types`` at ``block_bits`` (the GACT way); with no
+  ``block_types`` they wrap convolutions and batch norms at ``block_bits``. ``L0`` changes
+  nothing.
+  """
+  from jmem.parallel.sync_bn import replace_nnx_modules  # pylint: disable=g-import-not-at-top
+  lv = get_level(level)
+  kw = dict(group_size=lv.group_size, offload=lv.offload)
+  plan = []
+  if lv.conv_bits is not None:
+    plan.append(((nnx.Conv,), lv.conv_bits))
+  if lv.norm_bits is not None:
+    plan.append(((nnx.BatchNorm,), lv.norm_bits))
+  if lv.block_bits is not None:
+    plan.append((tuple(block_types) or (nnx.Conv, nnx.BatchNorm), lv.block_bits))
+  for types, bits in plan:
+    replace_nnx_modules(model, lambda m, t=types: isinstance(m, t),
+                        lambda m, b=bits: CompressedNNX(m, bits=b, **kw))
+  return model
