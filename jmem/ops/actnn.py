@@ -28,6 +28,9 @@ L5    L4 with groups of 1024 instead of 256: the bf16 min/scale metadata falls f
 ActNN's L3 chooses bits per layer and per sample from gradient sensitivity, with an average
 of 2; jmem's L3 uses 2 bits everywhere (the allocation is not implemented yet).
 
+The individual compressed operations (dense, conv, norms, gelu, attention, 1-bit ReLU /
+dropout masks, max-pool indices) are in `jmem.ops.compressed`.
+
 References:
   Chen et al., ActNN, ICML 2021, https://arxiv.org/abs/2104.14129
   Liu et al., GACT, ICML 2022, https://arxiv.org/abs/2206.11357
