@@ -54,7 +54,6 @@ def conv_rows():
   single_temp = measure.compiled_memory(single, x0, w0).temp_bytes / MIB
   for shape in ((1, 8), (2, 4)):
     mesh = _auto_mesh(shape)
-    spec = P("h" if shape[0] > 1 else None, None, "w", None)
     spec = P(None, "h" if shape[0] > 1 else None, "w", None)
     x = jax.device_put(x0, NamedSharding(mesh, spec))
     w = jax.device_put(w0, NamedSharding(mesh, P()))
@@ -81,8 +80,7 @@ def conv_rows():
   return rows
 
 
-def _step_and_state(model, x_shape, fns, opt):
-  x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
+def _step_and_state(x_shape, fns, opt):
   state = train.init_state(fns, opt, jax.random.key(0),
                            jnp.zeros((1,) + x_shape[1:], jnp.float32))
   return train.make_train_step(fns, opt, donate=False), state
@@ -95,7 +93,7 @@ def stage_rows():
   x0 = jax.random.normal(jax.random.key(1), (8, 64, 256, 3))
   y = jnp.arange(8) % 10
   fns = train.model_fns(model)
-  step, state = _step_and_state(model, x0.shape, fns, opt)
+  step, state = _step_and_state(x0.shape, fns, opt)
   rows = []
   single_temp = measure.compiled_memory(step, state, x0, y).temp_bytes / MIB
   ref_state, _ = step(state, x0, y)
@@ -133,7 +131,7 @@ def weak_scaling_rows():
     y = jnp.arange(4) % 10
     mesh = spatial.spatial_mesh(1, 1, n, devices=jax.devices()[:n])
     fns = spatial.spatial_model_fns(model, mesh) if n > 1 else train.model_fns(model)
-    step, state = _step_and_state(model, x.shape, fns, opt)
+    step, state = _step_and_state(x.shape, fns, opt)
     t = measure.time_steps({"step": lambda: step(state, x, y)}, repeats=5, baseline="step")
     rows.append(dict(section="weak scaling (W = 64 per device)", devices=n,
                      input=list(x.shape), step_time_s=t["step"]["median_s"],

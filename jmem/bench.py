@@ -73,17 +73,19 @@ def get_technique(name: str) -> Technique:
   return _TECHNIQUES[name]
 
 
-def _remat(model):
-  if not hasattr(model, "block_transform"):
-    raise ValueError(f"Technique 'remat' needs a model with a block_transform field; "
+def _require(model, field: str, technique: str, what: str = "a model") -> None:
+  if not hasattr(model, field):
+    raise ValueError(f"Technique {technique!r} needs {what} with a {field} field; "
                      f"{type(model).__name__} has none.")
+
+
+def _remat(model):
+  _require(model, "block_transform", "remat")
   return model.clone(block_transform=nn.remat)
 
 
 def _inplace_abn(model):
-  if not hasattr(model, "norm_act"):
-    raise ValueError(f"Technique 'inplace-abn' needs a model with a norm_act field; "
-                     f"{type(model).__name__} has none.")
+  _require(model, "norm_act", "inplace-abn")
   from jmem.ops.inplace_abn import InPlaceABN  # pylint: disable=g-import-not-at-top
   # InPlace-ABN needs an invertible activation: leaky_relu replaces relu everywhere.
   return model.clone(norm_act=functools.partial(InPlaceABN, activation="leaky_relu", slope=0.01),
@@ -105,10 +107,16 @@ def _spatial(devices: int, height: int):
 
 def _sbp(keep_ratio: float):
   def apply(model):
-    if not hasattr(model, "keep_ratio"):
-      raise ValueError(f"Technique 'sbp-{keep_ratio}' needs a video model with a keep_ratio "
-                       f"field (stt-resnet8, video-vit); {type(model).__name__} has none.")
+    _require(model, "keep_ratio", f"sbp-{keep_ratio}",
+             "a video model (stt-resnet8, video-vit)")
     return model.clone(keep_ratio=keep_ratio)
+  return apply
+
+
+def _actnn(level: str):
+  def apply(model):
+    from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
+    return actnn.convert(model, level)
   return apply
 
 
@@ -118,13 +126,6 @@ register_technique(Technique("remat", _remat,
 register_technique(Technique("spatial-8", _spatial(8, 2),
                              "activations sharded over H x W = 2 x 4 devices, halo exchange "
                              "(per-device figures; ConvNeXt models)"))
-def _actnn(level: str):
-  def apply(model):
-    from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
-    return actnn.convert(model, level)
-  return apply
-
-
 for _lv, _what in (("L1", "4-bit conv inputs"), ("L2", "4-bit conv + BatchNorm"),
                    ("L3", "2-bit residuals of every block and the stem"),
                    ("L4", "L3 offloaded to pinned host memory"),

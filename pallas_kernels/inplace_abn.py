@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +33,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jmem.ops.inplace_abn import ABNConfig, apply_activation, invert_activation
 from jmem.parallel import sync_bn
+from pallas_kernels._interpret import resolve_interpret
 
 __all__ = ["Tiles", "inplace_abn_pallas"]
 
@@ -223,15 +223,9 @@ def inplace_abn_pallas(x: jax.Array, scale: jax.Array, bias: jax.Array, cfg: ABN
   Returns:
     ``(z, BatchStats)`` as `jmem.ops.inplace_abn.inplace_abn`.
   """
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-    if interpret:
-      warnings.warn(
-          "inplace_abn(implementation='pallas') on a non-GPU backend runs the Pallas kernels "
-          "in interpret mode, which is much slower than implementation='xla' (the default).",
-          stacklevel=3)
+  interpret = resolve_interpret(interpret, "inplace_abn(implementation='pallas')")
   tiles = Tiles.get_default() if tiles is None else tiles
   c = x.shape[-1]
   shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
-  z, stats = _abn(x.reshape(-1, c), scale, bias, shift, cfg, tiles, bool(interpret))
+  z, stats = _abn(x.reshape(-1, c), scale, bias, shift, cfg, tiles, interpret)
   return z.reshape(x.shape), stats

@@ -12,7 +12,6 @@ codes are bit-identical to the XLA path.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,19 +20,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from jmem.ops.quantize import hash_uniform
+from pallas_kernels._interpret import resolve_interpret
 
 __all__ = ["quantize_pack", "unpack_dequantize", "BLOCK_ROWS"]
 
 BLOCK_ROWS = 16
-
-
-def _resolve_interpret(interpret):
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-    if interpret:
-      warnings.warn("ActNN Pallas kernels on a non-GPU backend run in interpret mode, which is "
-                    "much slower than implementation='xla' (the default).", stacklevel=3)
-  return bool(interpret)
 
 
 def _check_group(group_size, bits):
@@ -92,7 +83,7 @@ def quantize_pack(groups: jax.Array, minimum: jax.Array, scale: jax.Array, seed:
                 pl.BlockSpec((1,), lambda i: (0,))],
       out_specs=pl.BlockSpec((block_rows, n), lambda i: (i, 0)),
       out_shape=jax.ShapeDtypeStruct((rows, n), jnp.uint8),
-      interpret=_resolve_interpret(interpret),
+      interpret=resolve_interpret(interpret, "ActNN (implementation='pallas')"),
       compiler_params=pl_triton.CompilerParams(num_warps=4),
   )(groups.astype(jnp.float32), minimum, scale, jnp.reshape(seed, (1,)).astype(jnp.uint32))
 
@@ -112,6 +103,6 @@ def unpack_dequantize(codes: jax.Array, minimum: jax.Array, scale: jax.Array, *,
                 pl.BlockSpec((block_rows,), lambda i: (i,))],
       out_specs=pl.BlockSpec((block_rows, group_size), lambda i: (i, 0)),
       out_shape=jax.ShapeDtypeStruct((rows, group_size), jnp.float32),
-      interpret=_resolve_interpret(interpret),
+      interpret=resolve_interpret(interpret, "ActNN (implementation='pallas')"),
       compiler_params=pl_triton.CompilerParams(num_warps=4),
   )(codes, minimum, scale)

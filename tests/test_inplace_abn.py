@@ -7,28 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmem import bench, measure, models, train
 from jmem.ops import inplace_abn as iabn
-
-TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=5e-2, atol=5e-2)}
+from helpers import assert_close_dtype, bn_data
 
 
 def _data(dtype=jnp.float32, seed=0, shape=(16, 5, 5, 8)):
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.normal(size=shape) * 3 + 1, dtype)
-  g = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
-  b = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
-  ct = jnp.asarray(rng.normal(size=shape), dtype)
-  return x, g, b, ct
-
-
-def _close(a, b, dtype):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  scale = max(1.0, float(np.abs(b).max()))
-  np.testing.assert_allclose(a / scale, b / scale, **TOL[dtype])
+  return bn_data(shape, dtype, seed)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -44,9 +31,9 @@ def test_forward_and_vjp_match_reference(dtype, activation, kw, eval_mode):
   z, vjp = jax.vjp(f, x, g, b)
   z_ref, vjp_ref = jax.vjp(r, x, g, b)
   assert z.dtype == dtype
-  _close(z, z_ref, dtype)
+  assert_close_dtype(z, z_ref, dtype)
   for a, e in zip(vjp(ct), vjp_ref(ct)):
-    _close(a, e, dtype)
+    assert_close_dtype(a, e, dtype)
 
 
 def test_saves_only_its_output():

@@ -1,7 +1,5 @@
 """InPlace-ABN Pallas kernels: interpret mode against the reference, and a cuda lowering."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,24 +9,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jmem import measure
 from jmem.ops import inplace_abn as iabn
 from pallas_kernels import inplace_abn as kernels
+from helpers import assert_close_dtype, bn_data
 
-TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=5e-2, atol=5e-2)}
 SMALL = kernels.Tiles(block_rows=16, block_channels=4)   # several tiles on tiny shapes
-
-
-def _data(shape, dtype=jnp.float32, seed=0):
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.normal(size=shape) * 3 + 1, dtype)
-  g = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
-  b = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
-  ct = jnp.asarray(rng.normal(size=shape), dtype)
-  return x, g, b, ct
-
-
-def _close(a, b, dtype):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  scale = max(1.0, float(np.abs(b).max()))
-  np.testing.assert_allclose(a / scale, b / scale, **TOL[dtype])
 
 
 def _pallas(cfg_kw, tiles=SMALL):
@@ -45,15 +28,15 @@ def _pallas(cfg_kw, tiles=SMALL):
                                            ("elu", dict(alpha=0.7)), ("identity", {})])
 def test_kernels_match_reference(shape, dtype, activation, kw):
   """Rows and channels that do not fill the tiles (37 rows, 3 or 6 channels) included."""
-  x, g, b, ct = _data(shape, dtype)
+  x, g, b, ct = bn_data(shape, dtype)
   f = _pallas(dict(kw, activation=activation))
   r = lambda x, g, b: iabn.inplace_abn_reference(x, g, b, activation=activation, **kw)[0]
   z, vjp = jax.vjp(f, x, g, b)
   z_ref, vjp_ref = jax.vjp(r, x, g, b)
   assert z.dtype == dtype
-  _close(z, z_ref, dtype)
+  assert_close_dtype(z, z_ref, dtype)
   for a, e in zip(vjp(ct), vjp_ref(ct)):
-    _close(a, e, dtype)
+    assert_close_dtype(a, e, dtype)
 
 
 def test_statistics_are_stable_and_match_xla():
@@ -70,7 +53,7 @@ def test_statistics_are_stable_and_match_xla():
 
 def test_public_switch_and_sync_over_eight_devices():
   """``implementation="pallas"`` with axis_name: one psum each way, equal to the full batch."""
-  x, g, b, ct = _data((8 * 6, 5))
+  x, g, b, ct = bn_data((8 * 6, 5))
   want = jax.grad(lambda x, g, b: jnp.sum(iabn.inplace_abn_reference(x, g, b)[0] * ct),
                   argnums=(0, 1, 2))(x, g, b)
   mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -91,7 +74,7 @@ def test_public_switch_and_sync_over_eight_devices():
 
 
 def test_interpret_on_cpu_warns_and_mask_is_refused():
-  x, g, b, _ = _data((8, 4))
+  x, g, b, _ = bn_data((8, 4))
   with pytest.warns(UserWarning, match="interpret mode"):
     iabn.inplace_abn(x, g, b, implementation="pallas")
   with pytest.raises(ValueError, match="mask"):

@@ -10,14 +10,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmem import bench, measure, models, train
 from jmem.parallel import spatial
+from helpers import assert_close_scaled
 
 MESHES = {"w8": (1, 8), "h2w4": (2, 4)}
-
-
-def _rel_close(got, want, tol=1e-5):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  scale = max(1.0, float(np.abs(want).max()))
-  np.testing.assert_allclose(got / scale, want / scale, rtol=tol, atol=tol)
 
 
 def _sharded_loss(mesh, op, *, sum_axes):
@@ -57,9 +52,9 @@ def test_halo_conv_matches_unsharded(mesh_name, k, s, d, g, pad):
   y = jax.jit(jax.shard_map(lambda x, w: spatial.halo_conv(x, w, axis_names=(spec[1], spec[2]),
                                                            **kw),
                             mesh=mesh, in_specs=(spec, P()), out_specs=spec))(x, w)
-  _rel_close(y, y_ref)
-  _rel_close(got[1][0], want[1][0])
-  _rel_close(got[1][1], want[1][1])
+  assert_close_scaled(y, y_ref)
+  assert_close_scaled(got[1][0], want[1][0])
+  assert_close_scaled(got[1][1], want[1][1])
 
 
 def test_fewer_collectives_and_less_memory_than_xla_partitioning():
@@ -84,7 +79,7 @@ def test_fewer_collectives_and_less_memory_than_xla_partitioning():
   t_auto, t_ours = (measure.compiled_memory(f, x, w).temp_bytes for f in (auto, ours))
   assert t_ours <= t_auto, (t_ours, t_auto)
   for a, b in zip(ours(x, w), auto(x, w)):
-    _rel_close(a, b)
+    assert_close_scaled(a, b)
 
 
 @pytest.mark.parametrize("kind", ["max", "avg"])
@@ -100,7 +95,7 @@ def test_pooling_with_halos(kind, window, strides, padding):
       lambda v: spatial.halo_pool(v, window=window, strides=strides, padding=padding, kind=kind,
                                   axis_names=("h", "w")),
       mesh=mesh, in_specs=spec, out_specs=spec))(x)
-  _rel_close(got, want)
+  assert_close_scaled(got, want)
 
 
 def test_global_pool_and_drop_path_agree_across_shards():
@@ -114,7 +109,7 @@ def test_global_pool_and_drop_path_agree_across_shards():
     return spatial.global_avg_pool(y, axis_names=("h", "w"))
   got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=P()))(x, key)
   want = jnp.mean(spatial.drop_path(x, 0.5, key, deterministic=False), axis=(1, 2))
-  _rel_close(got, want)
+  assert_close_scaled(got, want)
   dropped = np.asarray(jnp.all(got == 0, axis=-1))
   assert 0 < dropped.sum() < 16            # whole samples dropped, the same on every shard
 
@@ -131,9 +126,9 @@ def test_convnext_train_step_on_spatial_mesh_equals_single_device(mesh_name):
   mesh = spatial.spatial_mesh(1, *MESHES[mesh_name])
   got, m_got = train.make_train_step(spatial.spatial_model_fns(model, mesh), opt,
                                      donate=False)(state, x, y)
-  _rel_close(m_got["loss"], m_want["loss"])
+  assert_close_scaled(m_got["loss"], m_want["loss"])
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
-    _rel_close(a, b)
+    assert_close_scaled(a, b)
 
 
 def test_per_device_temp_of_a_convnext_stage_on_eight_devices():

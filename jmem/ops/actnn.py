@@ -84,7 +84,7 @@ def compressed(target, *, bits: int = 2, group_size: int = 256, offload: bool = 
   ``compressed(BasicBlock)`` compresses everything a block saves. Static (non-array)
   arguments of the wrapped method must be passed as module attributes.
   """
-  q.compress(lambda p, x: x, bits=bits, group_size=group_size)   # validates early
+  q.check_config(bits, group_size)
   return nn_transforms.lift_transform(_lift_compress, target, bits=bits,
                                       group_size=group_size, offload=offload, methods=methods)
 
@@ -112,7 +112,7 @@ class Level:
   def __post_init__(self):
     for bits in (self.conv_bits, self.norm_bits, self.block_bits):
       if bits is not None:
-        q.compress(lambda p, x: x, bits=bits, group_size=self.group_size)   # validates
+        q.check_config(bits, self.group_size)
 
 
 LEVELS: dict[str, Level] = {

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from jmem.ops import quantize as q
+from jmem.parallel.spatial import halo_conv_reference, halo_pool
 
 __all__ = [
     "dense", "dense_reference", "conv", "conv_reference", "batch_norm", "batch_norm_reference",
@@ -51,20 +52,10 @@ def dense(x, kernel, bias=None, *, bits=2, group_size=256, key=None):
   return _compressed(dense_reference, (1, 2), bits, group_size, key, x, kernel, bias)
 
 
-def _conv_dims(nd):
-  sp = "DHW"[-nd:] if nd <= 3 else None
-  if sp is None:
-    raise ValueError(f"conv supports 1-D to 3-D convolutions, got {nd} spatial dims.")
-  return ("N" + sp + "C", sp + "IO", "N" + sp + "C")
-
-
 def conv_reference(x, kernel, *, strides=1, padding="SAME", dilation=1, feature_group_count=1):
-  nd = x.ndim - 2
-  strides = (strides,) * nd if isinstance(strides, int) else tuple(strides)
-  dilation = (dilation,) * nd if isinstance(dilation, int) else tuple(dilation)
-  return lax.conv_general_dilated(x, kernel, strides, padding, rhs_dilation=dilation,
-                                  dimension_numbers=_conv_dims(nd),
-                                  feature_group_count=feature_group_count)
+  """The plain N-D convolution (the same oracle as `jmem.parallel.spatial.halo_conv`'s)."""
+  return halo_conv_reference(x, kernel, strides=strides, padding=padding, dilation=dilation,
+                             feature_group_count=feature_group_count)
 
 
 def conv(x, kernel, *, strides: int | Sequence[int] = 1, padding="SAME",
@@ -213,10 +204,7 @@ def _windows(x, window, strides, padding, pad_value):
 
 
 def max_pool_reference(x, window, strides=None, padding="VALID"):
-  window = tuple(window)
-  strides = window if strides is None else tuple(strides)
-  dims = (1,) + window + (1,)
-  return lax.reduce_window(x, -jnp.inf, lax.max, dims, (1,) + strides + (1,), padding)
+  return halo_pool(x, window=tuple(window), strides=strides, padding=padding, kind="max")
 
 
 def max_pool(x, window: Sequence[int], strides: Sequence[int] | None = None,
@@ -263,14 +251,7 @@ _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
 
 
 def avg_pool_reference(x, window, strides=None, padding="VALID"):
-  window = tuple(window)
-  strides = window if strides is None else tuple(strides)
-  dims = (1,) + window + (1,)
-  st = (1,) + strides + (1,)
-  total = lax.reduce_window(x, 0.0, lax.add, dims, st, padding)
-  count = lax.reduce_window(jnp.ones(x.shape[:-1] + (1,), x.dtype), 0.0, lax.add, dims, st,
-                            padding)
-  return total / count
+  return halo_pool(x, window=tuple(window), strides=strides, padding=padding, kind="avg")
 
 
 def avg_pool(x, window, strides=None, padding="VALID"):

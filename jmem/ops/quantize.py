@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
-           "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform"]
+           "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform",
+           "check_config"]
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 
@@ -43,7 +44,8 @@ class Quantized(NamedTuple):
   scale: jax.Array
 
 
-def _check(bits, group_size):
+def check_config(bits: int, group_size: int) -> None:
+  """Raises a clear ValueError for unsupported ``bits`` or a bad ``group_size``."""
   if bits not in SUPPORTED_BITS:
     raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}.")
   if not isinstance(group_size, int) or group_size <= 0 or (group_size * bits) % 8:
@@ -133,7 +135,7 @@ def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 2
   Returns:
     `Quantized`; `dequantize` with ``x``'s shape and dtype restores an unbiased estimate.
   """
-  _check(bits, group_size)
+  check_config(bits, group_size)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize takes a float array, got dtype {x.dtype}; integer and boolean "
                     "arrays need no quantization (booleans: pack_bits(x, 1)).")
@@ -161,7 +163,7 @@ def dequantize(qx: Quantized, shape: tuple[int, ...], dtype, *, bits: int = 2,
                group_size: int = 256, implementation: str = "xla",
                interpret: bool | None = None) -> jax.Array:
   """``x̂ = q / s + mn`` back to ``shape`` and ``dtype`` (``implementation`` as `quantize`)."""
-  _check(bits, group_size)
+  check_config(bits, group_size)
   _check_implementation(implementation)
   n, g = qx.minimum.shape
   if implementation == "pallas":
@@ -221,7 +223,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
   Raises:
     ValueError: unsupported ``bits`` or bad ``group_size``.
   """
-  _check(bits, group_size)
+  check_config(bits, group_size)
 
   def g(*args, compress_key=None):
     # One custom_vjp per call: the residual layout (static) is shared by its fwd and bwd.

@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "SAMPLERS", "Sampler", "sbp", "sbp_reference", "sbp_rows", "sbp_rows_reference", "num_kept", "sample_indices", "checkerboard",
-    "get_sampler",
+    "SAMPLERS", "Sampler", "sbp", "sbp_reference", "sbp_rows", "sbp_rows_reference",
+    "num_kept", "sample_indices", "checkerboard", "get_sampler",
 ]
 
 # (key, x, num_nodes, num_kept, axis) -> sorted int32[num_kept]
@@ -224,10 +224,8 @@ def sbp(f: Callable[[Any, jax.Array], Any], *, keep_ratio: float, axis: int = 0,
 
   def g(params, x, key):
     ax = _check_axis(axis, x.ndim)
-    n = x.shape[ax]
-    k = num_kept(n, keep_ratio)
-    idx = (jnp.arange(n, dtype=jnp.int32) if k == n else
-           jax.lax.stop_gradient(sampler_fn(key, x, n, k, ax)))
+    idx = jax.lax.stop_gradient(
+        sample_indices(key, x, keep_ratio=keep_ratio, axis=ax, sampler=sampler_fn))
     return _sbp_independent(f, ax, out_axis)(params, x, idx)
 
   return g
@@ -246,24 +244,22 @@ def sbp_reference(f: Callable[[Any, jax.Array], Any], *, keep_ratio: float, axis
   def g(params, x, key):
     ax = _check_axis(axis, x.ndim)
     idx = sample_indices(key, x, keep_ratio=keep_ratio, axis=ax, sampler=sampler)
-    keep = jnp.zeros((x.shape[ax],), bool).at[idx].set(True)
-
-    def hold(y):
-      shape = [1] * y.ndim
-      shape[out_axis] = y.shape[out_axis]
-      return jnp.where(keep.reshape(shape), y, jax.lax.stop_gradient(y))
-    return jax.tree.map(hold, f(params, x))
+    return jax.tree.map(lambda y: _hold_dropped(y, idx, out_axis), f(params, x))
 
   return g
 
 
-def sbp_rows_reference(f_full, params, x, idx, *, axis: int = 1):
-  """The oracle of `sbp_rows`: the full block with the dropped output rows held constant."""
-  y = f_full(params, x)
+def _hold_dropped(y, idx, axis):
+  """``y`` with the entries along ``axis`` not in ``idx`` under ``stop_gradient``."""
   shape = [1] * y.ndim
   shape[axis] = y.shape[axis]
   keep = jnp.zeros((y.shape[axis],), bool).at[idx].set(True).reshape(shape)
   return jnp.where(keep, y, jax.lax.stop_gradient(y))
+
+
+def sbp_rows_reference(f_full, params, x, idx, *, axis: int = 1):
+  """The oracle of `sbp_rows`: the full block with the dropped output rows held constant."""
+  return _hold_dropped(f_full(params, x), idx, axis)
 
 
 def sbp_rows(f_full: Callable[[Any, jax.Array], jax.Array],
