@@ -44,11 +44,21 @@ class Technique:
     apply: maps the exact linen model to the model with the technique switched on (a
       module, or `jmem.train.ModelFns` when the technique changes how it is run).
     description: one line for tables and ``--help``.
+    prepare: optional data-dependent set-up used instead of ``apply``:
+      ``prepare(model, dataset, batch_size) -> model`` (e.g. ActNN's bit allocation from
+      gradient sensitivity on a training batch).
   """
 
   name: str
   apply: Callable[[Any], Any]
   description: str = ""
+  prepare: Callable[[Any, Any, int], Any] | None = None
+
+  def build(self, model, dataset, batch_size: int):
+    """``model`` with the technique on: ``prepare`` when there is one, else ``apply``."""
+    if self.prepare is not None:
+      return self.prepare(model, dataset, batch_size)
+    return self.apply(model)
 
 
 _TECHNIQUES: dict[str, Technique] = {}
@@ -120,6 +130,31 @@ def _actnn(level: str):
   return apply
 
 
+CALIBRATION_BATCH = 16          # examples, at most
+CALIBRATION_VALUES = 16 * 256   # input values, at most (fewer examples for large images)
+
+
+def _actnn_calibrated(level: str):
+  """ActNN ``level`` with per-layer bits from gradient sensitivity, measured once at the
+  initial weights (seed 0) on the first training examples: at most `CALIBRATION_BATCH`,
+  and at most `CALIBRATION_VALUES` input values (but 2 examples at least)."""
+  def prepare(model, dataset, batch_size):
+    import optax  # pylint: disable=g-import-not-at-top
+    from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
+    per_example = int(np.prod(dataset.example_shape))
+    n = min(batch_size, len(dataset.x_train),
+            max(2, min(CALIBRATION_BATCH, CALIBRATION_VALUES // per_example)))
+    x, y = jnp.asarray(dataset.x_train[:n]), jnp.asarray(dataset.y_train[:n])
+    params, state = train_lib.model_fns(model).init(jax.random.key(0), x[:1])
+
+    def loss_fn(module, p, batch):
+      logits, _ = train_lib.model_fns(module).apply(p, state, batch[0], train=True,
+                                                    rng=jax.random.key(1))
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+    return actnn.convert(model, actnn.calibrate(model, loss_fn, params, (x, y), level=level))
+  return prepare
+
+
 register_technique(Technique("exact", lambda m: m, "plain backprop (the baseline)"))
 register_technique(Technique("remat", _remat,
                              "jax.checkpoint per residual block (JAX-native peer)"))
@@ -127,10 +162,13 @@ register_technique(Technique("spatial-8", _spatial(8, 2),
                              "activations sharded over H x W = 2 x 4 devices, halo exchange "
                              "(per-device figures; ConvNeXt models)"))
 for _lv, _what in (("L1", "4-bit conv inputs"), ("L2", "4-bit conv + BatchNorm"),
-                   ("L3", "2-bit residuals of every block and the stem"),
+                   ("L3", "residuals of every block and the stem at 2 bits on average, "
+                          "per-layer bits from gradient sensitivity"),
                    ("L4", "L3 offloaded to pinned host memory"),
                    ("L5", "L4 with 1024-value groups (less metadata)")):
-  register_technique(Technique(f"actnn-{_lv}", _actnn(_lv), f"ActNN {_lv}: {_what}"))
+  register_technique(Technique(
+      f"actnn-{_lv}", _actnn(_lv), f"ActNN {_lv}: {_what}",
+      prepare=_actnn_calibrated(_lv) if _lv in ("L3", "L4", "L5") else None))
 for _r in (0.5, 0.25, 0.125):
   register_technique(Technique(f"sbp-{_r}", _sbp(_r),
                                f"stochastic backpropagation, keep ratio {_r} (video models)"))
@@ -149,6 +187,7 @@ class BenchConfig:
     image_size: side of the (resized) digit images, or of the frames of the moving-digit
       clips for video models (digits of a third of it; at least 24 for 16 frames).
     num_frames: frames per clip (video models only).
+    train_clips: training clips rendered for video models (more clips: less overfitting).
     steps: training steps per technique and seed.
     seeds: one training run per seed; accuracy is their mean.
     memory_only: compile and measure memory only, no training or timing.
@@ -163,6 +202,7 @@ class BenchConfig:
   steps: int = 300
   seeds: tuple[int, ...] = (0,)
   num_frames: int = 16
+  train_clips: int = 1024
   memory_only: bool = False
   learning_rate: float = 3e-3
   timing_repeats: int = 10
@@ -220,7 +260,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   names = ["exact"] + [t for t in config.techniques if t != "exact"]
   if models_lib.model_task(config.model) == "video":
     dataset = data_lib.moving_digits(config.num_frames, frame_size=config.image_size,
-                                     digit_size=config.image_size // 3)
+                                     digit_size=config.image_size // 3,
+                                     num_train=config.train_clips)
   else:
     dataset = data_lib.digits(config.image_size)
   if not config.memory_only and config.batch_size > len(dataset.x_train):
@@ -234,7 +275,9 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   timing_steps: dict[str, Callable[[], Any]] = {}
   for name in names:
     technique = get_technique(name)
-    model = technique.apply(base_model)
+    if technique.prepare is not None:
+      _log(f"[{name}] preparing (data-dependent set-up)", quiet)
+    model = technique.build(base_model, dataset, config.batch_size)
     fns = train_lib.model_fns(model)
     optimizer = train_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
     _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, "

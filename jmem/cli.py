@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--image-size", type=int, default=d.image_size,
                  help="image side, or frame side for video models (>= 24)")
   b.add_argument("--num-frames", type=int, default=d.num_frames, help="frames per clip (video)")
+  b.add_argument("--train-clips", type=int, default=d.train_clips,
+                 help="training clips rendered (video)")
   b.add_argument("--steps", type=int, default=d.steps)
   b.add_argument("--seeds", type=_int_list, default=d.seeds, help="comma-separated, e.g. 0,1,2")
   b.add_argument("--learning-rate", type=float, default=d.learning_rate)
@@ -69,7 +71,8 @@ def _bench(args) -> int:
   from jmem import bench  # pylint: disable=g-import-not-at-top
   config = bench.BenchConfig(
       model=args.model, techniques=args.techniques, batch_size=args.batch_size,
-      image_size=args.image_size, num_frames=args.num_frames, steps=args.steps, seeds=args.seeds,
+      image_size=args.image_size, num_frames=args.num_frames, train_clips=args.train_clips,
+      steps=args.steps, seeds=args.seeds,
       memory_only=args.memory_only, learning_rate=args.learning_rate)
   config.validate()
   output_dir = bench.check_output_dir(args.output_dir)
@@ -87,8 +90,8 @@ def _bench(args) -> int:
 def _train(args) -> int:
   from jmem import bench, data, models, train  # pylint: disable=g-import-not-at-top
   dataset = data.digits(args.image_size)
-  model = bench.get_technique(args.technique).apply(
-      models.create_model(args.model, dataset.num_classes))
+  model = bench.get_technique(args.technique).build(
+      models.create_model(args.model, dataset.num_classes), dataset, args.batch_size)
   config = train.TrainConfig(
       steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
       seed=args.seed, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,

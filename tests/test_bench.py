@@ -66,6 +66,25 @@ def test_registry_one_registration_adds_a_bench_row():
   assert rows[1]["technique"] == name and rows[1]["saved_ratio"] == 1.0
 
 
+def test_actnn_l3_technique_calibrates_bits_before_measuring():
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jmem import models, train
+  from jmem.ops import actnn
+  assert bench.get_technique("actnn-L3").prepare is not None
+  rows = bench.run_bench(bench.BenchConfig(model="resnet8", techniques=("actnn-L3",),
+                                           batch_size=8, image_size=8, memory_only=True),
+                         quiet=True)
+  uniform = actnn.convert(models.create_model("resnet8", 10), "L3")
+  saved, _ = bench.step_memory(train.model_fns(uniform), optax.sgd(0.1),
+                               jax.ShapeDtypeStruct((8, 8, 8, 1), jnp.float32),
+                               jax.ShapeDtypeStruct((8,), jnp.int32))
+  # Per-layer widths change the layout but not the 2-bit budget.
+  assert rows[1]["saved_bytes"] != saved and rows[1]["saved_bytes"] <= 1.02 * saved
+  assert rows[1]["saved_ratio"] < 1 / 8, rows[1]
+
+
 def test_cli_train_resume(tmp_path, capsys):
   ckpt = str(tmp_path / "ckpt")
   args = ["train", "--model", "resnet8", "--image-size", "8", "--batch-size", "16",

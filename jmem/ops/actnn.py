@@ -7,7 +7,8 @@ Two ways, one quantizer (`jmem.ops.quantize`):
 * GACT's way (L3-L5): wrap each residual block (the model's ``block_transform`` hook, as
   ``nn.remat`` is used) in `compressed`, so that EVERY floating residual inside the block -
   convolution inputs, normalisation intermediates, activation inputs, the block's own
-  input - is stored at 2 bits; parameters are never compressed.
+  input - is stored at 2 bits (on average, per-layer widths from `calibrate`); parameters
+  are never compressed.
 
 Levels (frozen `Level` objects; build your own the same way):
 
@@ -15,8 +16,9 @@ Levels (frozen `Level` objects; build your own the same way):
 L0    exact
 L1    4-bit convolutions (ActNN way); BatchNorm and activations uncompressed
 L2    L1 + 4-bit BatchNorm
-L3    2 bits for every floating residual of every block and of the stem (GACT way);
-      only the classifier head (a pooled vector) stays exact
+L3    every floating residual of every block and of the stem at 2 bits (GACT way),
+      per-layer 1/2/4/8 bits averaging 2 once calibrated (below); only the classifier
+      head (a pooled vector) stays exact
 L4    L3 with the compressed residuals moved to host memory (``pinned_host``) until the
       backward pass
 L5    L4 with groups of 1024 instead of 256: the bf16 min/scale metadata falls from
@@ -25,8 +27,27 @@ L5    L4 with groups of 1024 instead of 256: the bf16 min/scale metadata falls f
       makes moot)
 ====  =============================================================================
 
-ActNN's L3 chooses bits per layer and per sample from gradient sensitivity, with an average
-of 2; jmem's L3 uses 2 bits everywhere (the allocation is not implemented yet).
+Bit allocation (L3-L5). ``convert(model, "L3")`` uses 2 bits at every site; `calibrate`
+turns a level into a per-layer allocation with the same 2-bit average, from gradient
+sensitivity (ActNN's and GACT's scheme):
+
+1. Sensitivity (GACT). For each compressed site i (a block, the stem), with every other
+   site exact: two backprops with site i at 1 bit (two dither seeds) give g0, g1, one at 8
+   bits gives g2, and ``C_i = max(|g0 - g1|^2, 2 max(|g0 - g2|^2, |g1 - g2|^2))``. The
+   gradient variance site i adds at b bits is then about ``C_i / (2^b - 1)^2``. All 3 x
+   sites backprops run one compiled function (`jmem.ops.quantize.probe`: the bit width is a
+   traced number of levels), so calibration costs one compile.
+2. Allocation (ActNN). Minimise ``sum_i C_i / (2^b_i - 1)^2`` subject to
+   ``sum_i w_i b_i <= budget * sum_i w_i`` (w_i: values site i quantizes, b_i in
+   {1, 2, 4, 8}): greedily from 8 bits down, lowering the site with the least added
+   variance per bit saved until the budget holds, then raising, best first, any site
+   the slack still affords (`allocate_bits`).
+
+The schedule: calibrate once, before training, on one batch at the initial weights (what
+the ``actnn-L3``..``L5`` bench techniques do); call `calibrate` again to refresh it (each
+new allocation compiles a new step, because bit widths fix buffer shapes). ActNN also
+re-chose bits per sample every step; with static shapes jmem keeps the per-sample
+adaptivity in the ranges (a min and scale per sample and group) and not in the widths.
 
 The individual compressed operations (dense, conv, norms, gelu, attention, 1-bit ReLU /
 dropout masks, max-pool indices) are in `jmem.ops.compressed`.
@@ -38,55 +59,75 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.core.lift as lift
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.core import scope as core_scope
 from flax.linen import transforms as nn_transforms
 
 from jmem.ops import quantize as q
 
-__all__ = ["Level", "LEVELS", "get_level", "compressed", "convert", "CompressedNNX", "convert_nnx"]
+__all__ = ["Level", "LEVELS", "get_level", "compressed", "convert", "CompressedNNX",
+           "convert_nnx", "sensitivities", "allocate_bits", "calibrate", "gradient_noise"]
 
 
-def _lift_compress(fn, variables=True, rngs=True, *, bits, group_size, offload):
-  """Core-scope version of `quantize.compress` (variables and rngs are never compressed)."""
+def _lift_sites(transform):
+  """A lifted transform from ``transform(pure, path) -> g`` (``g(variable_groups,
+  rng_groups, *arrays)``): the module's array arguments and its variables and rngs go
+  through ``g``; Python values (e.g. ``train=True``) are closed over. ``path`` is the
+  module's scope path, "/"-joined (how per-layer bits find their site)."""
 
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
-    # Python values (e.g. ``train=True``) are closed over; arrays go through compress.
-    is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in args]
-    arrays = [a for a, k in zip(args, is_array) if k]
+  def lifted(fn, variables=True, rngs=True, **kw):
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+      is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in args]
+      arrays = [a for a, k in zip(args, is_array) if k]
 
-    def pure(variable_groups, rng_groups, *arrays):
-      it = iter(arrays)
-      full = [next(it) if k else a for a, k in zip(args, is_array)]
-      scope = scope_fn(variable_groups, rng_groups)
-      y = fn(scope, *full, **kwargs)
-      return y, repack_fn(scope)
-    g = q.compress(pure, bits=bits, group_size=group_size, param_argnums=(0, 1),
-                   offload=offload)
-    return g(variable_groups, rng_groups, *arrays)
+      def pure(variable_groups, rng_groups, *arrays):
+        it = iter(arrays)
+        full = [next(it) if k else a for a, k in zip(args, is_array)]
+        scope = scope_fn(variable_groups, rng_groups)
+        y = fn(scope, *full, **kwargs)
+        return y, repack_fn(scope)
+      scopes = jax.tree.leaves(scope_fn(variable_groups, rng_groups),
+                               is_leaf=lambda s: isinstance(s, core_scope.Scope))
+      path = "/".join(scopes[0].path) if scopes else ""
+      return transform(pure, path, **kw)(variable_groups, rng_groups, *arrays)
 
-  return lift.pack(inner, (variables,), (variables,), (rngs,), name="compress",
-                   enable_kwargs=True)
+    return lift.pack(inner, (variables,), (variables,), (rngs,), name="compress",
+                     enable_kwargs=True)
+  return lifted
+
+
+def _compress_site(pure, path, *, bits, layer_bits, group_size, offload):
+  return q.compress(pure, bits=layer_bits.get(path, bits), group_size=group_size,
+                    param_argnums=(0, 1), offload=offload)
 
 
 def compressed(target, *, bits: int = 2, group_size: int = 256, offload: bool = False,
-               methods=None):
+               layer_bits: Mapping[str, int] | None = None, methods=None):
   """Lifted `jmem.ops.quantize.compress` for a linen Module class (like ``nn.remat``).
 
   ``compressed(nn.Conv, bits=4)`` is a Conv whose backward uses a 4-bit copy of its input;
-  ``compressed(BasicBlock)`` compresses everything a block saves. Static (non-array)
-  arguments of the wrapped method must be passed as module attributes.
+  ``compressed(BasicBlock)`` compresses everything a block saves. ``layer_bits`` maps
+  module paths ("/"-joined scope names, e.g. ``"stage1_block0"``) to their own bits (see
+  `calibrate`); other instances use ``bits``. Static (non-array) arguments of the wrapped
+  method must be passed as module attributes.
   """
-  q.check_config(bits, group_size)
-  return nn_transforms.lift_transform(_lift_compress, target, bits=bits,
-                                      group_size=group_size, offload=offload, methods=methods)
+  layer_bits = dict(layer_bits or {})
+  for b in {bits, *layer_bits.values()}:
+    q.check_config(b, group_size)
+  return nn_transforms.lift_transform(
+      _lift_sites(_compress_site), target, bits=bits, layer_bits=layer_bits,
+      group_size=group_size, offload=offload, methods=methods)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +139,8 @@ class Level:
     conv_bits: bits of compressed convolutions (ActNN way), or None.
     norm_bits: bits of compressed BatchNorm (ActNN way), or None.
     block_bits: bits of whole compressed blocks and stem (GACT way), or None.
+    layer_bits: per-site overrides of ``block_bits``, ``((module path, bits), ...)``, as
+      `calibrate` allocates them.
     offload: compressed residuals live in host memory until the backward.
     group_size: quantization group size.
   """
@@ -106,13 +149,25 @@ class Level:
   conv_bits: int | None = None
   norm_bits: int | None = None
   block_bits: int | None = None
+  layer_bits: tuple[tuple[str, int], ...] = ()
   offload: bool = False
   group_size: int = 256
 
   def __post_init__(self):
-    for bits in (self.conv_bits, self.norm_bits, self.block_bits):
+    object.__setattr__(self, "layer_bits", tuple(sorted(dict(self.layer_bits).items())))
+    if self.layer_bits and self.block_bits is None:
+      raise ValueError(f"Level {self.name}: layer_bits override block_bits; set block_bits "
+                       "(the bits of sites not listed) too.")
+    for bits in (self.conv_bits, self.norm_bits, self.block_bits,
+                 *(b for _, b in self.layer_bits)):
       if bits is not None:
         q.check_config(bits, self.group_size)
+
+  def average_bits(self, weights: Mapping[str, int]) -> float:
+    """The ``weights``-weighted average bits of the block sites (`sensitivities` weights)."""
+    bits = dict(self.layer_bits)
+    total = sum(weights.values())
+    return sum(w * bits.get(p, self.block_bits) for p, w in weights.items()) / max(total, 1)
 
 
 LEVELS: dict[str, Level] = {
@@ -151,18 +206,191 @@ def convert(model: nn.Module, level: str | Level = "L3") -> nn.Module:
     _need(model, "norm", lv)
     updates["norm"] = compressed(model.norm, bits=lv.norm_bits, **kw)
   if lv.block_bits is not None:
-    wrap = functools.partial(compressed, bits=lv.block_bits, **kw)
-    for field in ("block_transform", "stem_transform"):
-      _need(model, field, lv)
-      inner = getattr(model, field)
-      updates[field] = wrap if inner is None else (lambda c, inner=inner: wrap(inner(c)))
+    updates.update(_wrap_sites(model, lv, functools.partial(
+        compressed, bits=lv.block_bits, layer_bits=dict(lv.layer_bits), **kw)))
   return model.clone(**updates) if updates else model
+
+
+def _wrap_sites(model, lv, wrap) -> dict[str, Any]:
+  """``block_transform`` / ``stem_transform`` updates that apply ``wrap`` after any
+  transform the model already has."""
+  updates = {}
+  for field in ("block_transform", "stem_transform"):
+    _need(model, field, lv)
+    inner = getattr(model, field)
+    updates[field] = wrap if inner is None else (lambda c, inner=inner: wrap(inner(c)))
+  return updates
 
 
 def _need(model, field, lv):
   if not hasattr(model, field):
     raise ValueError(f"Level {lv.name} needs a model with a {field!r} field (such as "
                      f"jmem.models.ResNet); {type(model).__name__} has none.")
+
+
+# ------------------------------------------------------------------ per-layer bit allocation
+
+LossFn = Callable[[nn.Module, Any, Any], jax.Array]   # (module, params, batch) -> scalar
+
+
+class _Probe:
+  """Trace-time state of a sensitivity probe: site order, site weights, traced levels."""
+
+  def __init__(self):
+    self.sites: dict[str, int] = {}
+    self.weights: dict[str, int] = {}
+    self.levels = None
+    self.seed = None
+
+  @contextlib.contextmanager
+  def active(self, levels, seed):
+    self.levels, self.seed = levels, seed
+    try:
+      yield
+    finally:
+      self.levels = self.seed = None
+
+  def site(self, pure, path, *, group_size):
+    index = self.sites.setdefault(path, len(self.sites))
+    levels = (jnp.float32(0.0) if self.levels is None or index >= self.levels.shape[0]
+              else self.levels[index])
+    seed = (jnp.uint32(0) if self.seed is None else self.seed) + jnp.uint32(7919 * index)
+
+    def record(n):
+      self.weights[path] = n
+    g = q.probe(pure, group_size=group_size, param_argnums=(0, 1), on_residuals=record)
+    return functools.partial(g, levels, seed)
+
+
+def _probe_grads(model, loss_fn, params, batch, lv):
+  """``(grads(levels, seed), sites, weights)``: one jitted gradient with a runtime number
+  of quantization levels per site (``sites`` maps path -> index into ``levels``). The
+  parameters and batch are jit arguments, never constants (XLA would fold them)."""
+  if lv.block_bits is None:
+    raise ValueError(f"Level {lv.name} compresses no blocks (block_bits is None): bit "
+                     "allocation is for L3-style levels.")
+  probe = _Probe()
+  wrap = lambda cls: nn_transforms.lift_transform(
+      _lift_sites(probe.site), cls, group_size=lv.group_size)
+  probing = model.clone(**_wrap_sites(model, lv, wrap))
+
+  def grads(levels, seed, params, batch):
+    with probe.active(levels, seed):
+      return jax.grad(lambda p: loss_fn(probing, p, batch))(params)
+
+  # A first trace finds the sites (levels of length 0: all exact).
+  jax.eval_shape(grads, jnp.zeros((0,), jnp.float32), jnp.uint32(0), params, batch)
+  if not probe.sites:
+    raise ValueError("No compressed site was called: does the model use its "
+                     "block_transform / stem_transform?")
+  jitted = jax.jit(grads)
+  return (lambda levels, seed: jitted(levels, seed, params, batch)), dict(probe.sites), \
+      dict(probe.weights)
+
+
+def _flat(tree):
+  return jnp.concatenate([jnp.ravel(v) for v in jax.tree.leaves(tree)])
+
+
+def _sq_dist(a, b) -> float:
+  return float(jnp.sum(jnp.square(_flat(a) - _flat(b))))
+
+
+def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
+                  level: str | Level = "L3", seed: int = 0
+                  ) -> tuple[dict[str, float], dict[str, int]]:
+  """GACT gradient sensitivity of every site ``level`` compresses as a whole block.
+
+  Args:
+    model: the exact linen model (with ``block_transform`` / ``stem_transform`` fields).
+    loss_fn: ``loss_fn(module, params, batch) -> scalar``; it is called with a probing
+      clone of ``model`` (so the same params fit).
+    params: the parameters to differentiate (the current weights).
+    batch: the calibration batch (any pytree of arrays, e.g. ``(x, y)``).
+    level: gives the group size (and must compress blocks: L3, L4, L5 or your own).
+    seed: dither seed of the two 1-bit probes.
+
+  Returns:
+    ``(C, w)``: per site path, ``C_i`` (module docstring) and the number of values the site
+    quantizes.
+  """
+  grads, sites, weights = _probe_grads(model, loss_fn, params, batch, get_level(level))
+  out = {}
+  for path, i in sites.items():
+    one_hot = jnp.zeros((len(sites),), jnp.float32).at[i].set(1.0)
+    g0 = grads(one_hot, jnp.uint32(2 * seed + 1))
+    g1 = grads(one_hot, jnp.uint32(2 * seed + 2))
+    g2 = grads(255.0 * one_hot, jnp.uint32(2 * seed + 1))
+    out[path] = max(_sq_dist(g0, g1), 2.0 * max(_sq_dist(g0, g2), _sq_dist(g1, g2)))
+  return out, weights
+
+
+def gradient_noise(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any,
+                   level: str | Level, *, num_seeds: int = 8) -> float:
+  """Mean ``|g_q - g|^2`` over ``num_seeds`` dithers with every site at ``level``'s bits
+  (``layer_bits`` respected), ``g`` the exact gradient: what an allocation is meant to
+  minimise. Uses the same probe as `sensitivities`."""
+  lv = get_level(level)
+  grads, sites, _ = _probe_grads(model, loss_fn, params, batch, lv)
+  bits = dict(lv.layer_bits)
+  levels = jnp.zeros((len(sites),), jnp.float32)
+  for path, i in sites.items():
+    levels = levels.at[i].set(float(2**bits.get(path, lv.block_bits) - 1))
+  exact = grads(jnp.zeros_like(levels), jnp.uint32(0))
+  return float(np.mean([_sq_dist(grads(levels, jnp.uint32(1000 + s)), exact)
+                        for s in range(num_seeds)]))
+
+
+def allocate_bits(sensitivity: Mapping[str, float], weights: Mapping[str, int], *,
+                  budget: float = 2.0, choices: tuple[int, ...] = (1, 2, 4, 8)
+                  ) -> dict[str, int]:
+  """Bits per site minimising ``sum C_i / (2^b_i - 1)^2`` with average bits <= ``budget``.
+
+  Greedy from the widest choice down (least added variance per bit saved first) until the
+  weighted average fits, then the slack is spent raising the sites that gain the most per
+  bit. ``weights`` are the values each site quantizes.
+  """
+  choices = tuple(sorted(set(choices)))
+  if not choices or choices[0] > budget:
+    raise ValueError(f"budget {budget} is below the narrowest choice of {choices}.")
+  for c in choices:
+    if c not in q.SUPPORTED_BITS:
+      raise ValueError(f"choices must be among {q.SUPPORTED_BITS}, got {choices}.")
+  if set(sensitivity) != set(weights):
+    raise ValueError("sensitivity and weights must have the same sites.")
+  var = lambda p, b: sensitivity[p] / float(2**b - 1) ** 2
+  level = {p: len(choices) - 1 for p in sensitivity}
+  cap = budget * sum(weights.values())
+  used = lambda: sum(weights[p] * choices[level[p]] for p in level)
+  while used() > cap:
+    p = min((p for p in level if level[p] > 0), key=lambda p: (
+        var(p, choices[level[p] - 1]) - var(p, choices[level[p]])) /
+        max(weights[p] * (choices[level[p]] - choices[level[p] - 1]), 1))
+    level[p] -= 1
+  while True:
+    affordable = [p for p in level if level[p] < len(choices) - 1 and
+                  used() + weights[p] * (choices[level[p] + 1] - choices[level[p]]) <= cap]
+    if not affordable:
+      break
+    p = max(affordable, key=lambda p: (var(p, choices[level[p]]) -
+                                       var(p, choices[level[p] + 1])) /
+            max(weights[p] * (choices[level[p] + 1] - choices[level[p]]), 1))
+    level[p] += 1
+  return {p: choices[i] for p, i in level.items()}
+
+
+def calibrate(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
+              level: str | Level = "L3", budget: float | None = None, seed: int = 0) -> Level:
+  """``level`` with per-layer bits allocated from gradient sensitivity (``layer_bits``).
+
+  ``budget`` (average bits) defaults to the level's ``block_bits``. The result is a
+  `Level`: ``convert(model, calibrate(model, loss_fn, params, batch))``. See the module
+  docstring for the method and the schedule.
+  """
+  lv = get_level(level)
+  sens, weights = sensitivities(model, loss_fn, params, batch, level=lv, seed=seed)
+  bits = allocate_bits(sens, weights, budget=float(lv.block_bits if budget is None else budget))
+  return dataclasses.replace(lv, name=f"{lv.name}-calibrated", layer_bits=tuple(bits.items()))
 
 
 # ------------------------------------------------------------------------------ Flax NNX

@@ -30,7 +30,7 @@ import numpy as np
 
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
            "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform",
-           "check_config"]
+           "check_config", "fake_quantize", "probe"]
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 
@@ -192,6 +192,17 @@ def _is_arg(leaf, args):
   return any(leaf is a for a in args)
 
 
+def _residual_kind(leaf, kept, min_size) -> str:
+  """How `compress` stores a residual: "quant" (floats), "bool" (bit-packed) or "keep"."""
+  if _is_arg(leaf, kept):
+    return "keep"
+  if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size >= min_size:
+    return "quant"
+  if leaf.dtype == jnp.bool_ and leaf.size % 8 == 0 and leaf.size >= min_size:
+    return "bool"
+  return "keep"
+
+
 def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
              min_size: int = 1024, param_argnums: tuple[int, ...] = (0,),
              offload: bool = False) -> Callable[..., Any]:
@@ -240,18 +251,16 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       key = _data_key(jax.tree.leaves(args)) if key is None else key
       plan, saved = [], []
       for i, leaf in enumerate(leaves):
-        if _is_arg(leaf, kept):
-          plan.append(("keep", None, None))       # parameters: alive anyway
-          saved.append(leaf)
-        elif jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size >= min_size:
+        kind = _residual_kind(leaf, kept, min_size)
+        if kind == "quant":
           plan.append(("quant", leaf.shape, leaf.dtype))
           n = leaf.shape[0] if leaf.ndim else 1
           saved.append(quantize(leaf.reshape(n, -1), jax.random.fold_in(key, i), bits=bits,
                                 group_size=group_size))
-        elif leaf.dtype == jnp.bool_ and leaf.size % 8 == 0 and leaf.size >= min_size:
+        elif kind == "bool":
           plan.append(("bool", leaf.shape, None))
           saved.append(pack_bits(leaf.reshape(-1).astype(jnp.uint8), 1))
-        else:
+        else:                                     # parameters (alive anyway), small, ints
           plan.append(("keep", None, None))
           saved.append(leaf)
       layout["plan"] = plan
@@ -289,6 +298,64 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
 
     call.defvjp(fwd, bwd)
     return call(tuple(args), compress_key)
+
+  return g
+
+
+def fake_quantize(x: jax.Array, levels: jax.Array, seed: jax.Array, *,
+                  group_size: int = 256) -> jax.Array:
+  """``x`` stochastically rounded to ``levels + 1`` values per group, as float again.
+
+  The same per-sample, per-group rounding as `quantize` (``levels = 2^bits - 1``) but with
+  ``levels`` a traced scalar and nothing packed, so ONE compiled function can measure the
+  gradient noise of any bit width at any site (`probe`). ``levels == 0`` returns ``x``.
+  """
+  grouped, per = _groups(x, group_size)
+  valid = (jnp.arange(grouped.shape[1] * group_size) < per).reshape(grouped.shape[1:])
+  grouped = jnp.where(valid, grouped, grouped[..., :1])
+  mn = jnp.min(grouped, axis=-1, keepdims=True)
+  scale = jnp.maximum(levels, 1.0) / (jnp.max(grouped, axis=-1, keepdims=True) - mn + 2e-6)
+  index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
+  q = jnp.floor((grouped - mn) * scale + hash_uniform(index, seed))
+  n = grouped.shape[0]
+  xq = (q / scale + mn).reshape(n, -1)[:, :per].reshape(x.shape).astype(x.dtype)
+  return jnp.where(levels > 0, xq, x)
+
+
+def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
+          param_argnums: tuple[int, ...] = (0,),
+          on_residuals: Callable[[int], None] | None = None) -> Callable[..., Any]:
+  """``f`` whose backward uses residuals rounded to a RUNTIME number of levels.
+
+  The sensitivity probe of GACT's bit allocation: ``g(levels, seed, *args)`` equals
+  ``f(*args)`` forward; its backward sees the residuals that `compress` would quantize,
+  passed through `fake_quantize` with ``levels`` (``2^b - 1``, or 0 for exact) and dither
+  ``seed`` (uint32). ``on_residuals(n)`` is told, at trace time, how many values `compress`
+  would quantize (the site's weight in the bit budget).
+  """
+  def g(levels, seed, *args):
+    @jax.custom_vjp
+    def call(levels, seed, args):
+      return f(*args)
+
+    def fwd(levels, seed, args):
+      y, vjp_fn = jax.vjp(f, *args)
+      leaves, treedef = jax.tree.flatten(vjp_fn)
+      kept = jax.tree.leaves([a for i, a in enumerate(args) if i in param_argnums])
+      kinds = [_residual_kind(leaf, kept, min_size) for leaf in leaves]
+      if on_residuals is not None:
+        on_residuals(sum(leaf.size for leaf, k in zip(leaves, kinds) if k == "quant"))
+      leaves = [fake_quantize(leaf.reshape(leaf.shape[0] if leaf.ndim else 1, -1), levels,
+                              seed + jnp.uint32(i), group_size=group_size).reshape(leaf.shape)
+                if k == "quant" else leaf for i, (leaf, k) in enumerate(zip(leaves, kinds))]
+      return y, (jax.tree.unflatten(treedef, leaves), levels, seed)
+
+    def bwd(res, ct):
+      vjp_fn, levels, seed = res
+      return jnp.zeros_like(levels), np.zeros(np.shape(seed), jax.dtypes.float0), vjp_fn(ct)
+
+    call.defvjp(fwd, bwd)
+    return call(jnp.asarray(levels, jnp.float32), jnp.asarray(seed, jnp.uint32), tuple(args))
 
   return g
 
