@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, traverse_util
 
 from jmem import data as data_lib
 from jmem import measure
 
 __all__ = [
     "ModelFns", "TrainState", "TrainConfig", "TrainResult", "model_fns", "init_state",
-    "make_loss", "make_train_step", "evaluate", "default_optimizer", "train",
+    "make_loss", "make_train_step", "evaluate", "default_optimizer", "train", "override_params",
 ]
 
 
@@ -133,6 +133,21 @@ def init_state(fns: ModelFns, optimizer: optax.GradientTransformation, key: jax.
   """Initialises parameters, model state and optimiser state (works under eval_shape)."""
   params, model_state = fns.init(key, example_x)
   return TrainState(jnp.zeros((), jnp.int32), params, model_state, optimizer.init(params))
+
+
+def override_params(params, initial):
+  """``params`` with the leaves of the sub-tree ``initial`` put in (same paths, shapes)."""
+  flat = traverse_util.flatten_dict(params)
+  for path, value in traverse_util.flatten_dict(initial).items():
+    name = "/".join(map(str, path))
+    if path not in flat:
+      raise ValueError(f"initial_params has {name!r}, which the model's parameters do not "
+                       f"(they have e.g. {'/'.join(map(str, next(iter(flat))))!r}).")
+    if np.shape(value) != np.shape(flat[path]):
+      raise ValueError(f"initial_params {name!r} has shape {np.shape(value)}, the model's "
+                       f"parameter has {np.shape(flat[path])}.")
+    flat[path] = jnp.asarray(value, flat[path].dtype)
+  return traverse_util.unflatten_dict(flat)
 
 
 def make_loss(fns: ModelFns) -> Callable[..., tuple[jax.Array, tuple[jax.Array, Any]]]:
@@ -291,7 +306,7 @@ def _checkpoint_manager(directory: str, every: int):
 def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
           config: TrainConfig = TrainConfig(), *,
           optimizer: optax.GradientTransformation | None = None,
-          stop_after: int | None = None) -> TrainResult:
+          initial_params: Any = None, stop_after: int | None = None) -> TrainResult:
   """Trains a classifier on ``dataset`` with one jit-compiled step.
 
   Args:
@@ -299,6 +314,9 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
     dataset: the data (see `jmem.data`).
     config: a `TrainConfig`.
     optimizer: overrides `default_optimizer` (``config.learning_rate`` is then unused).
+    initial_params: a sub-tree of the parameters to start from instead of the fresh
+      initialisation (e.g. ``{"spatial": pretrained_cnn_params}``); a checkpoint being
+      resumed wins over it.
     stop_after: stop (as if killed) once this many total steps are done, without the final
       evaluation; used to test that resuming is exact.
 
@@ -311,6 +329,9 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
                                              weight_decay=config.weight_decay)
   key = jax.random.key(config.seed)
   state = init_state(fns, optimizer, jax.random.fold_in(key, 1), jnp.asarray(dataset.x_train[:1]))
+  if initial_params is not None:
+    params = override_params(state.params, initial_params)
+    state = state._replace(params=params, opt_state=optimizer.init(params))
   start = 0
   manager = ocp = None
   if config.checkpoint_dir is not None:

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jmem import bench, measure, models, train
+from jmem import bench, data, measure, models, train
 from jmem.models import video
 from jmem.ops import sbp as S
 
@@ -220,3 +220,21 @@ def test_spatial_lr_scale():
   upd, _ = opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
   np.testing.assert_allclose(upd["spatial"]["w"], -0.1)
   np.testing.assert_allclose(upd["head"]["w"], -1.0)
+
+
+def test_pretrained_backbone_starts_the_video_model():
+  clips = data.moving_digits(16, frame_size=24, digit_size=8, num_train=64, num_test=16)
+  frames = data.Dataset("f", clips.x_train[:, 0], clips.y_train // 4, clips.x_test[:, 0],
+                        clips.y_test // 4, 10)
+  model = video.video_model("stt-resnet8", clips.num_classes, keep_ratio=0.25)
+  cfg = train.TrainConfig(steps=2, batch_size=16, progress=False)
+  pre, acc = video.pretrain_backbone(model, frames, cfg)
+  assert 0.0 <= acc <= 1.0
+  result = train.train(model, clips, train.TrainConfig(steps=0, batch_size=16, progress=False),
+                       initial_params={"spatial": pre})
+  for a, b in zip(jax.tree.leaves(result.state.params["spatial"]), jax.tree.leaves(pre)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="which the model's parameters do not"):
+    train.train(model, clips, cfg, initial_params={"spatail": pre})
+  with pytest.raises(ValueError, match="has shape"):
+    train.train(model, clips, cfg, initial_params={"head": {"kernel": jnp.zeros((3, 3))}})

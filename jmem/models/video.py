@@ -28,7 +28,7 @@ from jmem.models.resnet import resnet as make_resnet
 from jmem.ops import sbp as sbp_lib
 
 __all__ = ["TokenBlock", "StTVideo", "VideoTransformer", "group_norm", "spatial_lr_scale",
-           "VIDEO_CONFIGS", "video_model"]
+           "VIDEO_CONFIGS", "video_model", "FrameClassifier", "pretrain_backbone"]
 
 
 def group_norm(*, num_groups: int = 8, use_running_average=None, momentum=None,
@@ -74,6 +74,11 @@ def _detached(module_cls, *args, **kwargs):
   return module_cls(*args, **kwargs, parent=None)
 
 
+def _frame_cnn(backbone: str, feature_dim: int, **kw):
+  # Flattened head: global pooling would discard where the digit is, hence the motion.
+  return make_resnet(backbone, feature_dim, norm=group_norm, head_pool="flatten", **kw)
+
+
 class StTVideo(nn.Module):
   """Per-frame CNN under SBP, then a temporal transformer: ``[B, T, H, W, C] -> [B, K]``.
 
@@ -103,9 +108,7 @@ class StTVideo(nn.Module):
     if video.ndim != 5:
       raise ValueError(f"StTVideo expects [B, T, H, W, C] clips, got shape {video.shape}.")
     b, t = video.shape[:2]
-    # Flattened head: global pooling would discard where the digit is, hence the motion.
-    cnn = _detached(make_resnet, self.backbone, self.feature_dim, norm=group_norm,
-                    head_pool="flatten")
+    cnn = _detached(_frame_cnn, self.backbone, self.feature_dim)
 
     def per_frame(params, clips):
       frames = clips.reshape((-1,) + clips.shape[2:])
@@ -176,6 +179,42 @@ class VideoTransformer(nn.Module):
         x = f_full(prm, x)
     x = nn.LayerNorm(name="norm")(jnp.mean(x, axis=1))
     return nn.Dense(self.num_classes, name="head")(x)
+
+
+class FrameClassifier(nn.Module):
+  """`StTVideo`'s per-frame CNN (under ``cnn``) with a linear classifier on its features:
+  what `pretrain_backbone` trains on single frames."""
+
+  num_classes: int
+  backbone: str = "resnet8"
+  feature_dim: int = 64
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    cnn = _frame_cnn(self.backbone, self.feature_dim, parent=None).clone(parent=self, name="cnn")
+    feats = cnn(x, train=train)
+    return nn.Dense(self.num_classes, name="classifier")(nn.relu(feats))
+
+
+def pretrain_backbone(model: StTVideo, frames, config) -> tuple[Any, float]:
+  """Trains ``model``'s per-frame CNN on single labelled frames.
+
+  The SBP paper fine-tuned ImageNet-pretrained per-frame backbones; this gives a video
+  model the same start: ``jmem.train.train(model, clips, ...,
+  initial_params={"spatial": pretrain_backbone(model, frames, config)[0]})``.
+
+  Args:
+    model: the `StTVideo` whose ``backbone`` / ``feature_dim`` the CNN takes.
+    frames: a `jmem.data.Dataset` of single frames ``[N, H, W, C]`` with their labels.
+    config: a `jmem.train.TrainConfig`.
+
+  Returns:
+    ``(cnn_params, frame_test_accuracy)``; the parameters fit ``model``'s ``"spatial"``.
+  """
+  from jmem import train as train_lib  # pylint: disable=g-import-not-at-top
+  clf = FrameClassifier(frames.num_classes, model.backbone, model.feature_dim)
+  result = train_lib.train(clf, frames, config)
+  return result.state.params["cnn"], result.test_accuracy
 
 
 def spatial_lr_scale(optimizer: optax.GradientTransformation, scale: float = 0.1,
