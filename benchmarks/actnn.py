@@ -18,12 +18,8 @@ technique): each site's GACT sensitivity, weight and bits, and the measured grad
 import json
 import os
 
-import jax
-import jax.numpy as jnp
-import optax
-
 from _common import RESULTS, parser
-from jmem import bench, data, models, train
+from jmem import bench, data, models
 from jmem.ops import actnn
 
 LEVELS = tuple(f"actnn-L{i}" for i in range(1, 6))
@@ -70,26 +66,20 @@ def main():
 def allocation(model_name="resnet20", image_size=16, batch=bench.CALIBRATION_BATCH):
   ds = data.digits(image_size)
   model = models.create_model(model_name, ds.num_classes)
-  x, y = jnp.asarray(ds.x_train[:batch]), jnp.asarray(ds.y_train[:batch])
-  params, state = train.model_fns(model).init(jax.random.key(0), x[:1])
-
-  def loss_fn(module, p, batch):
-    logits, _ = train.model_fns(module).apply(p, state, batch[0], train=True,
-                                              rng=jax.random.key(1))
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
-  sens, weights = actnn.sensitivities(model, loss_fn, params, (x, y))
+  params, loss_fn, xy = bench.calibration_problem(model, ds, batch)
+  sens, weights = actnn.sensitivities(model, loss_fn, params, xy)
   bits = actnn.allocate_bits(sens, weights)
   level = actnn.Level("L3-calibrated", block_bits=2, layer_bits=tuple(bits.items()))
-  noise = {name: actnn.gradient_noise(model, loss_fn, params, (x, y), lv, num_seeds=16)
+  noise = {name: actnn.gradient_noise(model, loss_fn, params, xy, lv, num_seeds=16)
            for name, lv in (("uniform-2bit", "L3"), ("calibrated", level))}
-  out = dict(model=model_name, image_size=image_size, batch=batch,
+  out = dict(model=model_name, image_size=image_size, batch=len(xy[0]),
              average_bits=level.average_bits(weights), gradient_noise=noise,
              sites=[dict(site=p, sensitivity=sens[p], values=weights[p], bits=bits[p])
                     for p in sens])
   with open(os.path.join(RESULTS, "actnn_allocation.json"), "w") as f:
     json.dump(out, f, indent=1)
   lines = [f"# ActNN L3 per-layer bit allocation: {model_name}, {image_size}x{image_size} "
-           f"digits, calibration batch {batch}, initial weights (seed 0)", "",
+           f"digits, calibration batch {len(xy[0])}, initial weights (seed 0)", "",
            "| site | sensitivity C | values quantized | bits |", "|---|---:|---:|---:|"]
   lines += [f"| {p} | {sens[p]:.4g} | {weights[p]} | {bits[p]} |" for p in sens]
   lines += ["", f"Weighted average: {out['average_bits']:.3f} bits.", "",

@@ -31,7 +31,7 @@ from jmem import train as train_lib
 
 __all__ = [
     "Technique", "BenchConfig", "register_technique", "get_technique", "technique_names",
-    "run_bench", "write_results", "format_table", "step_memory",
+    "run_bench", "write_results", "format_table", "step_memory", "calibration_problem",
 ]
 
 
@@ -134,24 +134,30 @@ CALIBRATION_BATCH = 16          # examples, at most
 CALIBRATION_VALUES = 16 * 256   # input values, at most (fewer examples for large images)
 
 
-def _actnn_calibrated(level: str):
-  """ActNN ``level`` with per-layer bits from gradient sensitivity, measured once at the
-  initial weights (seed 0) on the first training examples: at most `CALIBRATION_BATCH`,
-  and at most `CALIBRATION_VALUES` input values (but 2 examples at least)."""
-  def prepare(model, dataset, batch_size):
-    import optax  # pylint: disable=g-import-not-at-top
-    from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
-    per_example = int(np.prod(dataset.example_shape))
-    n = min(batch_size, len(dataset.x_train),
-            max(2, min(CALIBRATION_BATCH, CALIBRATION_VALUES // per_example)))
-    x, y = jnp.asarray(dataset.x_train[:n]), jnp.asarray(dataset.y_train[:n])
-    params, state = train_lib.model_fns(model).init(jax.random.key(0), x[:1])
+def calibration_problem(model, dataset, batch_size: int):
+  """``(params, loss_fn, batch)`` on which the ``actnn-L3``..``L5`` techniques calibrate
+  their bits (`jmem.ops.actnn.calibrate`): the initial weights (seed 0) and the first
+  training examples, at most `CALIBRATION_BATCH` and at most `CALIBRATION_VALUES` input
+  values (but 2 examples at least); ``loss_fn`` is the training loss of `jmem.train`."""
+  per_example = int(np.prod(dataset.example_shape))
+  n = min(batch_size, len(dataset.x_train),
+          max(2, min(CALIBRATION_BATCH, CALIBRATION_VALUES // per_example)))
+  x, y = jnp.asarray(dataset.x_train[:n]), jnp.asarray(dataset.y_train[:n])
+  params, state = train_lib.model_fns(model).init(jax.random.key(0), x[:1])
 
-    def loss_fn(module, p, batch):
-      logits, _ = train_lib.model_fns(module).apply(p, state, batch[0], train=True,
-                                                    rng=jax.random.key(1))
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
-    return actnn.convert(model, actnn.calibrate(model, loss_fn, params, (x, y), level=level))
+  def loss_fn(module, p, batch):
+    loss = train_lib.make_loss(train_lib.model_fns(module))
+    return loss(p, state, *batch, jax.random.key(1))[0]
+  return params, loss_fn, (x, y)
+
+
+def _actnn_calibrated(level: str):
+  """ActNN ``level`` with per-layer bits from gradient sensitivity, measured once on
+  `calibration_problem`."""
+  def prepare(model, dataset, batch_size):
+    from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
+    params, loss_fn, batch = calibration_problem(model, dataset, batch_size)
+    return actnn.convert(model, actnn.calibrate(model, loss_fn, params, batch, level=level))
   return prepare
 
 

@@ -132,12 +132,18 @@ def test_levels_on_resnet_memory_and_exact_l0():
   assert temp["L3"] < 0.3 and temp["L2"] < temp["L1"] < 1.0, temp
 
 
-def test_l0_is_exact_and_l2_gradients_are_close():
-  model = models.create_model("resnet8", 10)
-  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16, 16, 1)), jnp.float32)
+def _resnet_batch(name, size):
+  """``(model, x, y, params, state)``: a ResNet at its initial weights and 8 examples."""
+  model = models.create_model(name, 10)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, size, size, 1)), jnp.float32)
   y = jnp.arange(8) % 10
+  params, state = train.model_fns(model).init(jax.random.key(0), x)
+  return model, x, y, params, state
+
+
+def test_l0_is_exact_and_l2_gradients_are_close():
+  model, x, y, params, state = _resnet_batch("resnet8", 16)
   fns = train.model_fns(model)
-  params, state = fns.init(jax.random.key(0), x)
   grad = lambda f: jax.grad(lambda p: train.make_loss(f)(p, state, x, y, None)[0])(params)
   exact = grad(fns)
   for lv, tol in (("L0", 0.0), ("L2", 0.25)):   # 4-bit: ~0.12 relative on one batch
@@ -335,11 +341,7 @@ def test_allocate_bits_budget_and_near_optimal():
 
 
 def test_calibrated_level_lowers_gradient_noise_at_same_budget():
-  model = models.create_model("resnet20", 10)
-  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8, 8, 1)), jnp.float32)
-  y = jnp.arange(8) % 10
-  fns = train.model_fns(model)
-  params, state = fns.init(jax.random.key(0), x)
+  model, x, y, params, state = _resnet_batch("resnet20", 8)
 
   def loss_fn(module, p, batch):
     return train.make_loss(train.model_fns(module))(p, state, *batch, jax.random.key(1))[0]

@@ -293,7 +293,8 @@ def _flat(tree):
 
 
 def _sq_dist(a, b) -> float:
-  return float(jnp.sum(jnp.square(_flat(a) - _flat(b))))
+  """Squared distance of two flat gradients."""
+  return float(jnp.sum(jnp.square(a - b)))
 
 
 def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
@@ -318,9 +319,9 @@ def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
   out = {}
   for path, i in sites.items():
     one_hot = jnp.zeros((len(sites),), jnp.float32).at[i].set(1.0)
-    g0 = grads(one_hot, jnp.uint32(2 * seed + 1))
-    g1 = grads(one_hot, jnp.uint32(2 * seed + 2))
-    g2 = grads(255.0 * one_hot, jnp.uint32(2 * seed + 1))
+    g0 = _flat(grads(one_hot, jnp.uint32(2 * seed + 1)))
+    g1 = _flat(grads(one_hot, jnp.uint32(2 * seed + 2)))
+    g2 = _flat(grads(255.0 * one_hot, jnp.uint32(2 * seed + 1)))
     out[path] = max(_sq_dist(g0, g1), 2.0 * max(_sq_dist(g0, g2), _sq_dist(g1, g2)))
   return out, weights
 
@@ -333,11 +334,11 @@ def gradient_noise(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any,
   lv = get_level(level)
   grads, sites, _ = _probe_grads(model, loss_fn, params, batch, lv)
   bits = dict(lv.layer_bits)
-  levels = jnp.zeros((len(sites),), jnp.float32)
+  levels = np.zeros((len(sites),), np.float32)
   for path, i in sites.items():
-    levels = levels.at[i].set(float(2**bits.get(path, lv.block_bits) - 1))
-  exact = grads(jnp.zeros_like(levels), jnp.uint32(0))
-  return float(np.mean([_sq_dist(grads(levels, jnp.uint32(1000 + s)), exact)
+    levels[i] = 2**bits.get(path, lv.block_bits) - 1
+  exact = _flat(grads(np.zeros_like(levels), jnp.uint32(0)))
+  return float(np.mean([_sq_dist(_flat(grads(levels, jnp.uint32(1000 + s))), exact)
                         for s in range(num_seeds)]))
 
 
@@ -358,25 +359,23 @@ def allocate_bits(sensitivity: Mapping[str, float], weights: Mapping[str, int], 
       raise ValueError(f"choices must be among {q.SUPPORTED_BITS}, got {choices}.")
   if set(sensitivity) != set(weights):
     raise ValueError("sensitivity and weights must have the same sites.")
-  var = lambda p, b: sensitivity[p] / float(2**b - 1) ** 2
-  level = {p: len(choices) - 1 for p in sensitivity}
+  var = lambda p, i: sensitivity[p] / float(2**choices[i] - 1) ** 2
+  # Variance removed per budget bit by widening site p from choices[i] to choices[i + 1].
+  gain = lambda p, i: (var(p, i) - var(p, i + 1)) / max(
+      weights[p] * (choices[i + 1] - choices[i]), 1)
+  level = {p: len(choices) - 1 for p in sensitivity}     # indices into choices
   cap = budget * sum(weights.values())
   used = lambda: sum(weights[p] * choices[level[p]] for p in level)
-  while used() > cap:
-    p = min((p for p in level if level[p] > 0), key=lambda p: (
-        var(p, choices[level[p] - 1]) - var(p, choices[level[p]])) /
-        max(weights[p] * (choices[level[p]] - choices[level[p] - 1]), 1))
+  while used() > cap:                                      # narrow the cheapest first
+    p = min((p for p in level if level[p] > 0), key=lambda p: gain(p, level[p] - 1))
     level[p] -= 1
-  while True:
+  while True:                                              # spend the slack, best first
     affordable = [p for p in level if level[p] < len(choices) - 1 and
                   used() + weights[p] * (choices[level[p] + 1] - choices[level[p]]) <= cap]
     if not affordable:
-      break
-    p = max(affordable, key=lambda p: (var(p, choices[level[p]]) -
-                                       var(p, choices[level[p] + 1])) /
-            max(weights[p] * (choices[level[p] + 1] - choices[level[p]]), 1))
+      return {p: choices[i] for p, i in level.items()}
+    p = max(affordable, key=lambda p: gain(p, level[p]))
     level[p] += 1
-  return {p: choices[i] for p, i in level.items()}
 
 
 def calibrate(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,

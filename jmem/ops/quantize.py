@@ -83,6 +83,22 @@ def _groups(x, group_size):
   return flat.reshape(n, g, group_size), per
 
 
+def _range_safe_groups(x, group_size):
+  """`_groups` with pad positions repeating the group's first value (padding must not
+  widen the group's range)."""
+  grouped, per = _groups(x, group_size)
+  valid = (jnp.arange(grouped.shape[1] * group_size) < per).reshape(grouped.shape[1:])
+  return jnp.where(valid, grouped, grouped[..., :1])
+
+
+def _ungroup(values, shape, dtype):
+  """Grouped values (any layout of ``N * G * group_size``) back to ``shape``: drops the
+  padding."""
+  n = shape[0] if shape else 1
+  per = int(np.prod(shape[1:])) if len(shape) else 1
+  return values.reshape(n, -1)[:, :per].reshape(shape).astype(dtype)
+
+
 def group_statistics(x: jax.Array, *, bits: int, group_size: int):
   """``(groups float32[N, G, group_size], minimum bf16[N, G], scale bf16[N, G])``.
 
@@ -91,9 +107,7 @@ def group_statistics(x: jax.Array, *, bits: int, group_size: int):
   ``(x - minimum) * scale`` lies in ``[0, 2^bits - 1]``.
   """
   levels = float(2**bits - 1)
-  grouped, per = _groups(x, group_size)
-  valid = (jnp.arange(grouped.shape[1] * group_size) < per).reshape(grouped.shape[1:])
-  grouped = jnp.where(valid, grouped, grouped[..., :1])
+  grouped = _range_safe_groups(x, group_size)
   mn = _round_down_bf16(jnp.min(grouped, axis=-1))
   span = jnp.max(grouped, axis=-1) - mn.astype(jnp.float32) + 2e-6
   return grouped, mn, _round_down_bf16(levels / span)
@@ -174,8 +188,7 @@ def dequantize(qx: Quantized, shape: tuple[int, ...], dtype, *, bits: int = 2,
     q = unpack_bits(qx.codes, bits).astype(jnp.float32).reshape(n, g, group_size)
     x = (q / qx.scale.astype(jnp.float32)[..., None] +
          qx.minimum.astype(jnp.float32)[..., None])
-  per = int(np.prod(shape[1:])) if len(shape) else 1
-  return x.reshape(n, -1)[:, :per].reshape(shape).astype(dtype)
+  return _ungroup(x, shape, dtype)
 
 
 def packed_nbytes(shape: tuple[int, ...], *, bits: int = 2, group_size: int = 256) -> int:
@@ -190,6 +203,10 @@ def packed_nbytes(shape: tuple[int, ...], *, bits: int = 2, group_size: int = 25
 
 def _is_arg(leaf, args):
   return any(leaf is a for a in args)
+
+
+def _param_leaves(args, param_argnums):
+  return jax.tree.leaves([a for i, a in enumerate(args) if i in param_argnums])
 
 
 def _residual_kind(leaf, kept, min_size) -> str:
@@ -247,7 +264,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
     def fwd(args, key):
       y, vjp_fn = jax.vjp(f, *args)
       leaves, layout["treedef"] = jax.tree.flatten(vjp_fn)
-      kept = jax.tree.leaves([a for i, a in enumerate(args) if i in param_argnums])
+      kept = _param_leaves(args, param_argnums)
       key = _data_key(jax.tree.leaves(args)) if key is None else key
       plan, saved = [], []
       for i, leaf in enumerate(leaves):
@@ -310,16 +327,12 @@ def fake_quantize(x: jax.Array, levels: jax.Array, seed: jax.Array, *,
   ``levels`` a traced scalar and nothing packed, so ONE compiled function can measure the
   gradient noise of any bit width at any site (`probe`). ``levels == 0`` returns ``x``.
   """
-  grouped, per = _groups(x, group_size)
-  valid = (jnp.arange(grouped.shape[1] * group_size) < per).reshape(grouped.shape[1:])
-  grouped = jnp.where(valid, grouped, grouped[..., :1])
+  grouped = _range_safe_groups(x, group_size)
   mn = jnp.min(grouped, axis=-1, keepdims=True)
   scale = jnp.maximum(levels, 1.0) / (jnp.max(grouped, axis=-1, keepdims=True) - mn + 2e-6)
   index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
   q = jnp.floor((grouped - mn) * scale + hash_uniform(index, seed))
-  n = grouped.shape[0]
-  xq = (q / scale + mn).reshape(n, -1)[:, :per].reshape(x.shape).astype(x.dtype)
-  return jnp.where(levels > 0, xq, x)
+  return jnp.where(levels > 0, _ungroup(q / scale + mn, x.shape, x.dtype), x)
 
 
 def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
@@ -341,12 +354,11 @@ def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
     def fwd(levels, seed, args):
       y, vjp_fn = jax.vjp(f, *args)
       leaves, treedef = jax.tree.flatten(vjp_fn)
-      kept = jax.tree.leaves([a for i, a in enumerate(args) if i in param_argnums])
+      kept = _param_leaves(args, param_argnums)
       kinds = [_residual_kind(leaf, kept, min_size) for leaf in leaves]
       if on_residuals is not None:
         on_residuals(sum(leaf.size for leaf, k in zip(leaves, kinds) if k == "quant"))
-      leaves = [fake_quantize(leaf.reshape(leaf.shape[0] if leaf.ndim else 1, -1), levels,
-                              seed + jnp.uint32(i), group_size=group_size).reshape(leaf.shape)
+      leaves = [fake_quantize(leaf, levels, seed + jnp.uint32(i), group_size=group_size)
                 if k == "quant" else leaf for i, (leaf, k) in enumerate(zip(leaves, kinds))]
       return y, (jax.tree.unflatten(treedef, leaves), levels, seed)
 
