@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import traverse_util
 
 from jmem import bench, data, measure, models, train
 from jmem.models import video
@@ -177,12 +178,24 @@ def test_stt_spatial_memory_falls_with_keep_ratio():
 
 def test_video_transformer_sbp_blocks():
   x, y = _clips()
-  model = video.VideoTransformer(num_classes=40, keep_ratio=0.5, patch=4, dim=32, depth=3,
-                                 heads=2, exact_last=1)
-  fns = train.model_fns(model)
-  params, state = fns.init(jax.random.key(0), x)
-  g = jax.grad(lambda p: train.make_loss(fns)(p, state, x, y, jax.random.key(1))[0])(params)
-  assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(g))
+  for readout in ("mean", "frames"):
+    model = video.VideoTransformer(num_classes=40, keep_ratio=0.5, patch=4, dim=32, depth=3,
+                                   heads=2, exact_last=1, readout=readout)
+    fns = train.model_fns(model)
+    params, state = fns.init(jax.random.key(0), x)
+    loss = lambda p, m=model: train.make_loss(train.model_fns(m))(
+        p, state, x, y, jax.random.key(1))
+    (_, (logits, _)), g = jax.value_and_grad(loss, has_aux=True)(params)
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(g))
+    # The SBP forward is the exact forward: same logits as the keep_ratio=1 twin.
+    _, (exact_logits, _) = loss(params, model.clone(keep_ratio=1.0))
+    np.testing.assert_allclose(logits, exact_logits, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="readout must be"):
+    model.clone(readout="cls").init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="exact_last must be"):
+    model.clone(exact_last=4).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"\[B, T, H, W, C\]"):
+    model.init(jax.random.key(0), x[:, 0])
   # One block: the kept-rows backward equals the oracle (dropped rows held constant).
   block = video.TokenBlock(32, 2)
   tokens = jax.random.normal(jax.random.key(2), (2, 64, 32))
@@ -220,21 +233,40 @@ def test_spatial_lr_scale():
   upd, _ = opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
   np.testing.assert_allclose(upd["spatial"]["w"], -0.1)
   np.testing.assert_allclose(upd["head"]["w"], -1.0)
+  params["embed"] = {"w": jnp.ones(2)}
+  opt = video.spatial_lr_scale(optax.sgd(1.0), 0.1, ("spatial", "embed"))
+  upd, _ = opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
+  np.testing.assert_allclose(upd["embed"]["w"], -0.1)
+  np.testing.assert_allclose(upd["head"]["w"], -1.0)
+  with pytest.raises(ValueError, match="no top-level parameters named"):
+    video.spatial_lr_scale(optax.sgd(1.0), 0.1, "spatail").init(params)
 
 
 def test_pretrained_backbone_starts_the_video_model():
   clips = data.moving_digits(16, frame_size=24, digit_size=8, num_train=64, num_test=16)
   frames = data.Dataset("f", clips.x_train[:, 0], clips.y_train // 4, clips.x_test[:, 0],
                         clips.y_test // 4, 10)
-  model = video.video_model("stt-resnet8", clips.num_classes, keep_ratio=0.25)
   cfg = train.TrainConfig(steps=2, batch_size=16, progress=False)
-  pre, acc = video.pretrain_backbone(model, frames, cfg)
-  assert 0.0 <= acc <= 1.0
-  result = train.train(model, clips, train.TrainConfig(steps=0, batch_size=16, progress=False),
-                       initial_params={"spatial": pre})
-  for a, b in zip(jax.tree.leaves(result.state.params["spatial"]), jax.tree.leaves(pre)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  start = train.TrainConfig(steps=0, batch_size=16, progress=False)
+  for name, transferred in (("stt-resnet8", {"spatial"}),
+                            ("video-vit", {"patch_embed", "pos_embed", "block0", "block1",
+                                           "block2", "block3", "norm"})):
+    model = video.video_model(name, clips.num_classes, keep_ratio=0.25)
+    pre, acc = video.pretrain_backbone(model, frames, cfg)
+    assert set(pre) == transferred, (name, set(pre))
+    assert 0.0 <= acc <= 1.0
+    fresh = train.train(model, clips, start).state.params
+    result = train.train(model, clips, start, initial_params=pre)
+    flat_pre = traverse_util.flatten_dict(pre)
+    flat_got = traverse_util.flatten_dict(result.state.params)
+    flat_fresh = traverse_util.flatten_dict(fresh)
+    for path, value in flat_got.items():   # pretrained where given, fresh elsewhere
+      np.testing.assert_array_equal(value, flat_pre.get(path, flat_fresh[path]))
   with pytest.raises(ValueError, match="which the model's parameters do not"):
-    train.train(model, clips, cfg, initial_params={"spatail": pre})
+    train.train(model, clips, cfg, initial_params={"spatail": pre["norm"]})
   with pytest.raises(ValueError, match="has shape"):
     train.train(model, clips, cfg, initial_params={"head": {"kernel": jnp.zeros((3, 3))}})
+  with pytest.raises(ValueError, match="single frames"):
+    video.pretrain_backbone(model, clips, cfg)
+  with pytest.raises(TypeError, match="supports StTVideo and VideoTransformer"):
+    video.pretrain_backbone(models.create_model("resnet8", 10), frames, cfg)

@@ -16,7 +16,9 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+import dataclasses
+import fnmatch
 from typing import Any
 
 import flax.linen as nn
@@ -133,6 +135,9 @@ class StTVideo(nn.Module):
 class VideoTransformer(nn.Module):
   """Patch tokens of every frame through transformer blocks with layer-level SBP.
 
+  Tokens are ordered (t, h, w); the position embedding is a spatial one shared by the
+  frames plus a per-frame one.
+
   Attributes:
     num_classes: outputs.
     keep_ratio: fraction of tokens kept for the backward of the SBP blocks (1 = exact).
@@ -141,6 +146,9 @@ class VideoTransformer(nn.Module):
     patch: spatial patch side.
     dim, depth, heads: transformer width, blocks, heads.
     exact_last: the last blocks that use exact backprop.
+    readout: ``"mean"`` pools all tokens; ``"frames"`` pools each frame's tokens and
+      concatenates the frames in time order (the order of the frames is the motion, as in
+      `StTVideo`'s readout).
   """
 
   num_classes: int
@@ -151,19 +159,26 @@ class VideoTransformer(nn.Module):
   depth: int = 4
   heads: int = 4
   exact_last: int = 1
+  readout: str = "mean"
 
   @nn.compact
   def __call__(self, video, train: bool = False):
     if video.ndim != 5:
       raise ValueError(f"VideoTransformer expects [B, T, H, W, C] clips, got {video.shape}.")
+    if self.readout not in ("mean", "frames"):
+      raise ValueError(f"readout must be 'mean' or 'frames', got {self.readout!r}.")
     if not 0 <= self.exact_last <= self.depth:
       raise ValueError(f"exact_last must be in [0, depth={self.depth}], got {self.exact_last}.")
     b, t, h, w, c = video.shape
     p = self.patch
     x = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", name="patch_embed")(
         video.reshape((b * t, h, w, c)))
-    x = x.reshape(b, -1, self.dim)
-    x = x + self.param("pos_embed", nn.initializers.normal(0.02), x.shape[1:])
+    x = x.reshape(b, t, -1, self.dim)
+    # Factorised: a spatial embedding shared by all frames plus one per time step, so
+    # that the spatial part can be pretrained on single frames (see `pretrain_backbone`).
+    x = (x + self.param("pos_embed", nn.initializers.normal(0.02), x.shape[2:])
+         + self.param("time_embed", nn.initializers.normal(0.02), (t, 1, self.dim)))
+    x = x.reshape(b, -1, self.dim)                       # tokens in (t, h, w) order
     block = _detached(TokenBlock, self.dim, self.heads)
     f_full = lambda prm, v: block.apply({"params": prm}, v)
     f_rows = lambda prm, v, rows: block.apply({"params": prm}, v, rows)
@@ -177,7 +192,9 @@ class VideoTransformer(nn.Module):
         x = sbp_lib.sbp_rows(f_full, f_rows, prm, x, idx, axis=1)
       else:
         x = f_full(prm, x)
-    x = nn.LayerNorm(name="norm")(jnp.mean(x, axis=1))
+    x = x.reshape(b, t, -1, self.dim)
+    x = jnp.mean(x, axis=(1, 2)) if self.readout == "mean" else jnp.mean(x, axis=2)
+    x = nn.LayerNorm(name="norm")(x).reshape(b, -1)
     return nn.Dense(self.num_classes, name="head")(x)
 
 
@@ -196,32 +213,67 @@ class FrameClassifier(nn.Module):
     return nn.Dense(self.num_classes, name="classifier")(nn.relu(feats))
 
 
-def pretrain_backbone(model: StTVideo, frames, config) -> tuple[Any, float]:
-  """Trains ``model``'s per-frame CNN on single labelled frames.
+# What `pretrain_backbone` transfers to a `VideoTransformer`: everything but the parts that
+# depend on the number of frames or of classes.
+_VIT_PRETRAINED = ("patch_embed", "pos_embed", "block*", "norm")
 
-  The SBP paper fine-tuned ImageNet-pretrained per-frame backbones; this gives a video
-  model the same start: ``jmem.train.train(model, clips, ...,
-  initial_params={"spatial": pretrain_backbone(model, frames, config)[0]})``.
+
+def pretrain_backbone(model: StTVideo | VideoTransformer, frames, config) -> tuple[Any, float]:
+  """Trains ``model``'s spatial part on single labelled frames.
+
+  The SBP paper fine-tuned ImageNet-pretrained backbones (per-frame ResNets, Video Swin);
+  this gives a video model the same start::
+
+    pre, acc = pretrain_backbone(model, frames, config)
+    jmem.train.train(model, clips, ..., initial_params=pre)
+
+  * `StTVideo`: its per-frame CNN with a linear head (`FrameClassifier`).
+  * `VideoTransformer`: the same transformer on one-frame clips (with a head for the frame
+    labels); the patch embedding, spatial position embedding, blocks and final norm carry
+    over, the time embedding and the head start fresh.
 
   Args:
-    model: the `StTVideo` whose ``backbone`` / ``feature_dim`` the CNN takes.
+    model: the video model whose fields the pretrained network takes.
     frames: a `jmem.data.Dataset` of single frames ``[N, H, W, C]`` with their labels.
     config: a `jmem.train.TrainConfig`.
 
   Returns:
-    ``(cnn_params, frame_test_accuracy)``; the parameters fit ``model``'s ``"spatial"``.
+    ``(initial_params, frame_test_accuracy)``; ``initial_params`` is the sub-tree of
+    ``model``'s parameters to start from.
   """
   from jmem import train as train_lib  # pylint: disable=g-import-not-at-top
-  clf = FrameClassifier(frames.num_classes, model.backbone, model.feature_dim)
-  result = train_lib.train(clf, frames, config)
-  return result.state.params["cnn"], result.test_accuracy
+  if len(frames.example_shape) != 3:
+    raise ValueError(f"pretrain_backbone needs single frames [N, H, W, C], got examples of "
+                     f"shape {frames.example_shape}.")
+  if isinstance(model, StTVideo):
+    clf = FrameClassifier(frames.num_classes, model.backbone, model.feature_dim)
+    result = train_lib.train(clf, frames, config)
+    return {"spatial": result.state.params["cnn"]}, result.test_accuracy
+  if isinstance(model, VideoTransformer):
+    one_frame = lambda x: x[:, None]
+    clips = dataclasses.replace(frames, x_train=one_frame(frames.x_train),
+                                x_test=one_frame(frames.x_test))
+    clf = model.clone(num_classes=frames.num_classes, keep_ratio=1.0, parent=None)
+    result = train_lib.train(clf, clips, config)
+    params = {k: v for k, v in result.state.params.items()
+              if any(fnmatch.fnmatchcase(k, pattern) for pattern in _VIT_PRETRAINED)}
+    return params, result.test_accuracy
+  raise TypeError(f"pretrain_backbone supports StTVideo and VideoTransformer, got "
+                  f"{type(model).__name__}.")
 
 
 def spatial_lr_scale(optimizer: optax.GradientTransformation, scale: float = 0.1,
-                     spatial_key: str = "spatial") -> optax.GradientTransformation:
-  """Scales the updates of the parameters under ``spatial_key`` (the paper used 0.1x)."""
+                     spatial_key: str | Collection[str] = "spatial"
+                     ) -> optax.GradientTransformation:
+  """Scales the updates of the top-level parameters named ``spatial_key`` (one name or
+  several) by ``scale`` (the paper used 0.1x for the pretrained spatial model)."""
+  keys = {spatial_key} if isinstance(spatial_key, str) else set(spatial_key)
   def labels(params):
-    return {k: jax.tree.map(lambda _: "spatial" if k == spatial_key else "rest", v)
+    missing = keys - set(params)
+    if missing:
+      raise ValueError(f"spatial_lr_scale: no top-level parameters named {sorted(missing)}; "
+                       f"the model has {sorted(params)}.")
+    return {k: jax.tree.map(lambda _: "spatial" if k in keys else "rest", v)
             for k, v in params.items()}
   return optax.multi_transform(
       {"spatial": optax.chain(optimizer, optax.scale(scale)), "rest": optimizer}, labels)
@@ -230,7 +282,8 @@ def spatial_lr_scale(optimizer: optax.GradientTransformation, scale: float = 0.1
 # name -> (class, fields)
 VIDEO_CONFIGS: dict[str, tuple[Callable[..., nn.Module], dict[str, Any]]] = {
     "stt-resnet8": (StTVideo, dict(backbone="resnet8", feature_dim=64, temporal_depth=2)),
-    "video-vit": (VideoTransformer, dict(patch=8, dim=64, depth=4, heads=4, exact_last=1)),
+    "video-vit": (VideoTransformer, dict(patch=8, dim=64, depth=4, heads=4, exact_last=1,
+                                        readout="frames")),
 }
 
 
