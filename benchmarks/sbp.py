@@ -1,6 +1,6 @@
 """Stochastic Backpropagation on moving-digit clips (16 frames of 24x24, 40 classes).
 
-Writes benchmarks/results/sbp_memory.*, sbp_stt.* and sbp_vit.*:
+Writes benchmarks/results/sbp_memory.*, sbp_stt.*, sbp_vit.* and sbp_{stt,vit}_pretrained.*:
 
   python benchmarks/sbp.py [--seeds 0,1,2] [--steps 800] [--train-clips 8192]
       [--learning-rate 2e-3] [--pretrain-steps 1000] [--test-clips 256]
