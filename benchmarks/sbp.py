@@ -74,16 +74,17 @@ def frames_of(clips: data.Dataset, num_directions: int = 4) -> data.Dataset:
                       clips.y_test // num_directions, 10)
 
 
-# model -> (results stem, learning-rate scale of the pretrained parameters)
-PRETRAINED = {"stt-resnet8": ("sbp_stt_pretrained", 0.1), "video-vit": ("sbp_vit_pretrained", 1.0)}
+# --parts name -> (model, results stem, learning-rate scale of the pretrained parameters)
+PRETRAINED = {"stt-pretrained": ("stt-resnet8", "sbp_stt_pretrained", 0.1),
+              "video-vit-pretrained": ("video-vit", "sbp_vit_pretrained", 1.0)}
 
 
-def pretrained(name, seeds, steps, train_clips, learning_rate, pretrain_steps=1000,
+def pretrained(part, seeds, steps, train_clips, learning_rate, pretrain_steps=1000,
                test_clips=256):
   """The paper's setting: the spatial part pretrained on single frames (as the paper's
   per-frame ResNets and Video Swin were on ImageNet), then exact vs SBP r = 0.25 from the
   same weights, seeds and steps. The StT CNN is fine-tuned at 0.1x the learning rate."""
-  stem, lr_scale = PRETRAINED[name]
+  name, stem, lr_scale = PRETRAINED[part]
   clips = data.moving_digits(16, frame_size=24, digit_size=8, num_train=train_clips,
                              num_test=test_clips)
   frames = frames_of(clips)
@@ -150,8 +151,8 @@ def main():
   for part in args.parts.split(","):
     if part == "memory":
       memory(common)
-    elif part.endswith("-pretrained"):
-      pretrained(part[:-len("-pretrained")], args.seeds, args.steps, args.train_clips,
+    elif part in PRETRAINED:
+      pretrained(part, args.seeds, args.steps, args.train_clips,
                  args.learning_rate, args.pretrain_steps, args.test_clips)
     else:
       accuracy(part, common, seeds=args.seeds, steps=args.steps,
