@@ -21,7 +21,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from _common import RESULTS, parser
 from jmem import bench, data, measure, models, train
@@ -66,14 +65,6 @@ def accuracy(name, common, **train):
   print(bench.format_table(rows))
 
 
-def frames_of(clips: data.Dataset, num_directions: int = 4) -> data.Dataset:
-  """One frame per clip (frame ``i % T`` of clip i), labelled with its digit."""
-  pick = lambda x: x[np.arange(len(x)), np.arange(len(x)) % x.shape[1]]
-  return data.Dataset(f"frames_of_{clips.name}", pick(clips.x_train),
-                      clips.y_train // num_directions, pick(clips.x_test),
-                      clips.y_test // num_directions, 10)
-
-
 # --parts name -> (model, results stem, learning-rate scale of the pretrained parameters)
 PRETRAINED = {"stt-pretrained": ("stt-resnet8", "sbp_stt_pretrained", 0.1),
               "video-vit-pretrained": ("video-vit", "sbp_vit_pretrained", 1.0)}
@@ -87,7 +78,7 @@ def pretrained(part, seeds, steps, train_clips, learning_rate, pretrain_steps=10
   name, stem, lr_scale = PRETRAINED[part]
   clips = data.moving_digits(16, frame_size=24, digit_size=8, num_train=train_clips,
                              num_test=test_clips)
-  frames = frames_of(clips)
+  frames = data.frames_of(clips)
   t0 = time.perf_counter()
   pre, frame_acc = video.pretrain_backbone(
       video.video_model(name, clips.num_classes), frames,

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["Dataset", "digits", "moving_digits", "batch_indices", "DIRECTIONS"]
+__all__ = ["Dataset", "digits", "moving_digits", "frames_of", "batch_indices", "DIRECTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +169,20 @@ def moving_digits(num_frames: int = 16, *, frame_size: int = 32, digit_size: int
   norm = lambda v: ((v - mean) / std)[..., None].astype(np.float32)
   return Dataset(f"moving_digits{num_frames}x{frame_size}", norm(x_tr), y_tr, norm(x_te), y_te,
                  10 * num_directions)
+
+
+def frames_of(clips: Dataset) -> Dataset:
+  """Single labelled frames from `moving_digits` clips, e.g. to pretrain a video model's
+  spatial part (`jmem.models.video.pretrain_backbone`): frame ``i % T`` of clip i, labelled
+  with its digit (the label without the direction)."""
+  if clips.x_train.ndim != 5 or clips.num_classes % 10:
+    raise ValueError(f"frames_of needs moving_digits clips [N, T, H, W, C] with 10 x "
+                     f"directions classes, got {clips.name!r} with examples of shape "
+                     f"{clips.example_shape} and {clips.num_classes} classes.")
+  directions = clips.num_classes // 10
+  pick = lambda x: x[np.arange(len(x)), np.arange(len(x)) % x.shape[1]]
+  return Dataset(f"frames_of_{clips.name}", pick(clips.x_train), clips.y_train // directions,
+                 pick(clips.x_test), clips.y_test // directions, 10)
 
 
 def batch_indices(num_examples: int, batch_size: int, step: int, *, seed: int) -> np.ndarray:

@@ -53,6 +53,18 @@ def test_moving_digits_deterministic_and_validated():
     data.moving_digits(4, num_directions=9)
 
 
+def test_frames_of_picks_one_frame_per_clip_with_its_digit():
+  for directions in (4, 2):
+    d = data.moving_digits(4, frame_size=16, digit_size=8, num_directions=directions,
+                           num_train=8, num_test=4)
+    f = data.frames_of(d)
+    assert f.x_train.shape == (8, 16, 16, 1) and f.num_classes == 10
+    np.testing.assert_array_equal(f.x_train[5], d.x_train[5, 5 % 4])
+    np.testing.assert_array_equal(f.y_test, d.y_test // directions)
+  with pytest.raises(ValueError, match="frames_of needs moving_digits clips"):
+    data.frames_of(data.digits())
+
+
 def test_batch_indices_pure_and_epoch_permutation():
   per_epoch = [data.batch_indices(100, 10, s, seed=3) for s in range(10)]
   np.testing.assert_array_equal(np.sort(np.concatenate(per_epoch)), np.arange(100))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 import dataclasses
-import fnmatch
 from typing import Any
 
 import flax.linen as nn
@@ -208,14 +207,15 @@ class FrameClassifier(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = False):
+    # `resnet`'s first argument is called ``name``, so the module is named by a clone.
     cnn = _frame_cnn(self.backbone, self.feature_dim, parent=None).clone(parent=self, name="cnn")
     feats = cnn(x, train=train)
     return nn.Dense(self.num_classes, name="classifier")(nn.relu(feats))
 
 
-# What `pretrain_backbone` transfers to a `VideoTransformer`: everything but the parts that
+# What `pretrain_backbone` does NOT transfer to a `VideoTransformer`: the parameters that
 # depend on the number of frames or of classes.
-_VIT_PRETRAINED = ("patch_embed", "pos_embed", "block*", "norm")
+_VIT_FRESH = ("time_embed", "head")
 
 
 def pretrain_backbone(model: StTVideo | VideoTransformer, frames, config) -> tuple[Any, float]:
@@ -255,8 +255,7 @@ def pretrain_backbone(model: StTVideo | VideoTransformer, frames, config) -> tup
                                 x_test=one_frame(frames.x_test))
     clf = model.clone(num_classes=frames.num_classes, keep_ratio=1.0, parent=None)
     result = train_lib.train(clf, clips, config)
-    params = {k: v for k, v in result.state.params.items()
-              if any(fnmatch.fnmatchcase(k, pattern) for pattern in _VIT_PRETRAINED)}
+    params = {k: v for k, v in result.state.params.items() if k not in _VIT_FRESH}
     return params, result.test_accuracy
   raise TypeError(f"pretrain_backbone supports StTVideo and VideoTransformer, got "
                   f"{type(model).__name__}.")

@@ -73,6 +73,7 @@ import numpy as np
 from flax import nnx
 from flax.core import scope as core_scope
 from flax.linen import transforms as nn_transforms
+from jax.flatten_util import ravel_pytree
 
 from jmem.ops import quantize as q
 
@@ -289,7 +290,7 @@ def _probe_grads(model, loss_fn, params, batch, lv):
 
 
 def _flat(tree):
-  return jnp.concatenate([jnp.ravel(v) for v in jax.tree.leaves(tree)])
+  return ravel_pytree(tree)[0]
 
 
 def _sq_dist(a, b) -> float:
