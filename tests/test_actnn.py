@@ -39,6 +39,25 @@ def test_quantizer_is_unbiased_and_bounded(bits):
   assert np.all(mean_err <= 5 * (step / 2) / np.sqrt(1000) + 1e-5), mean_err.max()
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_offset_data_error_stays_within_the_group_range(implementation):
+  # Values far from 0 compared with their range (1001.5 + U(0, 1)): a bf16 minimum would be
+  # 1000.0 and stretch the span 2.5x (the 2-bit variance ~6x). The error of one draw must be
+  # bounded by the group's OWN range.
+  u = jax.random.uniform(jax.random.key(0), (8, 1024))
+  x = 1001.5 + u
+  qx = Q.quantize(x, jax.random.key(1), bits=2, group_size=256, implementation=implementation,
+                  interpret=True)
+  y = Q.dequantize(qx, x.shape, x.dtype, bits=2, group_size=256, implementation=implementation,
+                   interpret=True)
+  xs = np.asarray(x, np.float64).reshape(8, 4, 256)
+  step = (xs.max(-1) - xs.min(-1))[..., None] / 3
+  err = np.asarray(y, np.float64).reshape(8, 4, 256) - xs
+  assert np.all(np.abs(err) <= step * 1.01 + 1e-4)
+  # Stochastic rounding of a uniform position: E[err^2] = step^2 / 6 (here ~1/54).
+  assert np.sqrt(np.mean(err**2 / step**2)) < 0.45, np.sqrt(np.mean(err**2 / step**2))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("shape,bits,group", [((3, 5, 7), 2, 256), ((2, 1000), 4, 64),
                                               ((7,), 1, 8), ((1, 3, 3, 17), 8, 256)])
@@ -52,7 +71,8 @@ def test_roundtrip_shapes_dtypes_and_packed_size(dtype, shape, bits, group):
   n = shape[0]
   per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
   assert q.codes.shape == (n, -(-per // group) * group * bits // 8)
-  assert q.codes.dtype == jnp.uint8 and q.minimum.dtype == jnp.bfloat16
+  assert q.codes.dtype == jnp.uint8 and q.minimum.dtype == jnp.float32
+  assert q.scale.dtype == jnp.bfloat16
   if bits == 8:
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x, np.float32),
                                atol=0.1, rtol=0.02)
@@ -170,18 +190,25 @@ def test_bad_input_errors():
     actnn.convert(models.create_model("convnext-digits", 10), "L3")   # no such hooks
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_pallas_kernels_bit_identical_in_interpret_mode(bits):
-  x = _x((5, 3, 7, 11))
+@pytest.mark.parametrize("bits,shape,dtype", [(1, (5, 3, 7, 11), jnp.float32),
+                                              (2, (5, 3, 7, 11), jnp.float32),
+                                              (4, (5, 3, 7, 11), jnp.float32),
+                                              (8, (5, 3, 7, 11), jnp.float32),
+                                              (2, (3, 4, 32), jnp.bfloat16)])
+def test_pallas_kernels_bit_identical_in_interpret_mode(bits, shape, dtype):
+  x = _x(shape, dtype)
   key = jax.random.key(1)
   a = Q.quantize(x, key, bits=bits, group_size=64)
   b = Q.quantize(x, key, bits=bits, group_size=64, implementation="pallas", interpret=True)
   for u, v in zip(a, b):
     assert jnp.array_equal(u, v)
+  got = Q.dequantize(a, x.shape, x.dtype, bits=bits, group_size=64, implementation="pallas",
+                     interpret=True)
+  assert got.dtype == x.dtype
   np.testing.assert_allclose(
-      Q.dequantize(a, x.shape, x.dtype, bits=bits, group_size=64, implementation="pallas",
-                   interpret=True),
-      Q.dequantize(a, x.shape, x.dtype, bits=bits, group_size=64), rtol=1e-6, atol=1e-6)
+      np.asarray(got, np.float32),
+      np.asarray(Q.dequantize(a, x.shape, x.dtype, bits=bits, group_size=64), np.float32),
+      rtol=1e-6, atol=1e-6)
 
 
 def test_pallas_kernels_lower_for_cuda():

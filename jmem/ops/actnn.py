@@ -21,8 +21,9 @@ L3    every floating residual of every block and of the stem at 2 bits (GACT way
       head (a pooled vector) stays exact
 L4    L3 with the compressed residuals moved to host memory (``pinned_host``) until the
       backward pass
-L5    L4 with groups of 1024 instead of 256: the bf16 min/scale metadata falls from
-      4/256 to 4/1024 bytes per value, i.e. from 6.25% to 1.6% on top of the 2-bit codes
+L5    L4 with groups of 1024 instead of 256: the min/scale metadata (float32 + bf16)
+      falls from 6/256 to 6/1024 bytes per value, i.e. from 9.4% to 2.3% on top of the
+      2-bit codes
       (ActNN's L5 was allocator defragmentation, which XLA's static buffer assignment
       makes moot)
 ====  =============================================================================
@@ -108,27 +109,33 @@ def _lift_sites(transform):
   return lifted
 
 
-def _compress_site(pure, path, *, bits, layer_bits, group_size, offload):
+def _compress_site(pure, path, *, bits, layer_bits, group_size, offload, implementation):
   return q.compress(pure, bits=layer_bits.get(path, bits), group_size=group_size,
-                    param_argnums=(0, 1), offload=offload)
+                    param_argnums=(0, 1), offload=offload, implementation=implementation)
 
 
 def compressed(target, *, bits: int = 2, group_size: int = 256, offload: bool = False,
-               layer_bits: Mapping[str, int] | None = None, methods=None):
+               layer_bits: Mapping[str, int] | None = None, methods=None,
+               implementation: str | None = None):
   """Lifted `jmem.ops.quantize.compress` for a linen Module class (like ``nn.remat``).
 
   ``compressed(nn.Conv, bits=4)`` is a Conv whose backward uses a 4-bit copy of its input;
   ``compressed(BasicBlock)`` compresses everything a block saves. ``layer_bits`` maps
   module paths ("/"-joined scope names, e.g. ``"stage1_block0"``) to their own bits (see
   `calibrate`); other instances use ``bits``. Static (non-array) arguments of the wrapped
-  method must be passed as module attributes.
+  method must be passed as module attributes. ``implementation`` (``"xla"``, ``"pallas"``,
+  ``None`` = the kernels on a GPU) picks the quantizer's backend
+  (`jmem.ops.quantize.quantize`).
   """
   layer_bits = dict(layer_bits or {})
   for b in {bits, *layer_bits.values()}:
     q.check_config(b, group_size)
+  if implementation not in (None, *q.IMPLEMENTATIONS):
+    raise ValueError(f"implementation must be one of {q.IMPLEMENTATIONS} or None "
+                     f"(automatic), got {implementation!r}.")
   return nn_transforms.lift_transform(
       _lift_sites(_compress_site), target, bits=bits, layer_bits=layer_bits,
-      group_size=group_size, offload=offload, methods=methods)
+      group_size=group_size, offload=offload, methods=methods, implementation=implementation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,16 +197,18 @@ def get_level(level: str | Level) -> Level:
   return LEVELS[level]
 
 
-def convert(model: nn.Module, level: str | Level = "L3") -> nn.Module:
+def convert(model: nn.Module, level: str | Level = "L3", *,
+            implementation: str | None = None) -> nn.Module:
   """The linen ``model`` with the compression of ``level``, its code untouched.
 
   Uses the model's ``conv`` / ``norm`` fields (L1, L2) and ``block_transform`` /
   ``stem_transform`` (L3+), as `jmem.models.ResNet` has. ``L0`` returns the model itself
-  (outputs and gradients exactly the original's).
+  (outputs and gradients exactly the original's). ``implementation``: the quantizer's
+  backend (``"xla"``, ``"pallas"``, ``None`` = the Pallas kernels on a GPU).
   """
   lv = get_level(level)
   updates: dict[str, Any] = {}
-  kw = dict(group_size=lv.group_size, offload=lv.offload)
+  kw = dict(group_size=lv.group_size, offload=lv.offload, implementation=implementation)
   if lv.conv_bits is not None:
     _need(model, "conv", lv)
     updates["conv"] = compressed(model.conv, bits=lv.conv_bits, **kw)
@@ -404,9 +413,14 @@ class CompressedNNX(nnx.Module):
   """
 
   def __init__(self, inner: nnx.Module, *, bits: int = 2, group_size: int = 256,
-               offload: bool = False):
+               offload: bool = False, implementation: str | None = None):
+    q.check_config(bits, group_size)
+    if implementation not in (None, *q.IMPLEMENTATIONS):
+      raise ValueError(f"implementation must be one of {q.IMPLEMENTATIONS} or None "
+                       f"(automatic), got {implementation!r}.")
     self.inner = inner
     self.bits, self.group_size, self.offload = bits, group_size, offload
+    self.implementation = implementation
 
   def __call__(self, *args):
     graphdef, state = nnx.split(self.inner)
@@ -415,24 +429,25 @@ class CompressedNNX(nnx.Module):
       module = nnx.merge(graphdef, state)
       return module(*args), nnx.state(module)
     fn = q.compress(pure, bits=self.bits, group_size=self.group_size, param_argnums=(0,),
-                    offload=self.offload)
+                    offload=self.offload, implementation=self.implementation)
     y, new_state = fn(state, *args)
     nnx.update(self.inner, new_state)
     return y
 
 
 def convert_nnx(model: nnx.Module, level: str | Level = "L3", *,
-                block_types: tuple[type, ...] = ()) -> nnx.Module:
+                block_types: tuple[type, ...] = (),
+                implementation: str | None = None) -> nnx.Module:
   """Graph surgery on an NNX model, in place (and returned): `convert` for Flax NNX.
 
   L1/L2 wrap every ``nnx.Conv`` (and, at L2, ``nnx.BatchNorm``) in `CompressedNNX` at 4
   bits. L3+ wrap every instance of ``block_types`` at ``block_bits`` (the GACT way); with no
   ``block_types`` they wrap convolutions and batch norms at ``block_bits``. ``L0`` changes
-  nothing.
+  nothing. ``implementation`` as in `convert`.
   """
   from jmem.parallel.sync_bn import replace_nnx_modules  # pylint: disable=g-import-not-at-top
   lv = get_level(level)
-  kw = dict(group_size=lv.group_size, offload=lv.offload)
+  kw = dict(group_size=lv.group_size, offload=lv.offload, implementation=implementation)
   plan = []
   if lv.conv_bits is not None:
     plan.append(((nnx.Conv,), lv.conv_bits))

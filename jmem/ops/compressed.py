@@ -7,7 +7,9 @@
   index of the maximum within its window (uint8): their gradients stay EXACT.
 * Average pooling is linear: it saves nothing (and stays an average, never a max).
 
-Shapes are channels last; ``key`` (optional) seeds the stochastic rounding.
+Shapes are channels last; ``key`` (optional) seeds the stochastic rounding;
+``implementation`` (``"xla"``, ``"pallas"``, ``None`` = the kernels on a GPU) picks the
+quantizer's backend (`jmem.ops.quantize.quantize`).
 
 References:
   Chen et al., ActNN, ICML 2021, https://arxiv.org/abs/2104.14129
@@ -34,9 +36,9 @@ __all__ = [
 ]
 
 
-def _compressed(reference, param_argnums, bits, group_size, key, *args):
+def _compressed(reference, param_argnums, bits, group_size, key, *args, implementation=None):
   fn = q.compress(reference, bits=bits, group_size=group_size, param_argnums=param_argnums,
-                  min_size=1)
+                  min_size=1, implementation=implementation)
   return fn(*args, compress_key=key)
 
 
@@ -47,9 +49,10 @@ def dense_reference(x, kernel, bias=None):
   return y if bias is None else y + bias
 
 
-def dense(x, kernel, bias=None, *, bits=2, group_size=256, key=None):
+def dense(x, kernel, bias=None, *, bits=2, group_size=256, key=None, implementation=None):
   """``x @ kernel + bias`` saving a ``bits``-bit copy of ``x``."""
-  return _compressed(dense_reference, (1, 2), bits, group_size, key, x, kernel, bias)
+  return _compressed(dense_reference, (1, 2), bits, group_size, key, x, kernel, bias,
+                     implementation=implementation)
 
 
 def conv_reference(x, kernel, *, strides=1, padding="SAME", dilation=1, feature_group_count=1):
@@ -60,12 +63,13 @@ def conv_reference(x, kernel, *, strides=1, padding="SAME", dilation=1, feature_
 
 def conv(x, kernel, *, strides: int | Sequence[int] = 1, padding="SAME",
          dilation: int | Sequence[int] = 1, feature_group_count: int = 1, bits=2,
-         group_size=256, key=None):
+         group_size=256, key=None, implementation=None):
   """N-D convolution (``[N, *spatial, C]``, kernel ``[*window, C/groups, F]``) saving a
   ``bits``-bit copy of ``x``."""
   ref = functools.partial(conv_reference, strides=strides, padding=padding, dilation=dilation,
                           feature_group_count=feature_group_count)
-  return _compressed(lambda x, k: ref(x, k), (1,), bits, group_size, key, x, kernel)
+  return _compressed(lambda x, k: ref(x, k), (1,), bits, group_size, key, x, kernel,
+                     implementation=implementation)
 
 
 def batch_norm_reference(x, scale, bias, *, epsilon=1e-5):
@@ -75,10 +79,12 @@ def batch_norm_reference(x, scale, bias, *, epsilon=1e-5):
   return (x - mean) * lax.rsqrt(var + epsilon) * scale + bias
 
 
-def batch_norm(x, scale, bias, *, epsilon=1e-5, bits=2, group_size=256, key=None):
+def batch_norm(x, scale, bias, *, epsilon=1e-5, bits=2, group_size=256, key=None,
+               implementation=None):
   """Training-mode batch norm (batch statistics) saving quantized intermediates."""
   ref = functools.partial(batch_norm_reference, epsilon=epsilon)
-  return _compressed(ref, (1, 2), bits, group_size, key, x, scale, bias)
+  return _compressed(ref, (1, 2), bits, group_size, key, x, scale, bias,
+                     implementation=implementation)
 
 
 def layer_norm_reference(x, scale, bias, *, epsilon=1e-6):
@@ -87,17 +93,20 @@ def layer_norm_reference(x, scale, bias, *, epsilon=1e-6):
   return (x - mean) * lax.rsqrt(var + epsilon) * scale + bias
 
 
-def layer_norm(x, scale, bias, *, epsilon=1e-6, bits=2, group_size=256, key=None):
+def layer_norm(x, scale, bias, *, epsilon=1e-6, bits=2, group_size=256, key=None,
+               implementation=None):
   ref = functools.partial(layer_norm_reference, epsilon=epsilon)
-  return _compressed(ref, (1, 2), bits, group_size, key, x, scale, bias)
+  return _compressed(ref, (1, 2), bits, group_size, key, x, scale, bias,
+                     implementation=implementation)
 
 
 def gelu_reference(x):
   return jax.nn.gelu(x)
 
 
-def gelu(x, *, bits=2, group_size=256, key=None):
-  return _compressed(lambda p, x: gelu_reference(x), (0,), bits, group_size, key, None, x)
+def gelu(x, *, bits=2, group_size=256, key=None, implementation=None):
+  return _compressed(lambda p, x: gelu_reference(x), (0,), bits, group_size, key, None, x,
+                     implementation=implementation)
 
 
 def softmax_attention_reference(q_, k, v):
@@ -106,13 +115,14 @@ def softmax_attention_reference(q_, k, v):
   return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
-def softmax_attention(q_, k, v, *, bits=2, group_size=256, key=None, recompute=False):
+def softmax_attention(q_, k, v, *, bits=2, group_size=256, key=None, recompute=False,
+                      implementation=None):
   """Attention saving compressed probabilities and inputs, or (``recompute``) only the
   inputs, recomputing the probabilities in the backward pass."""
   if recompute:
     return jax.checkpoint(softmax_attention_reference)(q_, k, v)
   return _compressed(lambda p, *a: softmax_attention_reference(*a), (0,), bits, group_size,
-                     key, None, q_, k, v)
+                     key, None, q_, k, v, implementation=implementation)
 
 
 # --------------------------------------------------------------------- 1-bit masks

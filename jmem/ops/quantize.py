@@ -1,16 +1,29 @@
 """Per-group stochastic-rounding quantization packed into bytes, and `compress`.
 
-`quantize` flattens each sample (axis 0), zero-pads it to groups of ``group_size``, and per
-group stores the minimum ``mn`` and the scale ``s = (2^b - 1) / (mx - mn + 2e-6)`` in
-bfloat16, rounded so that every code lands in ``[0, 2^b - 1]``: ``mn`` down and ``s`` down.
-Codes ``q = floor((x - mn) s + u)``, ``u ~ U[0, 1)`` (stochastic rounding, so
-``E[q / s + mn] = x`` exactly for the stored ``mn`` and ``s``), packed ``8 / b`` per byte.
+`quantize` flattens each sample (axis 0), pads it to groups of ``group_size``, and per
+group stores the minimum ``mn`` (float32, exact) and the scale
+``s = (2^b - 1) / (mx - mn + 2e-6)`` rounded DOWN to bfloat16, so that every code lands in
+``[0, 2^b - 1]``. Codes ``q = floor((x - mn) s + u)``, ``u ~ U[0, 1)`` (stochastic rounding,
+so ``E[q / s + mn] = x`` exactly for the stored ``mn`` and ``s``), packed ``8 / b`` per byte.
+Metadata: 6 bytes per group (9.4% on top of the 64 bytes of 2-bit codes of a group of 256). The minimum is
+kept in float32 because a bfloat16 minimum can sit far below the group's values when they
+are far from 0 compared with their range (1001.5 + U(0, 1): a bf16 minimum of 1000.0
+stretches the span 2.5x and the 2-bit variance about 6x); the scale's relative rounding
+error is below 2^-7, so the span used is at most 1% wider than the group's range.
+
+Layout: within a group, byte ``k`` holds the values ``k + j * n`` (``n = group_size * b /
+8``) at bit ``j * b`` (plane ``j``); the Pallas kernels of `pallas_kernels.quantize` read
+and write each plane as one contiguous slice.
 
 `compress(f)` is the GACT idea as a JAX transform: a function with ``f``'s signature whose
 backward uses 2-bit (or ``bits``) copies of ``f``'s floating-point residuals. The residuals
 are the leaves of ``jax.vjp(f, ...)``'s VJP function; the ones that are ``f``'s own
 arguments (parameters, inputs) are kept as they are (they are alive anyway), booleans are
 bit-packed, other integers kept.
+
+Implementations: ``implementation="xla"`` (pure JAX, the reference and the default off
+GPUs), ``"pallas"`` (the fused kernels; in interpret mode, with a warning, off GPUs) or
+``None`` (the kernels on a GPU where they take the configuration, else XLA).
 
 References:
   Chen et al., ActNN: Reducing Training Memory Footprint via 2-Bit Activation Compressed
@@ -21,6 +34,7 @@ References:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,14 +44,17 @@ import numpy as np
 
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
            "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform",
-           "check_config", "fake_quantize", "probe"]
+           "check_config", "fake_quantize", "probe", "truncate_to_bfloat16",
+           "resolve_implementation"]
 
 SUPPORTED_BITS = (1, 2, 4, 8)
+IMPLEMENTATIONS = ("xla", "pallas")
 
 
 class Quantized(NamedTuple):
   """A quantized array: ``codes`` ``uint8[N, groups * group_size * bits / 8]``,
-  ``minimum`` and ``scale`` ``bfloat16[N, groups]`` (shape and dtype are static)."""
+  ``minimum`` ``float32[N, groups]`` and ``scale`` ``bfloat16[N, groups]`` (shape and
+  dtype are static)."""
 
   codes: jax.Array
   minimum: jax.Array
@@ -46,15 +63,39 @@ class Quantized(NamedTuple):
 
 def check_config(bits: int, group_size: int) -> None:
   """Raises a clear ValueError for unsupported ``bits`` or a bad ``group_size``."""
-  if bits not in SUPPORTED_BITS:
-    raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}.")
-  if not isinstance(group_size, int) or group_size <= 0 or (group_size * bits) % 8:
+  if isinstance(bits, bool) or bits not in SUPPORTED_BITS or not isinstance(bits, int):
+    raise ValueError(f"bits must be one of {SUPPORTED_BITS} (an int), got {bits!r}.")
+  if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0
+      or (group_size * bits) % 8):
     raise ValueError(f"group_size must be a positive integer with group_size * bits a "
                      f"multiple of 8, got group_size={group_size!r} (bits={bits}).")
 
 
+def resolve_implementation(implementation: str | None, *, bits: int, group_size: int) -> str:
+  """``"xla"`` or ``"pallas"`` for ``implementation`` (``None``: the kernels on a GPU).
+
+  ``None`` picks the Pallas kernels when the default backend is a GPU and the kernels take
+  ``(bits, group_size)``; where they do not, it warns and uses XLA (never silently slower).
+  """
+  if implementation is None:
+    if jax.default_backend() != "gpu":
+      return "xla"
+    from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
+    if kernels.supports(bits, group_size):
+      return "pallas"
+    warnings.warn(f"ActNN: the Pallas kernels need group_size and group_size * bits / 8 to "
+                  f"be powers of two, got group_size={group_size}, bits={bits}; using the "
+                  "slower XLA path.", stacklevel=3)
+    return "xla"
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None (automatic), "
+                     f"got {implementation!r}.")
+  return implementation
+
+
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
-  """``uint8[..., n]`` codes below ``2^bits`` -> ``uint8[..., n * bits / 8]``."""
+  """``uint8[..., n]`` codes below ``2^bits`` -> ``uint8[..., n * bits / 8]`` (consecutive
+  codes share a byte; used for boolean masks)."""
   per = 8 // bits
   c = codes.reshape(codes.shape[:-1] + (-1, per)).astype(jnp.uint8)
   shifts = jnp.arange(per, dtype=jnp.uint8) * bits
@@ -69,25 +110,49 @@ def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
   return c.reshape(packed.shape[:-1] + (-1,))
 
 
-def _round_down_bf16(v):
-  b = v.astype(jnp.bfloat16)
-  return jnp.where(b.astype(jnp.float32) > v, jnp.nextafter(b, jnp.bfloat16(-jnp.inf)), b)
+def _pack_planes(q, bits):
+  """``uint8[..., group_size]`` codes -> ``uint8[..., group_size * bits / 8]``, plane
+  layout (byte k holds values k + j n at bit j bits)."""
+  per = 8 // bits
+  c = q.reshape(q.shape[:-1] + (per, -1)).astype(jnp.uint8)
+  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
+  return jnp.sum(c << shifts, axis=-2, dtype=jnp.uint8) if per > 1 else c[..., 0, :]
 
 
-def _groups(x, group_size):
+def _unpack_planes(packed, bits):
+  per = 8 // bits
+  shifts = (jnp.arange(per, dtype=jnp.uint8) * bits)[:, None]
+  c = (packed[..., None, :] >> shifts) & jnp.uint8((1 << bits) - 1)
+  return c.reshape(packed.shape[:-1] + (-1,))
+
+
+def truncate_to_bfloat16(v: jax.Array) -> jax.Array:
+  """Positive float32 ``v`` rounded DOWN to the nearest bfloat16 value (still float32).
+
+  Clearing the 16 low bits of the float32 pattern rounds toward zero, i.e. down for
+  positive numbers; the result converts to bfloat16 exactly.
+  """
+  bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
+  return jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
+def _flat(x):
   n = x.shape[0] if x.ndim else 1
-  flat = x.reshape(n, -1).astype(jnp.float32)
+  return x.reshape(n, -1), n
+
+
+def _range_safe_groups(x, group_size, dtype=jnp.float32):
+  """``dtype[N, G, group_size]`` groups of each flattened sample; pad positions repeat the
+  group's first value (padding must not widen the group's range). No copy is made when
+  the sample size is a multiple of ``group_size``."""
+  flat, n = _flat(x)
+  flat = flat.astype(dtype)
   per = flat.shape[1]
   g = -(-per // group_size)
-  flat = jnp.pad(flat, ((0, 0), (0, g * group_size - per)))
-  return flat.reshape(n, g, group_size), per
-
-
-def _range_safe_groups(x, group_size):
-  """`_groups` with pad positions repeating the group's first value (padding must not
-  widen the group's range)."""
-  grouped, per = _groups(x, group_size)
-  valid = (jnp.arange(grouped.shape[1] * group_size) < per).reshape(grouped.shape[1:])
+  if per == g * group_size:
+    return flat.reshape(n, g, group_size)
+  grouped = jnp.pad(flat, ((0, 0), (0, g * group_size - per))).reshape(n, g, group_size)
+  valid = (jnp.arange(g * group_size) < per).reshape(g, group_size)
   return jnp.where(valid, grouped, grouped[..., :1])
 
 
@@ -96,21 +161,24 @@ def _ungroup(values, shape, dtype):
   padding."""
   n = shape[0] if shape else 1
   per = int(np.prod(shape[1:])) if len(shape) else 1
-  return values.reshape(n, -1)[:, :per].reshape(shape).astype(dtype)
+  flat = values.reshape(n, -1)
+  if flat.shape[1] != per:
+    flat = flat[:, :per]
+  return flat.reshape(shape).astype(dtype)
 
 
 def group_statistics(x: jax.Array, *, bits: int, group_size: int):
-  """``(groups float32[N, G, group_size], minimum bf16[N, G], scale bf16[N, G])``.
+  """``(groups float32[N, G, group_size], minimum float32[N, G], scale bf16[N, G])``.
 
   Pad positions repeat the group's first value (padding must not widen the range); the
-  minimum is rounded down and the scale down, both to bfloat16, so that every code of
-  ``(x - minimum) * scale`` lies in ``[0, 2^bits - 1]``.
+  scale is rounded down to bfloat16, so that every code of ``(x - minimum) * scale`` lies
+  in ``[0, 2^bits - 1]``. A NaN anywhere in a group makes its minimum NaN.
   """
   levels = float(2**bits - 1)
   grouped = _range_safe_groups(x, group_size)
-  mn = _round_down_bf16(jnp.min(grouped, axis=-1))
-  span = jnp.max(grouped, axis=-1) - mn.astype(jnp.float32) + 2e-6
-  return grouped, mn, _round_down_bf16(levels / span)
+  mn = jnp.min(grouped, axis=-1)
+  span = jnp.max(grouped, axis=-1) - mn + 2e-6
+  return grouped, mn, truncate_to_bfloat16(levels / span).astype(jnp.bfloat16)
 
 
 def hash_uniform(index: jax.Array, seed: jax.Array) -> jax.Array:
@@ -134,7 +202,7 @@ def dither_seed(key: jax.Array) -> jax.Array:
 
 
 def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 256,
-             implementation: str = "xla", interpret: bool | None = None) -> Quantized:
+             implementation: str | None = None, interpret: bool | None = None) -> Quantized:
   """Per-sample, per-group stochastic-rounding quantization of a float array.
 
   Args:
@@ -142,8 +210,9 @@ def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 2
     key: PRNG key of the stochastic rounding.
     bits: 1, 2, 4 or 8.
     group_size: values per group (``group_size * bits`` a multiple of 8).
-    implementation: ``"xla"`` (default) or ``"pallas"`` (fused quantize+pack kernel of
-      `pallas_kernels.quantize`; bit-identical codes).
+    implementation: ``"xla"``, ``"pallas"`` (the fused statistics + quantize + pack kernel
+      of `pallas_kernels.quantize`; bit-identical codes in interpret mode) or ``None``
+      (`resolve_implementation`: the kernel on a GPU).
     interpret: Pallas interpret mode (``None``: on non-GPU backends, with a warning).
 
   Returns:
@@ -153,50 +222,51 @@ def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 2
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize takes a float array, got dtype {x.dtype}; integer and boolean "
                     "arrays need no quantization (booleans: pack_bits(x, 1)).")
-  _check_implementation(implementation)
-  grouped, mn, scale = group_statistics(x, bits=bits, group_size=group_size)
+  if x.size == 0:
+    raise ValueError(f"quantize got an empty array of shape {x.shape}: nothing to compress "
+                     "(keep empty residuals as they are).")
+  implementation = resolve_implementation(implementation, bits=bits, group_size=group_size)
   seed = dither_seed(key)
   if implementation == "pallas":
     from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
-    codes = kernels.quantize_pack(grouped.reshape(-1, group_size), mn.reshape(-1),
-                                  scale.reshape(-1), seed, bits=bits, interpret=interpret)
-    return Quantized(codes.reshape(mn.shape[0], -1), mn, scale)
+    grouped = _range_safe_groups(x, group_size, dtype=x.dtype)
+    n, g = grouped.shape[:2]
+    codes, mn, scale = kernels.quantize_pack(grouped.reshape(n * g, group_size), seed,
+                                             bits=bits, interpret=interpret)
+    return Quantized(codes.reshape(n, -1), mn.reshape(n, g), scale.reshape(n, g))
+  grouped, mn, scale = group_statistics(x, bits=bits, group_size=group_size)
   levels = float(2**bits - 1)
-  v = (grouped - mn.astype(jnp.float32)[..., None]) * scale.astype(jnp.float32)[..., None]
+  v = (grouped - mn[..., None]) * scale.astype(jnp.float32)[..., None]
   index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
   q = jnp.clip(jnp.floor(v + hash_uniform(index, seed)), 0.0, levels).astype(jnp.uint8)
-  return Quantized(pack_bits(q.reshape(q.shape[0], -1), bits), mn, scale)
-
-
-def _check_implementation(implementation):
-  if implementation not in ("xla", "pallas"):
-    raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}.")
+  return Quantized(_pack_planes(q, bits).reshape(q.shape[0], -1), mn, scale)
 
 
 def dequantize(qx: Quantized, shape: tuple[int, ...], dtype, *, bits: int = 2,
-               group_size: int = 256, implementation: str = "xla",
+               group_size: int = 256, implementation: str | None = None,
                interpret: bool | None = None) -> jax.Array:
   """``x̂ = q / s + mn`` back to ``shape`` and ``dtype`` (``implementation`` as `quantize`)."""
   check_config(bits, group_size)
-  _check_implementation(implementation)
+  implementation = resolve_implementation(implementation, bits=bits, group_size=group_size)
   n, g = qx.minimum.shape
   if implementation == "pallas":
     from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
     x = kernels.unpack_dequantize(qx.codes.reshape(n * g, -1), qx.minimum.reshape(-1),
-                                  qx.scale.reshape(-1), bits=bits, interpret=interpret)
+                                  qx.scale.reshape(-1), bits=bits, dtype=dtype,
+                                  interpret=interpret)
   else:
-    q = unpack_bits(qx.codes, bits).astype(jnp.float32).reshape(n, g, group_size)
-    x = (q / qx.scale.astype(jnp.float32)[..., None] +
-         qx.minimum.astype(jnp.float32)[..., None])
+    q = _unpack_planes(qx.codes.reshape(n, g, -1), bits).astype(jnp.float32)
+    x = q / qx.scale.astype(jnp.float32)[..., None] + qx.minimum[..., None]
   return _ungroup(x, shape, dtype)
 
 
 def packed_nbytes(shape: tuple[int, ...], *, bits: int = 2, group_size: int = 256) -> int:
-  """Bytes of a `Quantized` array of ``shape``: codes plus two bf16 per group."""
+  """Bytes of a `Quantized` array of ``shape``: codes plus a float32 minimum and a bf16
+  scale per group."""
   n = shape[0] if shape else 1
   per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
   g = -(-per // group_size)
-  return n * g * (group_size * bits // 8 + 4)
+  return n * g * (group_size * bits // 8 + 6)
 
 
 # ------------------------------------------------------------------------ the transform
@@ -222,7 +292,8 @@ def _residual_kind(leaf, kept, min_size) -> str:
 
 def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
              min_size: int = 1024, param_argnums: tuple[int, ...] = (0,),
-             offload: bool = False) -> Callable[..., Any]:
+             offload: bool = False, implementation: str | None = None,
+             interpret: bool | None = None) -> Callable[..., Any]:
   """``f`` whose backward pass uses ``bits``-bit copies of its floating residuals.
 
   Residuals that are leaves of the ``param_argnums`` arguments (parameters) are kept as
@@ -241,6 +312,9 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       ``f(params, x)``).
     offload: move the compressed residuals to host memory (``pinned_host``) until the
       backward pass (ActNN's L4).
+    implementation: ``"xla"``, ``"pallas"`` or ``None`` (automatic), as in `quantize`;
+      used for both the quantization and the dequantization.
+    interpret: Pallas interpret mode, as in `quantize`.
 
   Returns:
     ``g(*args, compress_key=None)`` with ``g(*args) == f(*args)`` in the forward pass. The
@@ -249,9 +323,12 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
     jit, grad, vmap, scan and checkpoint (it is a ``custom_vjp``).
 
   Raises:
-    ValueError: unsupported ``bits`` or bad ``group_size``.
+    ValueError: unsupported ``bits``, bad ``group_size`` or unknown ``implementation``.
   """
   check_config(bits, group_size)
+  implementation = resolve_implementation(implementation, bits=bits, group_size=group_size)
+  kernel_kw = dict(bits=bits, group_size=group_size, implementation=implementation,
+                   interpret=interpret)
 
   def g(*args, compress_key=None):
     # One custom_vjp per call: the residual layout (static) is shared by its fwd and bwd.
@@ -272,8 +349,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
         if kind == "quant":
           plan.append(("quant", leaf.shape, leaf.dtype))
           n = leaf.shape[0] if leaf.ndim else 1
-          saved.append(quantize(leaf.reshape(n, -1), jax.random.fold_in(key, i), bits=bits,
-                                group_size=group_size))
+          saved.append(quantize(leaf.reshape(n, -1), jax.random.fold_in(key, i), **kernel_kw))
         elif kind == "bool":
           plan.append(("bool", leaf.shape, None))
           saved.append(pack_bits(leaf.reshape(-1).astype(jnp.uint8), 1))
@@ -304,8 +380,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
         if kind == "quant":
           n = shape[0] if len(shape) else 1
           per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-          leaves.append(dequantize(s, (n, per), dtype, bits=bits,
-                                   group_size=group_size).reshape(shape))
+          leaves.append(dequantize(s, (n, per), dtype, **kernel_kw).reshape(shape))
         elif kind == "bool":
           leaves.append(unpack_bits(s, 1).astype(jnp.bool_).reshape(shape))
         else:
