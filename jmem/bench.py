@@ -47,18 +47,25 @@ class Technique:
     prepare: optional data-dependent set-up used instead of ``apply``:
       ``prepare(model, dataset, batch_size) -> model`` (e.g. ActNN's bit allocation from
       gradient sensitivity on a training batch).
+    has_kernels: the technique has Pallas kernels; ``apply`` and ``prepare`` then take an
+      ``implementation`` keyword, chosen with a name suffix: ``"actnn-L3:pallas"``,
+      ``"inplace-abn:xla"`` (no suffix: the kernels on a GPU, XLA elsewhere).
+    implementation: the suffix's implementation (None: automatic).
   """
 
   name: str
-  apply: Callable[[Any], Any]
+  apply: Callable[..., Any]
   description: str = ""
-  prepare: Callable[[Any, Any, int], Any] | None = None
+  prepare: Callable[..., Any] | None = None
+  has_kernels: bool = False
+  implementation: str | None = None
 
   def build(self, model, dataset, batch_size: int):
     """``model`` with the technique on: ``prepare`` when there is one, else ``apply``."""
+    kw = {"implementation": self.implementation} if self.has_kernels else {}
     if self.prepare is not None:
-      return self.prepare(model, dataset, batch_size)
-    return self.apply(model)
+      return self.prepare(model, dataset, batch_size, **kw)
+    return self.apply(model, **kw)
 
 
 _TECHNIQUES: dict[str, Technique] = {}
@@ -66,6 +73,9 @@ _TECHNIQUES: dict[str, Technique] = {}
 
 def register_technique(technique: Technique) -> Technique:
   """Adds ``technique`` to the registry (its name must be new); returns it."""
+  if ":" in technique.name:
+    raise ValueError(f"Technique names may not contain ':' (it selects an implementation), "
+                     f"got {technique.name!r}.")
   if technique.name in _TECHNIQUES:
     raise ValueError(f"A technique named {technique.name!r} is already registered.")
   _TECHNIQUES[technique.name] = technique
@@ -76,11 +86,27 @@ def technique_names() -> tuple[str, ...]:
   return tuple(_TECHNIQUES)
 
 
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
 def get_technique(name: str) -> Technique:
-  if name not in _TECHNIQUES:
-    raise ValueError(f"Unknown technique {name!r}; valid techniques: "
+  """The registered technique ``name``; ``"<name>:xla"`` / ``"<name>:pallas"`` pick the
+  implementation of a technique with kernels."""
+  base, _, implementation = name.partition(":")
+  if base not in _TECHNIQUES:
+    raise ValueError(f"Unknown technique {base!r}; valid techniques: "
                      f"{', '.join(_TECHNIQUES)}.")
-  return _TECHNIQUES[name]
+  technique = _TECHNIQUES[base]
+  if not implementation:
+    return technique
+  if not technique.has_kernels:
+    with_kernels = [n for n, t in _TECHNIQUES.items() if t.has_kernels]
+    raise ValueError(f"Technique {base!r} has no kernels, so it takes no ':{implementation}' "
+                     f"suffix; techniques with kernels: {', '.join(with_kernels)}.")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"Unknown implementation {implementation!r} in {name!r}; use "
+                     f"{' or '.join(IMPLEMENTATIONS)} (or no suffix for automatic).")
+  return dataclasses.replace(technique, name=name, implementation=implementation)
 
 
 def _require(model, field: str, technique: str, what: str = "a model") -> None:
@@ -94,11 +120,12 @@ def _remat(model):
   return model.clone(block_transform=nn.remat)
 
 
-def _inplace_abn(model):
+def _inplace_abn(model, implementation=None):
   _require(model, "norm_act", "inplace-abn")
   from jmem.ops.inplace_abn import InPlaceABN  # pylint: disable=g-import-not-at-top
   # InPlace-ABN needs an invertible activation: leaky_relu replaces relu everywhere.
-  return model.clone(norm_act=functools.partial(InPlaceABN, activation="leaky_relu", slope=0.01),
+  return model.clone(norm_act=functools.partial(InPlaceABN, activation="leaky_relu", slope=0.01,
+                                                implementation=implementation),
                      act=functools.partial(nn.leaky_relu, negative_slope=0.01))
 
 
@@ -124,9 +151,9 @@ def _sbp(keep_ratio: float):
 
 
 def _actnn(level: str):
-  def apply(model):
+  def apply(model, implementation=None):
     from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
-    return actnn.convert(model, level)
+    return actnn.convert(model, level, implementation=implementation)
   return apply
 
 
@@ -154,10 +181,11 @@ def calibration_problem(model, dataset, batch_size: int):
 def _actnn_calibrated(level: str):
   """ActNN ``level`` with per-layer bits from gradient sensitivity, measured once on
   `calibration_problem`."""
-  def prepare(model, dataset, batch_size):
+  def prepare(model, dataset, batch_size, implementation=None):
     from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
     params, loss_fn, batch = calibration_problem(model, dataset, batch_size)
-    return actnn.convert(model, actnn.calibrate(model, loss_fn, params, batch, level=level))
+    return actnn.convert(model, actnn.calibrate(model, loss_fn, params, batch, level=level),
+                         implementation=implementation)
   return prepare
 
 
@@ -174,12 +202,13 @@ for _lv, _what in (("L1", "4-bit conv inputs"), ("L2", "4-bit conv + BatchNorm")
                    ("L5", "L4 with 1024-value groups (less metadata)")):
   register_technique(Technique(
       f"actnn-{_lv}", _actnn(_lv), f"ActNN {_lv}: {_what}",
-      prepare=_actnn_calibrated(_lv) if _lv in ("L3", "L4", "L5") else None))
+      prepare=_actnn_calibrated(_lv) if _lv in ("L3", "L4", "L5") else None, has_kernels=True))
 for _r in (0.5, 0.25, 0.125):
   register_technique(Technique(f"sbp-{_r}", _sbp(_r),
                                f"stochastic backpropagation, keep ratio {_r} (video models)"))
 register_technique(Technique("inplace-abn", _inplace_abn,
-                             "In-Place Activated BatchNorm (leaky_relu 0.01), saves only outputs"))
+                             "In-Place Activated BatchNorm (leaky_relu 0.01), saves only outputs",
+                             has_kernels=True))
 
 
 @dataclasses.dataclass(frozen=True)

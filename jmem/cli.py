@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--model", default=d.model, help=f"one of: {', '.join(models.MODEL_NAMES)}")
   b.add_argument("--techniques", type=_str_list, default=d.techniques,
                  help=f"comma-separated, from: {', '.join(bench.technique_names())} "
-                 f"(default: {','.join(d.techniques)})")
+                 f"(default: {','.join(d.techniques)}); ':xla' or ':pallas' after a technique "
+                 "with kernels (actnn-*, inplace-abn) picks its implementation")
   b.add_argument("--batch-size", type=int, default=d.batch_size)
   b.add_argument("--image-size", type=int, default=d.image_size,
                  help="image side, or frame side for video models (>= 24)")

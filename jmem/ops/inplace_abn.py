@@ -179,7 +179,7 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
                 mask: jax.Array | None = None, shift: jax.Array | None = None,
                 use_running_average: bool = False, running_mean: jax.Array | None = None,
                 running_var: jax.Array | None = None,
-                implementation: str = "xla",
+                implementation: str | None = None,
                 interpret: bool | None = None) -> tuple[jax.Array, sync_bn.BatchStats | None]:
   """Batch norm + invertible activation that saves only its output for the backward pass.
 
@@ -201,9 +201,9 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
       collective in the forward pass.
     running_mean: ``float[C]``, required in eval mode.
     running_var: ``float[C]``, required in eval mode.
-    implementation: ``"xla"`` (default; reference and CPU path) or ``"pallas"`` (the
-      training-mode kernels of `pallas_kernels.inplace_abn`; no mask; eval mode is one
-      elementwise op and stays XLA).
+    implementation: ``"xla"`` (reference and CPU path), ``"pallas"`` (the training-mode
+      kernels of `pallas_kernels.inplace_abn`; no mask; eval mode is one elementwise op and
+      stays XLA) or ``None`` (default: the kernels on a GPU for unmasked batches, else XLA).
     interpret: Pallas interpret mode (``None``: on non-GPU backends, with a warning).
 
   Returns:
@@ -217,8 +217,9 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
   if scale.shape != (c,) or bias.shape != (c,):
     raise ValueError(f"scale and bias must have shape ({c},) for x of shape {x.shape}, got "
                      f"{scale.shape} and {bias.shape}.")
-  if implementation not in ("xla", "pallas"):
-    raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}.")
+  if implementation not in (None, "xla", "pallas"):
+    raise ValueError(f"implementation must be 'xla', 'pallas' or None (automatic), got "
+                     f"{implementation!r}.")
   if use_running_average:
     if running_mean is None or running_var is None:
       raise ValueError("Eval mode (use_running_average=True) needs running_mean and running_var.")
@@ -227,6 +228,8 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
     return z, None
   mask = sync_bn.check_mask(x, mask)
   shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
+  if implementation is None:
+    implementation = "pallas" if jax.default_backend() == "gpu" and mask is None else "xla"
   if implementation == "pallas":
     if mask is not None:
       raise ValueError("implementation='pallas' does not take a mask; use implementation='xla' "
@@ -309,7 +312,8 @@ class InPlaceABN(nn.Module):
     alpha: elu alpha, > 0.
     axis_name: named axis to synchronise statistics over (None: local).
     axis_index_groups: optional groups within the axis.
-    implementation: ``"xla"`` or ``"pallas"``.
+    implementation: ``"xla"``, ``"pallas"`` or ``None`` (the kernels on a GPU for unmasked
+      batches, else XLA; see `inplace_abn`).
   """
 
   use_running_average: bool | None = None
@@ -325,7 +329,7 @@ class InPlaceABN(nn.Module):
   scale_init: Callable[..., Any] = nn.initializers.ones
   axis_name: str | tuple[str, ...] | None = None
   axis_index_groups: Any = None
-  implementation: str = "xla"
+  implementation: str | None = None
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
@@ -354,7 +358,7 @@ class NNXInPlaceABN(nnx.Module):
   def __init__(self, num_features: int, *, use_running_average: bool = False, axis: int = -1,
                momentum: float = 0.99, epsilon: float = 1e-5, activation: str = "leaky_relu",
                slope: float = 0.01, alpha: float = 1.0, dtype=None, param_dtype=jnp.float32,
-               axis_name=None, axis_index_groups=None, implementation: str = "xla",
+               axis_name=None, axis_index_groups=None, implementation: str | None = None,
                rngs: nnx.Rngs | None = None):
     del rngs  # deterministic initialisation: scale 1, bias 0
     self.cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)

@@ -1,0 +1,609 @@
+"""Every GPU figure jmem reports, in one command.
+
+  python benchmarks/gpu.py [--output-dir benchmarks/results] [--time-budget 570]
+
+On a machine without a GPU it prints why it skips and exits 0 (``--allow-cpu --quick`` runs
+the same pipeline on tiny shapes, to check it without a GPU). On a GPU it writes
+``gpu_<device>.json`` and ``gpu_<device>.md`` with:
+
+* Kernel bandwidth: the Pallas quantize+pack / unpack+dequantize kernels and the
+  InPlace-ABN kernels against their XLA paths, as bytes moved per second and as a fraction
+  of the device's HBM bandwidth (nominal, and measured by a device-to-device copy).
+* Train steps of ResNet-50 at 224² (float32 and bfloat16) and of the video models: step
+  time (interleaved with exact, in the same process), ``peak_bytes_in_use`` (each
+  technique run before any larger one, so the peak is its own), compiled temp bytes.
+* The largest batch of each technique: predicted from the compiled memory at two batch
+  sizes (the slope is what one more example costs) and the device's memory limit, then
+  confirmed by running a step at the prediction (must fit) and 10% above (must not).
+* JAX, jaxlib, CUDA and driver versions.
+
+How it stays under 10 minutes: every step is compiled once, in parallel worker processes
+that fill a persistent compilation cache; the processes that measure (one per model and
+dtype, one per max-batch check, so that ``peak_bytes_in_use`` is never another run's) load
+the compiled steps from that cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+# name -> (model, example shape builder args, dtype, timing batch, techniques, max-batch checks)
+# The timing batch B is also the second slope point; the first is B / 2.
+RESNET_TECHNIQUES = (
+    "exact", "remat",
+    "actnn-L1:xla", "actnn-L1:pallas", "actnn-L2:xla", "actnn-L2:pallas",
+    "actnn-L3:xla", "actnn-L3:pallas", "actnn-L4:xla", "actnn-L4:pallas",
+    "actnn-L5:xla", "actnn-L5:pallas", "inplace-abn:xla", "inplace-abn:pallas")
+GROUPS = {
+    "resnet50-f32": dict(model="resnet50", image=224, frames=None, dtype="float32", batch=64,
+                         techniques=RESNET_TECHNIQUES, overrides={},
+                         confirm=("exact", "remat", "actnn-L3:pallas", "inplace-abn:pallas")),
+    "resnet50-bf16": dict(model="resnet50", image=224, frames=None, dtype="bfloat16", batch=64,
+                          techniques=("exact", "remat", "actnn-L3:xla", "actnn-L3:pallas",
+                                      "inplace-abn:xla", "inplace-abn:pallas"),
+                          overrides={}, confirm=("exact", "actnn-L3:pallas")),
+    "video-vit": dict(model="video-vit", image=112, frames=16, dtype="float32", batch=16,
+                      techniques=("exact", "sbp-0.5", "sbp-0.25", "sbp-0.125"),
+                      overrides=dict(patch=16, dim=384, depth=8, heads=6, exact_last=2),
+                      confirm=("exact", "sbp-0.25")),
+    "stt-resnet8": dict(model="stt-resnet8", image=64, frames=16, dtype="float32", batch=32,
+                        techniques=("exact", "sbp-0.5", "sbp-0.25", "sbp-0.125"),
+                        overrides={}, confirm=("exact", "sbp-0.25")),
+}
+QUICK_GROUPS = {
+    "resnet8-f32": dict(model="resnet8", image=16, frames=None, dtype="float32", batch=8,
+                        techniques=("exact", "remat", "actnn-L3:xla", "actnn-L3:pallas",
+                                    "inplace-abn:xla", "inplace-abn:pallas"),
+                        overrides={}, confirm=("exact", "actnn-L3:xla")),
+    "video-vit": dict(model="video-vit", image=24, frames=4, dtype="float32", batch=4,
+                      techniques=("exact", "sbp-0.25"), overrides={}, confirm=()),
+}
+# Nominal HBM bandwidth, bytes/s, by device kind (vendor data sheets).
+NOMINAL_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12,
+                     "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12, "A100-SXM4-40GB": 1.56e12}
+
+
+# ----------------------------------------------------------------------------- workers
+
+def _worker_env(allow_cpu: bool, cache_dir: str, preallocate: bool) -> dict[str, str]:
+  env = dict(os.environ)
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true" if preallocate else "false"
+  env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.90"
+  env["JMEM_GPU_BENCH_CACHE"] = cache_dir
+  env["PYTHONUNBUFFERED"] = "1"
+  if allow_cpu:
+    env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+  return env
+
+
+def _setup_jax():
+  import jax  # pylint: disable=g-import-not-at-top
+  cache = os.environ.get("JMEM_GPU_BENCH_CACHE")
+  if cache:
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return jax
+
+
+def _build(group: dict, technique: str, batch: int):
+  """``(step, abstract_state, x_spec, y_spec, make_state, make_batch)`` for one config."""
+  jax = _setup_jax()
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jmem import bench, models, train  # pylint: disable=g-import-not-at-top
+  dtype = jnp.dtype(group["dtype"])
+  overrides = dict(group["overrides"])
+  if group["frames"] is None:
+    overrides["dtype"] = dtype
+    shape = (group["image"], group["image"], 1 if group["image"] < 32 else 3)
+  else:
+    shape = (group["frames"], group["image"], group["image"], 1)
+  base = models.create_model(group["model"], 10, **overrides)
+  tech = bench.get_technique(technique)
+  # apply, not prepare: ActNN L3-L5 at 2 bits everywhere (a calibrated allocation has the
+  # same average, so the same memory and nearly the same time).
+  model = tech.apply(base, **({"implementation": tech.implementation} if tech.has_kernels
+                              else {}))
+  fns = train.model_fns(model)
+  optimizer = train.default_optimizer(1e-3, 1000)
+  x_spec = jax.ShapeDtypeStruct((batch,) + shape, jnp.float32)
+  y_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  one = jax.ShapeDtypeStruct((1,) + shape, jnp.float32)
+  abstract = jax.eval_shape(lambda k, x: train.init_state(fns, optimizer, k, x),
+                            jax.random.key(0), one)
+  step = train.make_train_step(fns, optimizer, donate=True)
+
+  def make_state():
+    return jax.jit(lambda k: train.init_state(fns, optimizer, k, jnp.zeros(one.shape)))(
+        jax.random.key(0))
+
+  def make_batch():
+    kx, ky = jax.random.split(jax.random.key(1))
+    return (jax.random.normal(kx, x_spec.shape, jnp.float32),
+            jax.random.randint(ky, (batch,), 0, 10, jnp.int32))
+  return step, abstract, x_spec, y_spec, make_state, make_batch
+
+
+def _compile(group, technique, batch):
+  t0 = time.perf_counter()
+  step, abstract, x_spec, y_spec, make_state, make_batch = _build(group, technique, batch)
+  compiled = step.lower(abstract, x_spec, y_spec).compile()
+  seconds = time.perf_counter() - t0
+  return compiled, seconds, make_state, make_batch
+
+
+def _memory(compiled) -> dict:
+  m = compiled.memory_analysis()
+  out = dict(temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes),
+             output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes))
+  out["total_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"] +
+                        out["temp_bytes"])
+  try:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out["flops"] = float(cost.get("flops", 0.0))
+  except Exception:  # pylint: disable=broad-except
+    out["flops"] = None
+  return out
+
+
+def worker_compile(spec: dict) -> dict:
+  """Compiles one technique at the given batch sizes; memory figures per batch."""
+  res = {}
+  for batch in spec["batches"]:
+    compiled, seconds, *_ = _compile(spec["group"], spec["technique"], batch)
+    res[str(batch)] = dict(_memory(compiled), compile_s=seconds)
+  return res
+
+
+def _is_oom(e: Exception) -> bool:
+  text = str(e)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def _peak():
+  import jax  # pylint: disable=g-import-not-at-top
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use"), stats.get("bytes_limit")
+
+
+def worker_measure(spec: dict) -> dict:
+  """One model and dtype: each technique's peak (in ascending order of its compiled peak,
+  so the running maximum is its own), then step times interleaved with exact."""
+  jax = _setup_jax()
+  from jmem import measure  # pylint: disable=g-import-not-at-top
+  group, batch = spec["group"], spec["batch"]
+  out: dict = {}
+  runners = {}
+  for technique in spec["order"]:
+    row = out.setdefault(technique, {})
+    try:
+      compiled, seconds, make_state, make_batch = _compile(group, technique, batch)
+      row["load_or_compile_s"] = seconds
+      state, (x, y) = make_state(), make_batch()
+      before, _ = _peak()
+      for _ in range(3):
+        state, metrics = compiled(state, x, y)
+      jax.block_until_ready(metrics)
+      row["peak_bytes_in_use"], row["bytes_limit"] = _peak()
+      row["peak_is_own"] = before is None or row["peak_bytes_in_use"] > before
+      row["loss_finite"] = bool(jax.numpy.isfinite(metrics["loss"]))
+      del state
+      runners[technique] = (compiled, make_state, x, y)
+    except Exception as e:  # pylint: disable=broad-except
+      row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+  steps = {}
+  for technique, (compiled, make_state, x, y) in runners.items():
+    holder = {"state": make_state()}
+
+    def run(compiled=compiled, holder=holder, x=x, y=y):
+      holder["state"], metrics = compiled(holder["state"], x, y)
+      return metrics
+    steps[technique] = run
+  if "exact" in steps:
+    times = measure.time_steps(steps, warmup=2, repeats=spec["repeats"], baseline="exact")
+    for technique, t in times.items():
+      out[technique].update(step_time_s=t["median_s"], step_time_min_s=t["min_s"],
+                            step_time_ratio=t["ratio"])
+  return out
+
+
+def worker_confirm(spec: dict) -> dict:
+  """Runs a step at the predicted largest batch (must fit) and 10% above (must not)."""
+  jax = _setup_jax()
+  out = {}
+  for label, batch in (("at_prediction", spec["batch"]), ("above", spec["above"])):
+    row = out.setdefault(label, {"batch": batch})
+    try:
+      compiled, _, make_state, make_batch = _compile(spec["group"], spec["technique"], batch)
+      state, (x, y) = make_state(), make_batch()
+      for _ in range(2):
+        state, metrics = compiled(state, x, y)
+      jax.block_until_ready(metrics)
+      row["fits"] = True
+      row["peak_bytes_in_use"], row["bytes_limit"] = _peak()
+      del state, x, y, metrics
+    except Exception as e:  # pylint: disable=broad-except
+      row["fits"] = False
+      row["oom"] = _is_oom(e)
+      if not row["oom"]:
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+  return out
+
+
+def _time(f, *args, repeats=20):
+  import jax  # pylint: disable=g-import-not-at-top
+  for _ in range(3):
+    jax.block_until_ready(f(*args))
+  t0 = time.perf_counter()
+  outs = [f(*args) for _ in range(repeats)]
+  jax.block_until_ready(outs)
+  return (time.perf_counter() - t0) / repeats
+
+
+def worker_kernels(spec: dict) -> dict:
+  """Kernel timings (and the environment: versions, device, memory limit)."""
+  jax = _setup_jax()
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jmem.ops import inplace_abn as abn  # pylint: disable=g-import-not-at-top
+  from jmem.ops import quantize as Q  # pylint: disable=g-import-not-at-top
+  from jmem.parallel import sync_bn  # pylint: disable=g-import-not-at-top
+  dev = jax.devices()[0]
+  env = dict(backend=jax.default_backend(), device_kind=dev.device_kind,
+             jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax.lib, "__version__")
+             else None, python=sys.version.split()[0])
+  try:
+    import jaxlib  # pylint: disable=g-import-not-at-top
+    env["jaxlib"] = jaxlib.__version__
+  except Exception:  # pylint: disable=broad-except
+    pass
+  try:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    env["nvidia_smi"] = smi.stdout.strip()
+    head = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    for line in head.splitlines():
+      if "CUDA Version" in line:
+        env["cuda_driver_api"] = line.split("CUDA Version:")[1].split()[0]
+  except Exception:  # pylint: disable=broad-except
+    pass
+  try:
+    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+    if cuda_versions is not None:
+      env["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+      env["cudnn"] = cuda_versions.cudnn_get_version()
+  except Exception:  # pylint: disable=broad-except
+    pass
+  env["bytes_limit"] = (dev.memory_stats() or {}).get("bytes_limit")
+  if env["backend"] != "gpu" and not spec["allow_cpu"]:
+    return {"env": env}
+  n = spec["values"]
+  rows = []
+  x = jax.random.normal(jax.random.key(0), (n // 65536, 65536), jnp.float32)
+  copy = jax.jit(lambda v: v * 2.0)
+  t = _time(copy, x)
+  copy_bw = 8 * n / t
+  rows.append(dict(op="copy x*2 (XLA)", dtype="float32", implementation="xla", time_s=t,
+                   bytes=8 * n, bandwidth=copy_bw))
+  key = jax.random.key(2)
+  for dtype in ("float32", "bfloat16"):
+    xd = x.astype(dtype)
+    isz = jnp.dtype(dtype).itemsize
+    for bits in spec["bits"]:
+      group = 256
+      meta = n // group * 6
+      for impl in ("xla", "pallas"):
+        qf = jax.jit(lambda v, b=bits, i=impl: Q.quantize(v, key, bits=b, group_size=group,
+                                                           implementation=i))
+        qx = qf(xd)
+        df = jax.jit(lambda c, b=bits, i=impl, d=dtype: Q.dequantize(
+            c, xd.shape, d, bits=b, group_size=group, implementation=i))
+        for op, f, arg, nbytes in (
+            ("quantize+pack", qf, xd, n * isz + n * bits // 8 + meta),
+            ("unpack+dequantize", df, qx, n * bits // 8 + meta + n * isz)):
+          t = _time(f, arg)
+          rows.append(dict(op=f"{op} {bits}-bit", dtype=dtype, implementation=impl, time_s=t,
+                           bytes=nbytes, bandwidth=nbytes / t))
+  shape = spec["abn_shape"]
+  m = 1
+  for d in shape:
+    m *= d
+  c = shape[-1]
+  scale, bias = jnp.ones((c,)), jnp.zeros((c,))
+  for dtype in ("float32", "bfloat16"):
+    xa = jax.random.normal(jax.random.key(3), shape, jnp.float32).astype(dtype) * 3 + 1
+    ct = jnp.ones(shape, dtype)
+    isz = jnp.dtype(dtype).itemsize
+    for impl in ("xla", "pallas"):
+      fwd = jax.jit(lambda v, i=impl: abn.inplace_abn(v, scale, bias, implementation=i)[0])
+
+      def fwd_bwd(v, i=impl):
+        z, vjp = jax.vjp(lambda u: abn.inplace_abn(u, scale, bias, implementation=i)[0], v)
+        return z, vjp(ct)[0]
+      fb = jax.jit(fwd_bwd)
+      # Bytes the kernels must move: forward reads x twice (statistics, then normalise) and
+      # writes z; backward reads z and dz twice (sums, then dx) and writes dx.
+      for op, f, nbytes in (("InPlace-ABN forward", fwd, 3 * m * isz),
+                            ("InPlace-ABN forward+backward", fb, 3 * m * isz + 5 * m * isz)):
+        t = _time(f, xa)
+        rows.append(dict(op=op, dtype=dtype, implementation=impl, time_s=t, bytes=nbytes,
+                         bandwidth=nbytes / t))
+    stats = jax.jit(lambda v: sync_bn.batch_stats(v))
+    t = _time(stats, xa)
+    rows.append(dict(op="BN statistics (batch_stats)", dtype=dtype, implementation="xla",
+                     time_s=t, bytes=m * isz, bandwidth=m * isz / t))
+  nominal = next((v for k, v in NOMINAL_BANDWIDTH.items() if k in dev.device_kind), None)
+  for r in rows:
+    r["fraction_of_copy"] = r["bandwidth"] / copy_bw
+    r["fraction_of_nominal"] = None if nominal is None else r["bandwidth"] / nominal
+  return {"env": env, "rows": rows, "copy_bandwidth": copy_bw, "nominal_bandwidth": nominal}
+
+
+WORKERS = {"compile": worker_compile, "measure": worker_measure, "confirm": worker_confirm,
+           "kernels": worker_kernels}
+
+
+def _worker_main(kind: str, spec_path: str, out_path: str) -> None:
+  with open(spec_path) as f:
+    spec = json.load(f)
+  try:
+    result = {"ok": True, "result": WORKERS[kind](spec)}
+  except Exception as e:  # pylint: disable=broad-except
+    import traceback  # pylint: disable=g-import-not-at-top
+    result = {"ok": False, "error": f"{type(e).__name__}: {e}",
+              "traceback": traceback.format_exc()[-3000:]}
+  with open(out_path, "w") as f:
+    json.dump(result, f)
+
+
+# ------------------------------------------------------------------------ orchestrator
+
+class Runner:
+  """Starts worker processes and keeps the time budget."""
+
+  def __init__(self, args, cache_dir, tmp):
+    self.args, self.cache_dir, self.tmp = args, cache_dir, tmp
+    self.start = time.perf_counter()
+    self.log_lines: list[str] = []
+    self._count = 0
+
+  def left(self) -> float:
+    return self.args.time_budget - (time.perf_counter() - self.start)
+
+  def log(self, msg: str) -> None:
+    line = f"[{time.perf_counter() - self.start:6.1f}s] {msg}"
+    self.log_lines.append(line)
+    print(line, flush=True)
+
+  def run(self, kind: str, spec: dict, *, preallocate: bool, timeout: float | None = None):
+    self._count += 1
+    spec_path = os.path.join(self.tmp, f"spec{self._count}.json")
+    out_path = os.path.join(self.tmp, f"out{self._count}.json")
+    with open(spec_path, "w") as f:
+      json.dump(spec, f)
+    timeout = max(10.0, min(timeout or self.left(), self.left()))
+    try:
+      proc = subprocess.run(
+          [sys.executable, os.path.abspath(__file__), "--worker", kind, spec_path, out_path],
+          env=_worker_env(self.args.allow_cpu, self.cache_dir, preallocate),
+          capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+      return {"ok": False, "error": f"worker {kind} timed out after {timeout:.0f} s"}
+    if not os.path.exists(out_path):
+      return {"ok": False, "error": f"worker {kind} exited {proc.returncode} without a result",
+              "stderr": proc.stderr[-3000:]}
+    with open(out_path) as f:
+      return json.load(f)
+
+
+def _fit(mem: dict, b1: int, b2: int, limit: int) -> dict:
+  p1, p2 = mem[str(b1)]["total_bytes"], mem[str(b2)]["total_bytes"]
+  slope = (p2 - p1) / (b2 - b1)
+  fixed = p1 - slope * b1
+  pred = int((limit - fixed) // slope) if slope > 0 else None
+  return dict(bytes_per_example=slope, fixed_bytes=fixed, predicted_max_batch=pred)
+
+
+def orchestrate(args) -> int:
+  groups = QUICK_GROUPS if args.quick else GROUPS
+  if args.groups:
+    groups = {k: v for k, v in groups.items() if k in args.groups.split(",")}
+  os.makedirs(args.output_dir, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix="jmem_gpu_")
+  cache_dir = os.path.join(tmp, "xla_cache")
+  r = Runner(args, cache_dir, tmp)
+  kspec = dict(allow_cpu=args.allow_cpu, values=2**16 * (16 if args.quick else 4096),
+               bits=(2,) if args.quick else (1, 2, 4, 8),
+               abn_shape=(4, 8, 8, 64) if args.quick else (128, 56, 56, 256))
+  r.log("environment and kernels")
+  kern = r.run("kernels", kspec, preallocate=True, timeout=240)
+  if not kern.get("ok"):
+    r.log(f"kernel worker failed: {kern.get('error')}\n{kern.get('traceback', '')}"
+          f"{kern.get('stderr', '')}")
+    env = {}
+  else:
+    env = kern["result"]["env"]
+    if env["backend"] != "gpu" and not args.allow_cpu:
+      print(f"benchmarks/gpu.py: no GPU here (JAX backend {env['backend']!r}); nothing to "
+            "measure. Run it on a machine with an NVIDIA GPU (or pass --allow-cpu --quick to "
+            "check the pipeline).")
+      shutil.rmtree(tmp, ignore_errors=True)
+      return 0
+  # Off the GPU (--allow-cpu) there is no limit to read: a small one keeps the checks quick.
+  limit = env.get("bytes_limit") or 2**28
+  results = {"env": env, "kernels": kern.get("result", {}).get("rows"),
+             "copy_bandwidth": kern.get("result", {}).get("copy_bandwidth"),
+             "nominal_bandwidth": kern.get("result", {}).get("nominal_bandwidth"),
+             "groups": {}, "log": r.log_lines}
+  # Phase 1: compile every technique at B/2 and B, in parallel (fills the cache).
+  jobs = {}
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    for gname, g in groups.items():
+      b = g["batch"]
+      for t in g["techniques"]:
+        jobs[(gname, t)] = pool.submit(r.run, "compile", dict(group=g, technique=t,
+                                                               batches=[b // 2, b]),
+                                       preallocate=False)
+    r.log(f"compiling {len(jobs)} steps at two batch sizes ({args.jobs} processes)")
+    compiled = {k: f.result() for k, f in jobs.items()}
+  r.log("compiled")
+  for gname, g in groups.items():
+    rows = {}
+    for t in g["techniques"]:
+      res = compiled[(gname, t)]
+      row = {"technique": t}
+      if res.get("ok"):
+        row["compiled"] = res["result"]
+        row["max_batch"] = _fit(res["result"], g["batch"] // 2, g["batch"], limit)
+      else:
+        row["error"] = res.get("error")
+        r.log(f"{gname} {t}: compile failed: {res.get('error')}")
+      rows[t] = row
+    results["groups"][gname] = {"config": {k: v for k, v in g.items()}, "rows": rows}
+  # Phase 2: compile the max-batch checks (prediction and 10% above), in parallel.
+  checks = []
+  for gname, g in groups.items():
+    for t in g["confirm"]:
+      mb = results["groups"][gname]["rows"][t].get("max_batch", {})
+      pred = mb.get("predicted_max_batch")
+      if pred and pred > 0:
+        checks.append((gname, t, pred, max(pred + 1, int(pred * 1.1))))
+  if checks and r.left() > 120:
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+      futs = [pool.submit(r.run, "compile", dict(group=groups[gn], technique=t,
+                                                 batches=[p, a]), preallocate=False)
+              for gn, t, p, a in checks]
+      r.log(f"compiling {len(futs)} max-batch checks")
+      for (gn, t, p, a), fut in zip(checks, futs):
+        res = fut.result()
+        results["groups"][gn]["rows"][t]["compiled_at_max"] = res.get("result", res)
+  # Phase 3: measure each group in its own process (peaks in ascending order).
+  for gname, g in groups.items():
+    if r.left() < 60:
+      r.log(f"time budget spent: {gname} not measured")
+      break
+    rows = results["groups"][gname]["rows"]
+    ok = [t for t in g["techniques"] if "compiled" in rows[t]]
+    order = sorted(ok, key=lambda t: rows[t]["compiled"][str(g["batch"])]["total_bytes"])
+    r.log(f"measuring {gname}: {', '.join(order)}")
+    res = r.run("measure", dict(group=g, batch=g["batch"], order=order,
+                                repeats=5 if args.quick else 20), preallocate=True)
+    if res.get("ok"):
+      for t, m in res["result"].items():
+        rows[t]["run"] = m
+    else:
+      r.log(f"{gname}: measure failed: {res.get('error')} {res.get('traceback', '')}"
+            f"{res.get('stderr', '')}")
+  # Phase 4: max-batch checks, one process each.
+  for gn, t, p, a in checks:
+    if r.left() < 40:
+      r.log("time budget spent: remaining max-batch checks skipped")
+      break
+    r.log(f"max batch {gn} {t}: running {p} then {a}")
+    res = r.run("confirm", dict(group=groups[gn], technique=t, batch=p, above=a),
+                preallocate=True)
+    results["groups"][gn]["rows"][t]["confirm"] = res.get("result", res)
+  r.log("done")
+  results["wall_s"] = time.perf_counter() - r.start
+  _write(results, args)
+  shutil.rmtree(tmp, ignore_errors=True)
+  return 0
+
+
+def _slug(kind: str) -> str:
+  return "".join(ch if ch.isalnum() else "_" for ch in kind.lower()).strip("_") or "unknown"
+
+
+def _gib(b):
+  return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def _write(results: dict, args) -> None:
+  env = results["env"]
+  stem = f"gpu_{_slug(env.get('device_kind', 'unknown'))}" + ("_quick" if args.quick else "")
+  with open(os.path.join(args.output_dir, stem + ".json"), "w") as f:
+    json.dump(results, f, indent=2, default=str)
+  lines = [f"# jmem on {env.get('device_kind')}", "",
+           "Written by `python benchmarks/gpu.py`"
+           + (" --quick --allow-cpu (pipeline check, not GPU figures)" if args.quick else "")
+           + f" in {results['wall_s']:.0f} s.", ""]
+  lines += [f"- {k}: {v}" for k, v in env.items()]
+  lines += ["", "## Kernels", "",
+            f"Copy bandwidth (x*2, read+write): {results['copy_bandwidth'] or 0:.3e} B/s; "
+            f"nominal HBM: {results['nominal_bandwidth']}.", "",
+            "| op | dtype | implementation | time (ms) | GB moved | bandwidth (GB/s) | "
+            "/ copy | / nominal |", "|---|---|---|---:|---:|---:|---:|---:|"]
+  for k in results["kernels"] or []:
+    nom = "-" if k["fraction_of_nominal"] is None else f"{k['fraction_of_nominal']:.2f}"
+    lines.append(f"| {k['op']} | {k['dtype']} | {k['implementation']} | "
+                 f"{1e3 * k['time_s']:.3f} | {k['bytes'] / 1e9:.3f} | "
+                 f"{k['bandwidth'] / 1e9:.0f} | {k['fraction_of_copy']:.2f} | {nom} |")
+  for gname, gr in results["groups"].items():
+    g = gr["config"]
+    lines += ["", f"## {gname}: {g['model']}, batch {g['batch']}, {g['image']}²"
+              + (f", {g['frames']} frames" if g["frames"] else "") + f", {g['dtype']}"
+              + (f", {g['overrides']}" if g["overrides"] else ""), "",
+              "| technique | step (ms) | / exact | peak in use (GiB) | own peak | compiled "
+              "total (GiB) | temp (GiB) | GFLOP | MiB / example | predicted max batch | "
+              "runs at prediction | OOM at +10% |",
+              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for t, row in gr["rows"].items():
+      if "compiled" not in row:
+        lines.append(f"| {t} | error: {row.get('error', '')[:120]} |")
+        continue
+      c = row["compiled"][str(g["batch"])]
+      run = row.get("run", {})
+      mb = row.get("max_batch", {})
+      conf = row.get("confirm", {})
+      step = "-" if "step_time_s" not in run else f"{1e3 * run['step_time_s']:.1f}"
+      ratio = "-" if "step_time_ratio" not in run else f"{run['step_time_ratio']:.3f}"
+      if "error" in run:
+        step = f"error: {run['error'][:100]}"
+      flops = "-" if c.get("flops") is None else f"{c['flops'] / 1e9:.0f}"
+      fits = conf.get("at_prediction", {}).get("fits") if conf else None
+      above = conf.get("above", {}) if conf else {}
+      lines.append(
+          f"| {t} | {step} | {ratio} | {_gib(run.get('peak_bytes_in_use'))} | "
+          f"{run.get('peak_is_own', '-')} | {_gib(c['total_bytes'])} | {_gib(c['temp_bytes'])} "
+          f"| {flops} | {mb.get('bytes_per_example', 0) / 2**20:.1f} | "
+          f"{mb.get('predicted_max_batch', '-')} | {'-' if fits is None else fits} | "
+          f"{'-' if not above else above.get('oom', above.get('fits') is False)} |")
+  lines += ["", "## Log", "", "```"] + results["log"] + ["```", ""]
+  with open(os.path.join(args.output_dir, stem + ".md"), "w") as f:
+    f.write("\n".join(lines))
+  print(f"wrote {os.path.join(args.output_dir, stem)}.{{json,md}}")
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--output-dir", default=RESULTS)
+  p.add_argument("--time-budget", type=float, default=570.0,
+                 help="seconds; later phases are skipped (and said so) when it runs out")
+  p.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                 help="parallel compile processes")
+  p.add_argument("--groups", default="", help="comma-separated subset of the model groups")
+  p.add_argument("--quick", action="store_true", help="tiny shapes (pipeline check)")
+  p.add_argument("--allow-cpu", action="store_true",
+                 help="run on CPU too (with --quick: check the pipeline without a GPU)")
+  p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.worker:
+    _worker_main(*args.worker)
+    return 0
+  return orchestrate(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
