@@ -112,6 +112,8 @@ def test_bad_input_errors():
     iabn.inplace_abn(x, g, b, axis_name="batch")
   with pytest.raises(ValueError, match="mask"):
     iabn.inplace_abn(x, g, b, mask=jnp.ones((16,), bool))
+  with pytest.raises(TypeError, match="boolean"):
+    iabn.inplace_abn(x, g, b, mask=jnp.full((16, 1, 1, 1), 0.5))
   with pytest.raises(ValueError, match="implementation"):
     iabn.inplace_abn(x, g, b, implementation="cuda")
   with pytest.raises(ValueError, match="axis_name"):

@@ -301,3 +301,86 @@ def test_bf16_inputs_offset_float32_statistics():
   y, mean, var = _on_mesh(f, x, mask, (P("d"), P(), P()))
   assert y.dtype == jnp.bfloat16 and var.dtype == jnp.float32
   check_exact(np.asarray(x, np.float32), mask, np.asarray(y, np.float32), mean, var, y_atol=2e-2)
+
+
+def _inplace_abn_sync(x, g, b, *, axis_name, mask):
+  return iabn.inplace_abn(x, g, b, axis_name=axis_name, mask=mask)
+
+
+@pytest.mark.parametrize("fn", [sync_bn.sync_batch_norm, _inplace_abn_sync])
+def test_non_finite_padding_is_isolated(fn):
+  """NaN / Inf in masked-out samples (an empty device's included) change nothing valid."""
+  mesh = _mesh()
+  x, mask, g, b, ct = _data(4)
+  bad = x.copy()
+  bad[CAP - 1, 0] = np.nan                 # device 0 holds 5 valid rows of 8
+  bad[CAP + 2, 1] = np.inf                 # device 1 holds none
+  bad[5 * CAP:6 * CAP] = -np.inf           # device 5 holds none
+  bad[2 * CAP + 4, :, 2] = np.nan          # device 2 holds 3
+
+  def f(x, g, b, m, ct):
+    def loss(x, g, b):
+      y, stats = fn(x, g, b, axis_name="d", mask=m)
+      return jax.lax.psum(jnp.sum(jnp.where(m, y * ct, 0.0)), "d"), (y, stats.mean, stats.var)
+    (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, g, b)
+    return aux, grads
+  specs = (P("d"), P(), P(), P("d"), P("d"))
+  step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs,
+                               out_specs=((P("d"), P(), P()), (P("d"), P(), P()))))
+  put = lambda *a: [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(a, specs)]
+  (y0, mean0, var0), grads0 = step(*put(x, g, b, mask, ct))
+  (y1, mean1, var1), grads1 = step(*put(bad, g, b, mask, ct))
+  valid = mask[:, 0, 0]
+  for a in (mean1, var1, *grads1):
+    assert np.isfinite(np.asarray(a)).all()
+  np.testing.assert_array_equal(mean1, mean0)
+  np.testing.assert_array_equal(var1, var0)
+  np.testing.assert_array_equal(np.asarray(y1)[valid], np.asarray(y0)[valid])
+  np.testing.assert_array_equal(np.asarray(grads1[0])[valid], np.asarray(grads0[0])[valid])
+  np.testing.assert_array_equal(np.asarray(grads1[0])[~valid], 0.0)   # dy = 0 there
+  np.testing.assert_allclose(grads1[1], grads0[1], rtol=1e-6)
+  np.testing.assert_allclose(grads1[2], grads0[2], rtol=1e-6)
+
+
+def test_all_masked_batch_is_identity_statistics():
+  """No valid sample anywhere: statistics mean 0 / var 1, y = γ x / sqrt(1 + ε) + β."""
+  mesh = _mesh()
+  x, mask, g, b, ct = _data(5, counts=[0] * 8)
+
+  def f(x, g, b, m, ct):
+    def loss(x, g, b):
+      y, stats = sync_bn.sync_batch_norm(x, g, b, axis_name="d", mask=m)
+      return jax.lax.psum(jnp.sum(y * ct), "d"), (y, stats)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, g, b)
+  specs = (P("d"), P(), P(), P("d"), P("d"))
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, g, b, mask, ct), specs)]
+  (_, (y, stats)), (dx, _, _) = jax.jit(jax.shard_map(
+      f, mesh=mesh, in_specs=specs, out_specs=((P(), (P("d"), P())), (P("d"), P(), P()))))(*args)
+  np.testing.assert_array_equal(stats.mean, 0.0)
+  np.testing.assert_array_equal(stats.var, 1.0)
+  np.testing.assert_array_equal(stats.count, 0.0)
+  k = g / np.sqrt(1.0 + 1e-5)
+  np.testing.assert_allclose(y, x * k + b, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(dx, ct * k, rtol=1e-6, atol=1e-6)
+  # The module keeps its running statistics.
+  model = sync_bn.SyncBatchNorm(momentum=0.9, axis_name="d")
+  v = model.init(jax.random.key(0), x[:CAP], use_running_average=False)
+  v = {"params": v["params"], "batch_stats": {"mean": jnp.array([1.0, 2.0, 3.0]),
+                                              "var": jnp.array([4.0, 5.0, 6.0])}}
+  apply = jax.jit(jax.shard_map(
+      lambda x, m: model.apply(v, x, use_running_average=False, mask=m, mutable=["batch_stats"]),
+      mesh=mesh, in_specs=(P("d"), P("d")), out_specs=(P("d"), P())))
+  y, upd = apply(args[0], args[3])
+  assert np.isfinite(np.asarray(y)).all()
+  for name in ("mean", "var"):
+    np.testing.assert_array_equal(upd["batch_stats"][name], v["batch_stats"][name])
+
+
+def test_non_boolean_mask_is_refused():
+  x = jnp.ones((4, 3))
+  for bad in (jnp.full((4, 1), 0.5), jnp.array([[1.0], [np.nan], [0.0], [1.0]]),
+              jnp.ones((4, 1), jnp.int32)):
+    with pytest.raises(TypeError, match="boolean"):
+      sync_bn.sync_batch_norm(x, mask=bad)
+    with pytest.raises(TypeError, match="boolean"):
+      sync_bn.SyncBatchNorm().init(jax.random.key(0), x, use_running_average=False, mask=bad)

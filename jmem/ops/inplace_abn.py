@@ -198,7 +198,10 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
       forward and one all-reduce backward (`jmem.parallel.sync_bn`), global counts in the
       backward; exact in float32 whatever the data's offset.
     axis_index_groups: optional groups within the axis.
-    mask: optional boolean, broadcastable to ``x`` with the same rank; True = valid.
+    mask: optional boolean array (other dtypes raise TypeError), broadcastable to ``x``
+      with the same rank; True = valid. As in `jmem.parallel.sync_bn.sync_batch_norm`:
+      padding is selected away (NaN/Inf there is inert) and a channel with no valid entry
+      is normalised with mean 0 / variance 1.
     shift: ignored; accepted for compatibility (the statistics are exact without one).
     use_running_average: eval mode: normalise with ``running_mean`` / ``running_var``, no
       collective in the forward pass.

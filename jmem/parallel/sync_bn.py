@@ -162,39 +162,45 @@ def _all_gather(x, axis_name, axis_index_groups):
 
 
 def check_mask(x, mask):
-  """Validates a mask (same rank as ``x``, broadcastable) and returns it as booleans."""
+  """Validates a boolean mask (same rank as ``x``, broadcastable) and returns it as an array.
+
+  Raises:
+    TypeError: if ``mask`` is not boolean (a float mask of 0.5 or NaN has no clear meaning).
+    ValueError: if its shape does not broadcast to ``x``'s with the same rank.
+  """
   if mask is None:
     return None
   mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise TypeError(
+        f"mask must be a boolean array (True = valid), got dtype {mask.dtype}: pass a boolean "
+        "mask, e.g. `weights > 0`; a non-boolean mask is ambiguous (is 0.5, or NaN, valid?).")
   if mask.ndim != x.ndim or any(m not in (1, d) for m, d in zip(mask.shape, x.shape)):
     raise ValueError(
         f"mask of shape {mask.shape} does not broadcast to x of shape {x.shape}: give it "
         f"the same rank, each dim either 1 or x's (e.g. {(x.shape[0],) + (1,) * (x.ndim - 1)}"
         " to mask whole samples).")
-  if mask.dtype != jnp.bool_:
-    mask = mask != 0
   return mask
 
 
-def _local_moments(xf, maskf, reduce_axes) -> Moments:
+def _local_moments(xf, mask, reduce_axes) -> Moments:
   """Valid count, mean and centred sum of squares of one device (float32).
 
   Corrected two-pass: a first mean ``m0`` (off by the float32 rounding of a long sum), then
   ``d = x - m0`` (exact-ish, x and m0 being close), ``mean = m0 + Σd/n`` and
-  ``M2 = Σd² - (Σd)²/n``, which removes the first pass's error from the variance.
+  ``M2 = Σd² - (Σd)²/n``, which removes the first pass's error from the variance. Padding
+  (``mask`` False) is selected away, never multiplied by 0, so a NaN or Inf there is inert.
   """
-  if maskf is None:
+  if mask is None:
     n = jnp.full(xf.shape[-1:], float(xf.size // xf.shape[-1]), jnp.float32)
     m0 = jnp.mean(xf, axis=reduce_axes)
     d = xf - m0
-    s1, s2 = jnp.sum(d, axis=reduce_axes), jnp.sum(d * d, axis=reduce_axes)
   else:
-    mb = jnp.broadcast_to(maskf, xf.shape)
-    n = jnp.sum(mb, axis=reduce_axes)
-    safe = jnp.maximum(n, 1.0)
-    m0 = jnp.sum(xf * mb, axis=reduce_axes) / safe
-    d = (xf - m0) * mb
-    s1, s2 = jnp.sum(d, axis=reduce_axes), jnp.sum(d * d, axis=reduce_axes)
+    mb = jnp.broadcast_to(mask, xf.shape)
+    n = jnp.sum(mb, axis=reduce_axes, dtype=jnp.float32)
+    m0 = jnp.sum(jnp.where(mb, xf, 0.0), axis=reduce_axes) / jnp.maximum(n, 1.0)
+    d = jnp.where(mb, xf - m0, 0.0)
+  s1, s2 = jnp.sum(d, axis=reduce_axes), jnp.sum(d * d, axis=reduce_axes)
   safe = jnp.maximum(n, 1.0)
   # The mean as m0 + a small correction: a float32 near 1e4 is only good to 1e-3, too
   # coarse for the between-device term and for centring data of std 1e-2.
@@ -247,9 +253,7 @@ def batch_moments(x: jax.Array, *, axis_name: AxisName = None,
   """`Moments` of the valid entries of ``x`` (``[..., C]``) over ``axis_name``, exact."""
   mask = check_mask(x, mask)
   check_axis_name(axis_name)
-  xf = x.astype(jnp.float32)
-  maskf = None if mask is None else mask.astype(jnp.float32)
-  local = _local_moments(xf, maskf, tuple(range(x.ndim - 1)))
+  local = _local_moments(x.astype(jnp.float32), mask, tuple(range(x.ndim - 1)))
   return gather_moments(local, axis_name=axis_name, axis_index_groups=axis_index_groups)
 
 
@@ -335,7 +339,9 @@ def bn_backward(dy, xhat, mask, gamma_invstd, count, *, axis_name, axis_index_gr
   Args:
     dy: cotangent of the normalised-and-affine output ``γ x̂ + β`` (float32).
     xhat: normalised input (float32), recomputed or reconstructed by the caller.
-    mask: boolean mask or None.
+    mask: boolean mask or None. Padding (False) takes no part in the statistics, so its
+      ``dx`` is ``γ/σ dy``; where its ``dy`` is 0 it adds nothing to the sums even if its
+      ``x̂`` is not finite.
     gamma_invstd: ``γ / sqrt(var + eps)`` per channel.
     count: global valid count per channel.
     param_varying: whether γ, β vary over ``axis_name`` (then their cotangents are the
@@ -345,13 +351,18 @@ def bn_backward(dy, xhat, mask, gamma_invstd, count, *, axis_name, axis_index_gr
     ``(dx float32, dγ-like Σdy·x̂, dβ-like Σdy)``.
   """
   reduce_axes = tuple(range(dy.ndim - 1))
-  local = jnp.stack([jnp.sum(dy, axis=reduce_axes), jnp.sum(dy * xhat, axis=reduce_axes)])
+  dyx = dy * xhat
+  if mask is not None:
+    # Padding whose output the loss ignores (dy = 0) adds exactly 0, even where its x (so
+    # x̂) is NaN or Inf: selected, not multiplied.
+    dyx = jnp.where(mask | (dy != 0), dyx, 0.0)
+  local = jnp.stack([jnp.sum(dy, axis=reduce_axes), jnp.sum(dyx, axis=reduce_axes)])
   glob = _psum(local, axis_name, axis_index_groups)
   g_dy, g_dyx = glob[0], glob[1]
   inv_n = 1.0 / jnp.maximum(count, 1.0)
   corr = (g_dy + xhat * g_dyx) * inv_n
   if mask is not None:
-    corr = corr * mask
+    corr = jnp.where(mask, corr, 0.0)   # padding does not feed the statistics: dx = γ/σ dy
   dx = gamma_invstd * (dy - corr)
   sums = local if (axis_name is None or param_varying) else glob
   return dx, sums[1], sums[0]
@@ -425,16 +436,22 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
     axis_name: named axis (or tuple) of an enclosing shard_map / pmap / vmap; ``None`` for
       local batch norm (also right under SPMD jit on sharded arrays, where XLA inserts the
       reduction).
-    axis_index_groups: optional groups within the axis.
-    mask: optional boolean, broadcastable to ``x`` with the same rank; True = valid.
-      Statistics use valid entries only; every entry is normalised.
+    axis_index_groups: optional groups within the axis (under ``jax.shard_map`` and
+      ``jax.pmap``; JAX's ``vmap`` collectives take no groups).
+    mask: optional boolean array (other dtypes raise TypeError), broadcastable to ``x``
+      with the same rank; True = valid. Statistics use valid entries only, selected with
+      ``where``: a NaN or Inf in padding changes neither the statistics nor any valid
+      output or gradient. Every entry is normalised (padding outputs follow their inputs).
+      A channel with no valid entry on any device (all padding) is normalised with mean 0
+      and variance 1, ``y = γ x / sqrt(1 + ε) + β``, its ``stats.count`` is 0 and the
+      modules keep its running statistics.
     shift: ignored; accepted for compatibility (it was the pivot of an earlier one-pass
       merge whose precision depended on it; the statistics are now exact without one).
     epsilon: added to the variance; must be > 0.
 
   Returns:
-    ``(y, stats)``: ``y`` like ``x``; ``stats`` (`BatchStats`, no gradient) for the
-    running averages.
+    ``(y, stats)``: ``y`` like ``x``; ``stats`` (`BatchStats`, no gradient, float32, exact
+    to float32 rounding) for the running averages.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -542,7 +559,9 @@ class SyncBatchNorm(nn.Module):
   mode. ``use_fast_variance`` and ``force_float32_reductions`` are accepted for
   compatibility: reductions are always float32 and always the exact two-pass form, whatever
   the running mean (see `sync_batch_norm`). Running variance is biased (Flax's convention)
-  unless ``unbiased_running_var``.
+  unless ``unbiased_running_var``. ``mask`` (call argument) must be boolean; a channel with
+  no valid entry in the batch is normalised with mean 0 / variance 1 and keeps its running
+  statistics.
   """
 
   use_running_average: bool | None = None
@@ -605,7 +624,11 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
 
 
 class NNXSyncBatchNorm(nnx.Module):
-  """Drop-in for `flax.nnx.BatchNorm` (same arguments and variable names), exact when synced."""
+  """Drop-in for `flax.nnx.BatchNorm` (same arguments and variable names), exact when synced.
+
+  Behaves as `SyncBatchNorm`: boolean ``mask`` only; a channel with no valid entry is
+  normalised with mean 0 / variance 1 and keeps its running statistics.
+  """
 
   def __init__(self, num_features: int, *, use_running_average: bool = False, axis: int = -1,
                momentum: float = 0.99, epsilon: float = 1e-5, dtype=None,
