@@ -121,19 +121,41 @@ def test_pmap_and_vmap_give_per_device_parameter_grads():
     np.testing.assert_allclose(db.sum(0), want[1], rtol=1e-5, atol=1e-5)
 
 
-def test_axis_index_groups():
+@pytest.mark.parametrize("transform", ["pmap", "shard_map"])
+def test_axis_index_groups(transform):
   x, mask, g, b, _ = _data(2)
-  xs, ms = x.reshape((8, CAP) + x.shape[1:]), mask.reshape((8, CAP, 1, 1))
-  groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
-  f = jax.pmap(lambda x, m: sync_bn.sync_batch_norm(x, g, b, axis_name="i", mask=m,
-                                                    axis_index_groups=groups)[0], axis_name="i")
-  ys = np.asarray(f(xs, ms)).reshape(x.shape)
+  groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
+  bn = lambda x, m, name: sync_bn.sync_batch_norm(x, g, b, axis_name=name, mask=m,
+                                                  axis_index_groups=groups)[0]
+  if transform == "pmap":
+    xs, ms = x.reshape((8, CAP) + x.shape[1:]), mask.reshape((8, CAP, 1, 1))
+    ys = np.asarray(jax.pmap(lambda x, m: bn(x, m, "i"), axis_name="i")(xs, ms)).reshape(x.shape)
+  else:
+    mesh = _mesh()
+    f = jax.shard_map(lambda x, m: bn(x, m, "d"), mesh=mesh, in_specs=(P("d"), P("d")),
+                      out_specs=P("d"))
+    ys = np.asarray(jax.jit(f)(*[jax.device_put(a, NamedSharding(mesh, P("d")))
+                                 for a in (x, mask)]))
   for grp in groups:
     rows = np.zeros(len(x), bool)
     for d in grp:
       rows[d * CAP:(d + 1) * CAP] = True
     sel = rows & mask[:, 0, 0]
     np.testing.assert_allclose(ys[sel], _plain_bn(x[sel], g, b), rtol=1e-5, atol=1e-5)
+
+
+def test_tuple_of_axis_names():
+  """Statistics over two named axes, under nested vmap and under a 2-D shard_map."""
+  x, _, _, _, _ = _data(6)
+  want = sync_bn.batch_stats(jnp.asarray(x))
+  inner = lambda x: sync_bn.batch_stats(x, axis_name=("a", "b"))
+  got = jax.vmap(jax.vmap(inner, axis_name="b"), axis_name="a")(
+      x.reshape((4, 2, CAP) + x.shape[1:]))
+  np.testing.assert_allclose(got.var[0, 0], want.var, rtol=1e-6)
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  f = jax.shard_map(lambda x: inner(x).var, mesh=mesh, in_specs=P(("a", "b")), out_specs=P())
+  got = jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P(("a", "b")))))
+  np.testing.assert_allclose(got, want.var, rtol=1e-6)
 
 
 def test_large_offset_is_stable():

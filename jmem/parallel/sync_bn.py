@@ -140,22 +140,21 @@ def _psum(x, axis_name, axis_index_groups):
 def _all_gather(x, axis_name, axis_index_groups):
   """``x`` of every device of the axis (or of this device's group), stacked: ``[G, *x.shape]``.
 
-  Under ``jax.shard_map`` (``x`` varies over the axis) and without groups, the result is
-  typed invariant, as a ``psum``'s is, so what is computed from it may leave the map with
-  ``out_specs=P()``. With groups, the result does differ between groups (varying).
-  Elsewhere (``vmap``, ``pmap``, ``check_vma=False``) a plain all-gather, whose transpose
-  (a reduce-scatter) is the right one there. ``vmap`` gathers one name at a time, which its
-  batched all-gather requires; it emits no collective anyway.
+  Under ``jax.shard_map`` with its varying types (``check_vma``) and without groups, the
+  result is typed invariant, as a ``psum``'s is, so what is computed from it may leave the
+  map with ``out_specs=P()`` (with groups it does differ between groups: varying).
+  Elsewhere (``pmap``, ``check_vma=False``, ``vmap``) a plain all-gather, whose transpose (a
+  reduce-scatter) is the right one there. JAX's batched all-gather takes one name at a
+  time, so ``vmap`` over several names gathers name by name (no collective is emitted).
   """
   names = _axes_tuple(axis_name)
-  if set(names) <= varying_axes(x):
-    if axis_index_groups is None:
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+  if set(names) <= manual:
+    if axis_index_groups is None and varying_axes(x):
       return lax.all_gather(x, names, to="invarying")
     return lax.all_gather(x, names, axis_index_groups=axis_index_groups)
-  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
-  if len(names) == 1 or set(names) <= manual:
-    return lax.all_gather(x, names if len(names) > 1 else names[0],
-                          axis_index_groups=axis_index_groups)
+  if len(names) == 1:
+    return lax.all_gather(x, names, axis_index_groups=axis_index_groups)
   for name in reversed(names):
     x = lax.all_gather(x, name, axis_index_groups=axis_index_groups)
   return x.reshape((-1,) + x.shape[len(names):])
