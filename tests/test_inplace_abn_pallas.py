@@ -61,7 +61,7 @@ def test_offset_statistics_are_exact(axis_name):
 
 
 def test_public_switch_and_sync_over_eight_devices():
-  """``implementation="pallas"`` with axis_name: one collective each way, equal to the full batch."""
+  """``implementation="pallas"`` with axis_name: one collective each way, equals the full batch."""
   x, g, b, ct = bn_data((8 * 6, 5))
   want = jax.grad(lambda x, g, b: jnp.sum(iabn.inplace_abn_reference(x, g, b)[0] * ct),
                   argnums=(0, 1, 2))(x, g, b)
