@@ -6,9 +6,11 @@ over a 2-D grid, so every kernel has ``ceil(M/bm) * ceil(C/bc)`` independent pro
 Forward:
   1. ``_moments_kernel``: per tile, valid count, mean ``m0`` and the corrected two-pass
      ``(Σd/n, Σd² - (Σd)²/n)`` with ``d = x - m0``; the tiles (a few per channel) are merged
-     in XLA with Chan's formula and, with ``axis_name``, across devices by the one psum of
-     `jmem.parallel.sync_bn.combine_moments`.
-  2. ``_forward_kernel``: ``z = act((x - μ) · γ'/σ + β)`` in one read of ``x`` and one write.
+     exactly in XLA by `jmem.parallel.sync_bn.merge_moments` (Chan's formula) and, with
+     ``axis_name``, across devices by the one all-gather of
+     `jmem.parallel.sync_bn.gather_moments`.
+  2. ``_forward_kernel``: ``z = act(((x - m0) - corr) · γ'/σ + β)`` in one read of ``x`` and
+     one write; the mean is ``m0 + corr`` (two float32s, see `jmem.parallel.sync_bn.Moments`).
 
 Backward (saves only ``z``):
   3. ``_backward_sums_kernel``: inverts the activation and the affine step tile by tile and
@@ -76,8 +78,8 @@ def _moments_kernel(x_ref, m0_ref, corr_ref, m2_ref, *, rows, block_rows):
   m2_ref[...] = jnp.maximum(jnp.sum(d * d, axis=0) - s1 * s1 / n, 0.0)
 
 
-def _forward_kernel(x_ref, mean_ref, a_ref, b_ref, z_ref, *, cfg):
-  y = (x_ref[...].astype(jnp.float32) - mean_ref[...]) * a_ref[...] + b_ref[...]
+def _forward_kernel(x_ref, m0_ref, corr_ref, a_ref, b_ref, z_ref, *, cfg):
+  y = ((x_ref[...].astype(jnp.float32) - m0_ref[...]) - corr_ref[...]) * a_ref[...] + b_ref[...]
   z_ref[...] = apply_activation(y, cfg).astype(z_ref.dtype)
 
 
@@ -146,28 +148,25 @@ class _Launch:
     return counts.at[-1].set(float(self.rows - (self.grid[0] - 1) * self.bm))[:, None]
 
 
-def _local_moments(x2, launch: _Launch):
-  """Per-device ``(n, m0, corr, m2)`` of ``[M, C]`` from per-tile moments (Chan merge)."""
+def _local_moments(x2, launch: _Launch) -> sync_bn.Moments:
+  """This device's `Moments` of ``[M, C]``: per-tile moments, merged exactly in XLA."""
   kern = functools.partial(_moments_kernel, rows=launch.rows, block_rows=launch.bm)
   shape = launch.partial_shape()
   m0_t, corr_t, m2_t = launch.call(kern, [launch.tile], [launch.partial] * 3, [shape] * 3, x2)
-  n_t = launch.tile_counts()
-  n = jnp.full((launch.channels,), float(launch.rows), jnp.float32)
-  k = m0_t[0]                                   # a shared shift close to every tile's mean
-  d_t = (m0_t - k) + corr_t
-  dmean = jnp.sum(n_t * d_t, axis=0) / n
-  m2 = jnp.sum(m2_t, axis=0) + jnp.sum(n_t * (d_t - dmean) ** 2, axis=0)
-  return n, k, dmean, m2
+  n_t = jnp.broadcast_to(launch.tile_counts(), m0_t.shape)
+  return sync_bn.merge_moments(sync_bn.Moments(n_t, m0_t, corr_t, m2_t), axis=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _abn(x2, scale, bias, shift, cfg: ABNConfig, tiles: Tiles, interpret: bool):
+  del shift   # ignored: the statistics are exact without one
   launch = _Launch(x2, tiles, interpret)
-  stats = sync_bn.combine_moments(*_local_moments(x2, launch), axis_name=cfg.axis_name,
-                                  axis_index_groups=cfg.axis_index_groups, shift=shift)
+  moments = sync_bn.gather_moments(_local_moments(x2, launch), axis_name=cfg.axis_name,
+                                   axis_index_groups=cfg.axis_index_groups)
+  stats = moments.stats()
   a = lax.rsqrt(stats.var + cfg.epsilon) * (jnp.abs(scale) + cfg.epsilon)
-  z = launch.call(functools.partial(_forward_kernel, cfg=cfg), [launch.tile] + [launch.vec] * 3,
-                  launch.tile, launch.full_shape(), x2, stats.mean, a, bias)
+  z = launch.call(functools.partial(_forward_kernel, cfg=cfg), [launch.tile] + [launch.vec] * 4,
+                  launch.tile, launch.full_shape(), x2, moments.m0, moments.corr, a, bias)
   return z, stats
 
 
@@ -212,8 +211,8 @@ def inplace_abn_pallas(x: jax.Array, scale: jax.Array, bias: jax.Array, cfg: ABN
     x: ``[..., C]`` float input (channels last).
     scale, bias: ``float32[C]``.
     cfg: validated `ABNConfig` (activation, epsilon, optional ``axis_name``: statistics
-      synchronised by one psum forward and one backward, as the XLA path).
-    shift: shared shift of the cross-device merge (the running mean).
+      synchronised by one all-gather forward and one psum backward, as the XLA path).
+    shift: ignored; accepted for compatibility (the merge is exact without one).
     tiles: `Tiles` (default `Tiles.get_default()`).
     interpret: run the kernels in the Pallas interpreter. ``None``: only when the default
       backend is not a GPU, with a warning (the interpreter is far slower than the XLA path).

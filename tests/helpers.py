@@ -28,3 +28,46 @@ def assert_close_scaled(got, want, *, rtol=1e-5, atol=1e-5):
 def assert_close_dtype(got, want, dtype):
   """`assert_close_scaled` with the tolerances of ``dtype`` (see `TOL`)."""
   assert_close_scaled(got, want, **TOL[dtype])
+
+
+# (mean, std) per channel. At 1e6 a float32 is good to 0.0625, so std 1e-2 would round to a
+# constant: the 1e6 channels use std 1e-1 and 1.
+OFFSET_CHANNELS = ((0.0, 1.0), (1e2, 1e-2), (1e2, 1.0), (1e4, 1e-2), (1e4, 1.0), (1e6, 1e-1),
+                   (1e6, 1.0))
+OFFSET_COUNTS, OFFSET_CAP = (13, 0, 3, 16, 1, 0, 2, 9), 16
+EPS = 1e-10      # far below every variance here, so valid outputs have std 1, not ~0.95
+
+
+def offset_data(channels=OFFSET_CHANNELS, counts=OFFSET_COUNTS, cap=OFFSET_CAP, dtype=np.float32,
+                 seed=0):
+  """``(x, mask)``: device ``d`` holds ``counts[d]`` valid rows, shifted by ``d/2`` std."""
+  rng = np.random.default_rng(seed)
+  mean, std = (np.array(v, np.float64) for v in zip(*channels))
+  device = np.repeat(np.arange(len(counts)), cap)[:, None]
+  x = (mean + std * (rng.normal(size=(len(counts) * cap, len(channels))) + 0.5 * device))
+  mask = np.zeros((len(counts) * cap, 1), bool)
+  for d, c in enumerate(counts):
+    mask[d * cap:d * cap + c] = True
+  return x.astype(dtype), mask
+
+
+def exact_stats(x, mask, eps=EPS):
+  """float64 mean, variance and normalised valid rows of the ALREADY-ROUNDED inputs."""
+  xv = np.asarray(x[mask[:, 0]], np.float64)
+  mean, var = xv.mean(0), xv.var(0)
+  return mean, var, (xv - mean) / np.sqrt(var + eps)
+
+
+def check_exact(x, mask, y, mean=None, var=None, *, var_rtol=1e-4, y_atol=1e-4):
+  """Statistics and normalised valid outputs ``y`` (std 1 for ``EPS``) against `exact_stats`."""
+  want_mean, want_var, want_y = exact_stats(x, mask)
+  std = np.sqrt(want_var)
+  if var is not None:
+    np.testing.assert_allclose(var, want_var, rtol=var_rtol)
+  if mean is not None:   # within one float32 ulp of the exact mean (plus 1e-5 std)
+    ulp = np.spacing(np.abs(want_mean).astype(np.float32)).astype(np.float64)
+    assert (np.abs(np.asarray(mean, np.float64) - want_mean) <= ulp + 1e-5 * std).all()
+  yv = np.asarray(y, np.float64)[mask[:, 0]]
+  np.testing.assert_allclose(yv, want_y, atol=y_atol)
+  np.testing.assert_allclose(yv.mean(0), 0.0, atol=y_atol)
+  np.testing.assert_allclose(yv.std(0), 1.0, atol=y_atol)

@@ -1,4 +1,4 @@
-"""SyncBN: exact for masked, unbalanced batches on 8 devices, one all-reduce each way."""
+"""SyncBN: exact for masked, unbalanced, offset batches on 8 devices, one collective each way."""
 
 import functools
 
@@ -11,7 +11,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmem import measure
+from jmem.ops import inplace_abn as iabn
 from jmem.parallel import sync_bn
+from helpers import (EPS, OFFSET_CAP, check_exact, exact_stats,  # pylint: disable=g-multiple-import
+                     offset_data)
 
 COUNTS = [5, 0, 3, 8, 1, 0, 2, 7]
 CAP, C = 8, 3
@@ -70,7 +73,7 @@ def test_unbalanced_masked_matches_plain_bn_on_valid_samples(fn):
   np.testing.assert_allclose(grads[2], want[2], rtol=1e-5, atol=1e-5)
 
 
-def test_one_all_reduce_forward_one_backward():
+def test_one_all_gather_forward_one_all_reduce_backward():
   mesh = _mesh()
   x, mask, g, b, ct = _data()
   specs = (P("d"), P(), P(), P("d"))
@@ -82,8 +85,8 @@ def test_one_all_reduce_forward_one_backward():
   both = measure.collective_counts(
       jax.jit(lambda x, g, b, m, ct: jax.vjp(lambda x, g, b: f(x, g, b, m), x, g, b)[1](ct)),
       *args, ctd)
-  assert fwd["all-reduce"] == 1 and both["all-reduce"] == 2
-  assert sum(fwd.values()) == 1 and sum(both.values()) == 2
+  assert fwd["all-gather"] == 1 and sum(fwd.values()) == 1, fwd
+  assert both["all-gather"] == 1 and both["all-reduce"] == 1 and sum(both.values()) == 2, both
 
 
 def test_all_devices_empty_is_finite():
@@ -118,13 +121,21 @@ def test_pmap_and_vmap_give_per_device_parameter_grads():
     np.testing.assert_allclose(db.sum(0), want[1], rtol=1e-5, atol=1e-5)
 
 
-def test_axis_index_groups():
+@pytest.mark.parametrize("transform", ["pmap", "shard_map"])
+def test_axis_index_groups(transform):
   x, mask, g, b, _ = _data(2)
-  xs, ms = x.reshape((8, CAP) + x.shape[1:]), mask.reshape((8, CAP, 1, 1))
-  groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
-  f = jax.pmap(lambda x, m: sync_bn.sync_batch_norm(x, g, b, axis_name="i", mask=m,
-                                                    axis_index_groups=groups)[0], axis_name="i")
-  ys = np.asarray(f(xs, ms)).reshape(x.shape)
+  groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
+  bn = lambda x, m, name: sync_bn.sync_batch_norm(x, g, b, axis_name=name, mask=m,
+                                                  axis_index_groups=groups)[0]
+  if transform == "pmap":
+    xs, ms = x.reshape((8, CAP) + x.shape[1:]), mask.reshape((8, CAP, 1, 1))
+    ys = np.asarray(jax.pmap(lambda x, m: bn(x, m, "i"), axis_name="i")(xs, ms)).reshape(x.shape)
+  else:
+    mesh = _mesh()
+    f = jax.shard_map(lambda x, m: bn(x, m, "d"), mesh=mesh, in_specs=(P("d"), P("d")),
+                      out_specs=P("d"))
+    ys = np.asarray(jax.jit(f)(*[jax.device_put(a, NamedSharding(mesh, P("d")))
+                                 for a in (x, mask)]))
   for grp in groups:
     rows = np.zeros(len(x), bool)
     for d in grp:
@@ -133,18 +144,31 @@ def test_axis_index_groups():
     np.testing.assert_allclose(ys[sel], _plain_bn(x[sel], g, b), rtol=1e-5, atol=1e-5)
 
 
+def test_tuple_of_axis_names():
+  """Statistics over two named axes, under nested vmap and under a 2-D shard_map."""
+  x, _, _, _, _ = _data(6)
+  want = sync_bn.batch_stats(jnp.asarray(x))
+  inner = lambda x: sync_bn.batch_stats(x, axis_name=("a", "b"))
+  got = jax.vmap(jax.vmap(inner, axis_name="b"), axis_name="a")(
+      x.reshape((4, 2, CAP) + x.shape[1:]))
+  np.testing.assert_allclose(got.var[0, 0], want.var, rtol=1e-6)
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  f = jax.shard_map(lambda x: inner(x).var, mesh=mesh, in_specs=P(("a", "b")), out_specs=P())
+  got = jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P(("a", "b")))))
+  np.testing.assert_allclose(got, want.var, rtol=1e-6)
+
+
 def test_large_offset_is_stable():
   rng = np.random.default_rng(3)
   x = (1e4 + 0.01 * rng.normal(size=(8 * 64, C))).astype(np.float32)
   true_var = x.astype(np.float64).var(axis=0)
   # Single device: two-pass, no shift needed.
   local = sync_bn.batch_stats(jnp.asarray(x))
-  np.testing.assert_allclose(local.var, true_var, rtol=1e-3)
-  # 8 devices, one psum, shift = a running mean (here 1e4 + 0.05: five sigmas off).
-  shift = jnp.full((C,), 1e4 + 0.05, jnp.float32)
-  f = jax.vmap(lambda x: sync_bn.batch_stats(x, axis_name="i", shift=shift), axis_name="i")
+  np.testing.assert_allclose(local.var, true_var, rtol=1e-4)
+  # 8 devices under vmap, one all-gather and an exact merge: no shift needed.
+  f = jax.vmap(lambda x: sync_bn.batch_stats(x, axis_name="i"), axis_name="i")
   stats = f(jnp.asarray(x.reshape(8, 64, C)))
-  np.testing.assert_allclose(stats.var[0], true_var, rtol=1e-3)
+  np.testing.assert_allclose(stats.var[0], true_var, rtol=1e-4)
   np.testing.assert_allclose(stats.mean[0], x.astype(np.float64).mean(0), rtol=1e-7)
   # What E[x^2] - E[x]^2 gives in float32 (MXNet's / Flax's form): useless.
   naive = (x ** 2).mean(0) - x.mean(0) ** 2
@@ -234,3 +258,151 @@ def test_bad_input_errors():
     sync_bn.sync_batch_norm(x, epsilon=0.0)
   with pytest.raises(ValueError, match="scale"):
     sync_bn.sync_batch_norm(x, jnp.ones(4))
+
+
+# ------------------------------------------------ precision on offset data, bad padding
+
+def _on_mesh(f, x, mask, out_specs):
+  mesh = _mesh()
+  args = [jax.device_put(a, NamedSharding(mesh, P("d"))) for a in (x, mask)]
+  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("d"), P("d")),
+                               out_specs=out_specs))(*args)
+
+
+def test_offset_data_is_exact_without_a_shift():
+  """Means 1e2..1e6, std 1e-2..1, unbalanced counts with empty devices; shift=None."""
+  x, mask = offset_data()
+
+  def f(x, m):
+    y, stats = sync_bn.sync_batch_norm(x, axis_name="d", mask=m, epsilon=EPS)
+    return y, stats.mean, stats.var
+  y, mean, var = _on_mesh(f, x, mask, (P("d"), P(), P()))
+  check_exact(x, mask, y, mean, var)
+  # The shift is accepted for compatibility and changes nothing.
+  for shift in (jnp.zeros(x.shape[-1]), jnp.full(x.shape[-1], 1e6), jnp.asarray(mean)):
+    g = lambda x, m, s=shift: sync_bn.sync_batch_norm(x, axis_name="d", mask=m, shift=s,
+                                                       epsilon=EPS)[0]
+    np.testing.assert_array_equal(_on_mesh(g, x, mask, P("d")), y)
+
+
+def test_offset_data_module_first_step():
+  """SyncBatchNorm(momentum=0.9): the running mean (the old shift) starts at 0."""
+  x, mask = offset_data()
+  model = sync_bn.SyncBatchNorm(momentum=0.9, axis_name="d", epsilon=EPS)
+  v = model.init(jax.random.key(0), x[:OFFSET_CAP], use_running_average=False)
+
+  def f(x, m):
+    y, upd = model.apply(v, x, use_running_average=False, mask=m, mutable=["batch_stats"])
+    return y, upd["batch_stats"]["mean"]
+  y, running_mean = _on_mesh(f, x, mask, (P("d"), P()))
+  check_exact(x, mask, y)
+  np.testing.assert_allclose(running_mean, 0.1 * exact_stats(x, mask)[0], rtol=1e-6)
+
+
+def test_offset_data_inplace_abn_sync():
+  x, mask = offset_data()
+  c = x.shape[-1]
+
+  def f(x, m):
+    z, stats = iabn.inplace_abn(x, jnp.ones(c), jnp.zeros(c), activation="identity",
+                                epsilon=EPS, axis_name="d", mask=m)
+    return z, stats.mean, stats.var
+  z, mean, var = _on_mesh(f, x, mask, (P("d"), P(), P()))
+  check_exact(x, mask, z, mean, var)
+
+
+def test_bf16_inputs_offset_float32_statistics():
+  """bf16 inputs: statistics to float32's tolerance (they are float32 sums of the bf16
+  values), outputs to 2e-2 absolute (one bf16 rounding, 2^-9 relative, of |y| <= ~6)."""
+  x, mask = offset_data(channels=((10.0, 1.0), (1e2, 1.0), (1e3, 8.0), (1e4, 64.0)),
+                         dtype=jnp.bfloat16)
+
+  def f(x, m):
+    y, stats = sync_bn.sync_batch_norm(x, axis_name="d", mask=m, epsilon=EPS)
+    return y, stats.mean, stats.var
+  y, mean, var = _on_mesh(f, x, mask, (P("d"), P(), P()))
+  assert y.dtype == jnp.bfloat16 and var.dtype == jnp.float32
+  check_exact(np.asarray(x, np.float32), mask, np.asarray(y, np.float32), mean, var, y_atol=2e-2)
+
+
+def _inplace_abn_sync(x, g, b, *, axis_name, mask):
+  return iabn.inplace_abn(x, g, b, axis_name=axis_name, mask=mask)
+
+
+@pytest.mark.parametrize("fn", [sync_bn.sync_batch_norm, _inplace_abn_sync])
+def test_non_finite_padding_is_isolated(fn):
+  """NaN / Inf in masked-out samples (an empty device's included) change nothing valid."""
+  mesh = _mesh()
+  x, mask, g, b, ct = _data(4)
+  bad = x.copy()
+  bad[CAP - 1, 0] = np.nan                 # device 0 holds 5 valid rows of 8
+  bad[CAP + 2, 1] = np.inf                 # device 1 holds none
+  bad[5 * CAP:6 * CAP] = -np.inf           # device 5 holds none
+  bad[2 * CAP + 4, :, 2] = np.nan          # device 2 holds 3
+
+  def f(x, g, b, m, ct):
+    def loss(x, g, b):
+      y, stats = fn(x, g, b, axis_name="d", mask=m)
+      return jax.lax.psum(jnp.sum(jnp.where(m, y * ct, 0.0)), "d"), (y, stats.mean, stats.var)
+    (_, aux), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, g, b)
+    return aux, grads
+  specs = (P("d"), P(), P(), P("d"), P("d"))
+  step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs,
+                               out_specs=((P("d"), P(), P()), (P("d"), P(), P()))))
+  put = lambda *a: [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip(a, specs)]
+  (y0, mean0, var0), grads0 = step(*put(x, g, b, mask, ct))
+  (y1, mean1, var1), grads1 = step(*put(bad, g, b, mask, ct))
+  valid = mask[:, 0, 0]
+  for a in (mean1, var1, *grads1):
+    assert np.isfinite(np.asarray(a)).all()
+  np.testing.assert_array_equal(mean1, mean0)
+  np.testing.assert_array_equal(var1, var0)
+  np.testing.assert_array_equal(np.asarray(y1)[valid], np.asarray(y0)[valid])
+  np.testing.assert_array_equal(np.asarray(grads1[0])[valid], np.asarray(grads0[0])[valid])
+  np.testing.assert_array_equal(np.asarray(grads1[0])[~valid], 0.0)   # dy = 0 there
+  np.testing.assert_allclose(grads1[1], grads0[1], rtol=1e-6)
+  np.testing.assert_allclose(grads1[2], grads0[2], rtol=1e-6)
+
+
+def test_all_masked_batch_is_identity_statistics():
+  """No valid sample anywhere: statistics mean 0 / var 1, y = γ x / sqrt(1 + ε) + β."""
+  mesh = _mesh()
+  x, mask, g, b, ct = _data(5, counts=[0] * 8)
+
+  def f(x, g, b, m, ct):
+    def loss(x, g, b):
+      y, stats = sync_bn.sync_batch_norm(x, g, b, axis_name="d", mask=m)
+      return jax.lax.psum(jnp.sum(y * ct), "d"), (y, stats)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, g, b)
+  specs = (P("d"), P(), P(), P("d"), P("d"))
+  args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, g, b, mask, ct), specs)]
+  (_, (y, stats)), (dx, _, _) = jax.jit(jax.shard_map(
+      f, mesh=mesh, in_specs=specs, out_specs=((P(), (P("d"), P())), (P("d"), P(), P()))))(*args)
+  np.testing.assert_array_equal(stats.mean, 0.0)
+  np.testing.assert_array_equal(stats.var, 1.0)
+  np.testing.assert_array_equal(stats.count, 0.0)
+  k = g / np.sqrt(1.0 + 1e-5)
+  np.testing.assert_allclose(y, x * k + b, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(dx, ct * k, rtol=1e-6, atol=1e-6)
+  # The module keeps its running statistics.
+  model = sync_bn.SyncBatchNorm(momentum=0.9, axis_name="d")
+  v = model.init(jax.random.key(0), x[:CAP], use_running_average=False)
+  v = {"params": v["params"], "batch_stats": {"mean": jnp.array([1.0, 2.0, 3.0]),
+                                              "var": jnp.array([4.0, 5.0, 6.0])}}
+  apply = jax.jit(jax.shard_map(
+      lambda x, m: model.apply(v, x, use_running_average=False, mask=m, mutable=["batch_stats"]),
+      mesh=mesh, in_specs=(P("d"), P("d")), out_specs=(P("d"), P())))
+  y, upd = apply(args[0], args[3])
+  assert np.isfinite(np.asarray(y)).all()
+  for name in ("mean", "var"):
+    np.testing.assert_array_equal(upd["batch_stats"][name], v["batch_stats"][name])
+
+
+def test_non_boolean_mask_is_refused():
+  x = jnp.ones((4, 3))
+  for bad in (jnp.full((4, 1), 0.5), jnp.array([[1.0], [np.nan], [0.0], [1.0]]),
+              jnp.ones((4, 1), jnp.int32)):
+    with pytest.raises(TypeError, match="boolean"):
+      sync_bn.sync_batch_norm(x, mask=bad)
+    with pytest.raises(TypeError, match="boolean"):
+      sync_bn.SyncBatchNorm().init(jax.random.key(0), x, use_running_average=False, mask=bad)

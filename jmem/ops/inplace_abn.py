@@ -101,10 +101,12 @@ def _gamma(scale, epsilon):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _abn_train(x, scale, bias, mask, shift, cfg: ABNConfig):
-  stats = sync_bn.batch_stats(x, axis_name=cfg.axis_name, axis_index_groups=cfg.axis_index_groups,
-                              mask=mask, shift=shift)
+  del shift   # ignored: the statistics are exact without one
+  moments = sync_bn.batch_moments(x, axis_name=cfg.axis_name,
+                                  axis_index_groups=cfg.axis_index_groups, mask=mask)
+  stats = moments.stats()
   invstd = lax.rsqrt(stats.var + cfg.epsilon)
-  y = (x.astype(jnp.float32) - stats.mean) * (invstd * _gamma(scale, cfg.epsilon)) + bias
+  y = moments.centre(x.astype(jnp.float32)) * (invstd * _gamma(scale, cfg.epsilon)) + bias
   return apply_activation(y, cfg).astype(x.dtype), stats
 
 
@@ -192,11 +194,15 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
     slope: leaky_relu negative slope, > 0.
     alpha: elu alpha, > 0.
     epsilon: variance epsilon (also the |γ| offset), > 0.
-    axis_name: reduce statistics over this named axis (InPlace-ABN-Sync): one all-reduce
-      forward, one backward, global counts in the backward.
+    axis_name: reduce statistics over this named axis (InPlace-ABN-Sync): one all-gather
+      forward and one all-reduce backward (`jmem.parallel.sync_bn`), global counts in the
+      backward; exact in float32 whatever the data's offset.
     axis_index_groups: optional groups within the axis.
-    mask: optional boolean, broadcastable to ``x`` with the same rank; True = valid.
-    shift: shared shift of the statistics merge (pass the running mean).
+    mask: optional boolean array (other dtypes raise TypeError), broadcastable to ``x``
+      with the same rank; True = valid. As in `jmem.parallel.sync_bn.sync_batch_norm`:
+      padding is selected away (NaN/Inf there is inert) and a channel with no valid entry
+      is normalised with mean 0 / variance 1.
+    shift: ignored; accepted for compatibility (the statistics are exact without one).
     use_running_average: eval mode: normalise with ``running_mean`` / ``running_var``, no
       collective in the forward pass.
     running_mean: ``float[C]``, required in eval mode.
@@ -248,13 +254,16 @@ def inplace_abn_reference(x, scale, bias, *, activation="leaky_relu", slope=0.01
   """BN then activation by plain autodiff (saves x): the oracle of `inplace_abn`."""
   cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
   g = _gamma(jnp.asarray(scale, jnp.float32), epsilon)
+  del shift
   if use_running_average:
-    mean, var, stats = running_mean, running_var, None
+    xc = x.astype(jnp.float32) - running_mean
+    var, stats = running_var, None
   else:
-    stats = sync_bn.batch_stats(x, axis_name=axis_name, axis_index_groups=cfg.axis_index_groups,
-                                mask=mask, shift=shift)
-    mean, var = stats.mean, stats.var
-  y = (x.astype(jnp.float32) - mean) * lax.rsqrt(var + epsilon) * g + bias
+    moments = sync_bn.batch_moments(x, axis_name=axis_name,
+                                    axis_index_groups=cfg.axis_index_groups, mask=mask)
+    stats = moments.stats()
+    xc, var = moments.centre(x.astype(jnp.float32)), stats.var
+  y = xc * lax.rsqrt(var + epsilon) * g + bias
   return apply_activation(y, cfg).astype(x.dtype), stats
 
 

@@ -1,26 +1,35 @@
-"""Synchronised BatchNorm that is exact for masked, unbalanced batches: one collective each way.
+"""Synchronised BatchNorm, exact for masked, unbalanced, offset batches: one collective each way.
 
 The statistics of a channel are those of the concatenation of every *valid* sample on every
 device of the named axis, whatever each device holds, a device with no valid sample
 included (it takes part in the collective with zeros; nothing divides by its zero count).
 
-Forward: each device computes, per channel, its valid count ``n``, its local mean ``m`` and
-centred sum of squares ``M2`` (two local passes: stable), then ONE ``psum`` of
-``[n, n(m - K), M2, n(m - K)^2]`` with a shift ``K`` shared by all devices (the running
-mean). The global variance is ``ΣM2/N + (Σn(m-K)^2/N - D^2)`` with ``D = Σn(m-K)/N``: the
-within-device part never cancels, the between-device part only loses precision in
-proportion to ``(mean - K)^2``. Without an axis the variance is ``M2/n`` exactly.
+Forward: each device computes, per channel, its valid count ``n``, its mean as two float32s
+``m0 + corr`` and centred sum of squares ``M2`` (two local passes: stable), then ONE
+all-gather of these ``4 C`` numbers per device (`gather_moments`); every device merges them
+the same way with Chan et al.'s parallel formula (`merge_moments`): around a pivot ``K``
+within a few ulps of the mean, ``mean = K + Σn_i d_i / N`` with ``d_i = (m0_i - K) + corr_i``
+and ``M2 = ΣM2_i + Σn_i (d_i - Σn_j d_j / N)²``, where nothing cancels. The variance is
+exact to float32 rounding whatever the data's offset (mean 1e6, std 0.1 included) and needs
+no shift; inputs are then centred as ``(x - m0) - corr``, so the outputs are centred to
+float32 rounding too. Inputs of any float dtype are reduced in float32.
 
 Backward (custom VJP): ONE ``psum`` of ``[Σdy, Σdy·x̂]``; then
 ``dx = γ/σ (dy - mask (Σdy + x̂ Σdy·x̂) / N)``, ``dγ = Σdy·x̂``, ``dβ = Σdy``.
 
+Cost of exactness: the forward collective carries ``4 C`` floats per device, so ``4 C G``
+arrive on each of ``G`` devices (an all-reduce of moments would carry ``4 C``, but merges
+them around a shared shift and loses the variance when ``|mean - shift| ≫ std``).
+PyTorch's SyncBatchNorm also all-gathers per-device statistics.
+
 Contrast (see references): Flax's ``BatchNorm(axis_name, mask)`` averages per-device means
 (wrong for unequal counts, NaN for a device with none); MXNet averages E[x], E[x^2]
-(unweighted, and E[x^2] - E[x]^2 cancels); PyTorch needs an all_gather.
+(unweighted, and E[x^2] - E[x]^2 cancels).
 
 References:
   Ioffe & Szegedy, Batch Normalization, https://arxiv.org/abs/1502.03167
-  Chan, Golub & LeVeque, Updating formulae for sample variances (1979).
+  Chan, Golub & LeVeque, Updating formulae and a pairwise algorithm for computing sample
+  variances (1979); Algorithms for computing the sample variance (1983).
 """
 
 from __future__ import annotations
@@ -37,8 +46,9 @@ from flax import nnx
 from jax import lax
 
 __all__ = [
-    "BatchStats", "batch_stats", "combine_moments", "sync_batch_norm", "sync_batch_norm_reference",
-    "update_running_stats", "check_axis_name", "check_mask", "params_stay_local", "varying_axes",
+    "BatchStats", "Moments", "batch_moments", "batch_stats", "combine_moments", "gather_moments",
+    "merge_moments", "sync_batch_norm", "sync_batch_norm_reference", "update_running_stats",
+    "check_axis_name", "check_mask", "params_stay_local", "varying_axes",
 ]
 
 AxisName = str | tuple[str, ...] | None
@@ -56,6 +66,36 @@ class BatchStats(NamedTuple):
   mean: jax.Array
   var: jax.Array
   count: jax.Array
+
+
+class Moments(NamedTuple):
+  """Per-channel moments of a set of values that merge exactly (each ``float32[C]``).
+
+  The mean is carried as two numbers, ``m0 + corr``: ``m0`` is a float32 close to it and
+  ``corr`` the small remainder, so that ``x - m0`` is exact for ``x`` near the mean and the
+  mean keeps more bits than one float32 (at 1e6 a float32 is good to 0.06 only).
+
+  Attributes:
+    count: number of values.
+    m0: a float32 close to the mean (0 when ``count`` is 0).
+    corr: the mean minus ``m0``.
+    m2: centred sum of squares ``Σ(x - mean)²``.
+  """
+
+  count: jax.Array
+  m0: jax.Array
+  corr: jax.Array
+  m2: jax.Array
+
+  def stats(self) -> BatchStats:
+    """`BatchStats`; a channel with no value gets mean 0, variance 1 (see `sync_batch_norm`)."""
+    seen = self.count > 0
+    var = jnp.where(seen, self.m2 / jnp.maximum(self.count, 1.0), 1.0)
+    return BatchStats(jnp.where(seen, self.m0 + self.corr, 0.0), var, self.count)
+
+  def centre(self, xf: jax.Array) -> jax.Array:
+    """``x - mean`` as ``(x - m0) - corr``: exact to float32 rounding of the result."""
+    return (xf - self.m0) - self.corr
 
 
 def _axes_tuple(axis_name: AxisName) -> tuple[str, ...]:
@@ -97,44 +137,123 @@ def _psum(x, axis_name, axis_index_groups):
   return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
 
 
+def _all_gather(x, axis_name, axis_index_groups):
+  """``x`` of every device of the axis (or of this device's group), stacked: ``[G, *x.shape]``.
+
+  Under ``jax.shard_map`` with its varying types (``check_vma``) and without groups, the
+  result is typed invariant, as a ``psum``'s is, so what is computed from it may leave the
+  map with ``out_specs=P()`` (with groups it does differ between groups: varying).
+  Elsewhere (``pmap``, ``check_vma=False``, ``vmap``) a plain all-gather, whose transpose (a
+  reduce-scatter) is the right one there. JAX's batched all-gather takes one name at a
+  time, so ``vmap`` over several names gathers name by name (no collective is emitted).
+  """
+  names = _axes_tuple(axis_name)
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+  if set(names) <= manual:
+    if axis_index_groups is None and varying_axes(x):
+      return lax.all_gather(x, names, to="invarying")
+    return lax.all_gather(x, names, axis_index_groups=axis_index_groups)
+  if len(names) == 1:
+    return lax.all_gather(x, names, axis_index_groups=axis_index_groups)
+  for name in reversed(names):
+    x = lax.all_gather(x, name, axis_index_groups=axis_index_groups)
+  return x.reshape((-1,) + x.shape[len(names):])
+
+
 def check_mask(x, mask):
-  """Validates a mask (same rank as ``x``, broadcastable) and returns it as booleans."""
+  """Validates a boolean mask (same rank as ``x``, broadcastable) and returns it as an array.
+
+  Raises:
+    TypeError: if ``mask`` is not boolean (a float mask of 0.5 or NaN has no clear meaning).
+    ValueError: if its shape does not broadcast to ``x``'s with the same rank.
+  """
   if mask is None:
     return None
   mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise TypeError(
+        f"mask must be a boolean array (True = valid), got dtype {mask.dtype}: pass a boolean "
+        "mask, e.g. `weights > 0`; a non-boolean mask is ambiguous (is 0.5, or NaN, valid?).")
   if mask.ndim != x.ndim or any(m not in (1, d) for m, d in zip(mask.shape, x.shape)):
     raise ValueError(
         f"mask of shape {mask.shape} does not broadcast to x of shape {x.shape}: give it "
         f"the same rank, each dim either 1 or x's (e.g. {(x.shape[0],) + (1,) * (x.ndim - 1)}"
         " to mask whole samples).")
-  if mask.dtype != jnp.bool_:
-    mask = mask != 0
   return mask
 
 
-def _local_moments(xf, maskf, reduce_axes):
+def _local_moments(xf, mask, reduce_axes) -> Moments:
   """Valid count, mean and centred sum of squares of one device (float32).
 
   Corrected two-pass: a first mean ``m0`` (off by the float32 rounding of a long sum), then
   ``d = x - m0`` (exact-ish, x and m0 being close), ``mean = m0 + Σd/n`` and
-  ``M2 = Σd² - (Σd)²/n``, which removes the first pass's error from the variance.
+  ``M2 = Σd² - (Σd)²/n``, which removes the first pass's error from the variance. Padding
+  (``mask`` False) is selected away, never multiplied by 0, so a NaN or Inf there is inert.
   """
-  if maskf is None:
+  if mask is None:
     n = jnp.full(xf.shape[-1:], float(xf.size // xf.shape[-1]), jnp.float32)
     m0 = jnp.mean(xf, axis=reduce_axes)
     d = xf - m0
-    s1, s2 = jnp.sum(d, axis=reduce_axes), jnp.sum(d * d, axis=reduce_axes)
   else:
-    mb = jnp.broadcast_to(maskf, xf.shape)
-    n = jnp.sum(mb, axis=reduce_axes)
-    safe = jnp.maximum(n, 1.0)
-    m0 = jnp.sum(xf * mb, axis=reduce_axes) / safe
-    d = (xf - m0) * mb
-    s1, s2 = jnp.sum(d, axis=reduce_axes), jnp.sum(d * d, axis=reduce_axes)
+    mb = jnp.broadcast_to(mask, xf.shape)
+    n = jnp.sum(mb, axis=reduce_axes, dtype=jnp.float32)
+    m0 = jnp.sum(jnp.where(mb, xf, 0.0), axis=reduce_axes) / jnp.maximum(n, 1.0)
+    d = jnp.where(mb, xf - m0, 0.0)
+  s1, s2 = jnp.sum(d, axis=reduce_axes), jnp.sum(d * d, axis=reduce_axes)
   safe = jnp.maximum(n, 1.0)
-  # The mean as m0 + a small correction: a float32 near 1e4 is only good to 1e-3, which
-  # is too coarse for the between-device term; differences to the shift stay exact.
-  return n, m0, s1 / safe, jnp.maximum(s2 - s1 * s1 / safe, 0.0)
+  # The mean as m0 + a small correction: a float32 near 1e4 is only good to 1e-3, too
+  # coarse for the between-device term and for centring data of std 1e-2.
+  return Moments(n, m0, s1 / safe, jnp.maximum(s2 - s1 * s1 / safe, 0.0))
+
+
+def merge_moments(parts: Moments, axis: int = 0) -> Moments:
+  """Exact `Moments` of the union of several sets stacked along ``axis`` (Chan et al.).
+
+  With ``K`` the count-weighted mean of the sets' ``m0`` (a float32 within a few ulps of
+  the mean, so ``m0_i - K`` is exact) and ``d_i = (m0_i - K) + corr_i`` each set's mean
+  minus ``K``: ``mean = K + Σn_i d_i / N`` and
+  ``M2 = ΣM2_i + Σn_i (d_i - Σn_j d_j / N)²``. Nothing cancels whatever the data's offset;
+  empty sets contribute nothing and nothing divides by zero (an empty union gives zeros).
+  """
+  n = parts.count
+  total = jnp.sum(n, axis=axis)
+  safe = jnp.maximum(total, 1.0)
+  has = n > 0
+  pivot = jnp.sum(jnp.where(has, n * parts.m0, 0.0), axis=axis) / safe
+  d = jnp.where(has, (parts.m0 - jnp.expand_dims(pivot, axis)) + parts.corr, 0.0)
+  corr = jnp.sum(n * d, axis=axis) / safe
+  between = jnp.where(has, n * jnp.square(d - jnp.expand_dims(corr, axis)), 0.0)
+  m2 = jnp.sum(jnp.where(has, parts.m2, 0.0), axis=axis) + jnp.sum(between, axis=axis)
+  return Moments(total, pivot, corr, m2)
+
+
+def gather_moments(local: Moments, *, axis_name: AxisName = None,
+                   axis_index_groups: Sequence[Sequence[int]] | None = None) -> Moments:
+  """Moments of the union over the devices of ``axis_name``: ONE all-gather, then a merge.
+
+  Each device contributes ``4 C`` float32 numbers (``4 C G`` arrive on each of ``G``
+  devices) and every device runs the same exact `merge_moments`, so the result is
+  identical on all of them and exact in float32 whatever the data's offset.
+
+  Args:
+    local: this device's `Moments`.
+    axis_name: named axis (or tuple of names) to gather over; ``None``: ``local`` itself.
+    axis_index_groups: optional groups of axis indices to gather within.
+  """
+  if axis_name is None:
+    return local
+  gathered = _all_gather(jnp.stack(local), axis_name, _groups(axis_index_groups))   # [G, 4, C]
+  return merge_moments(Moments(*jnp.moveaxis(gathered, 1, 0)), axis=0)
+
+
+def batch_moments(x: jax.Array, *, axis_name: AxisName = None,
+                  axis_index_groups: Sequence[Sequence[int]] | None = None,
+                  mask: jax.Array | None = None) -> Moments:
+  """`Moments` of the valid entries of ``x`` (``[..., C]``) over ``axis_name``, exact."""
+  mask = check_mask(x, mask)
+  check_axis_name(axis_name)
+  local = _local_moments(x.astype(jnp.float32), mask, tuple(range(x.ndim - 1)))
+  return gather_moments(local, axis_name=axis_name, axis_index_groups=axis_index_groups)
 
 
 def batch_stats(x: jax.Array, *, axis_name: AxisName = None,
@@ -148,46 +267,35 @@ def batch_stats(x: jax.Array, *, axis_name: AxisName = None,
       reduce across; ``None`` for local statistics.
     axis_index_groups: optional groups of axis indices to reduce within.
     mask: optional boolean array broadcastable to ``x`` (same rank): True = valid.
-    shift: ``float[C]`` shared shift K (default 0); the running mean is a good one. Only
-      matters with an ``axis_name``: it bounds the cancellation in the between-device term.
+    shift: ignored; accepted for compatibility (it was the pivot of an earlier one-pass
+      merge, whose precision depended on it; the merge is now exact without one).
 
   Returns:
-    `BatchStats` in float32, identical on every device of a group. Gradients flow through
-    mean and var (this is plain JAX; `sync_batch_norm` has the one-collective VJP).
+    `BatchStats` in float32, identical on every device of a group (a channel with no valid
+    entry: mean 0, variance 1, count 0). Gradients flow through mean and var (plain JAX;
+    `sync_batch_norm` has the one-collective VJP).
   """
-  mask = check_mask(x, mask)
-  check_axis_name(axis_name)
-  reduce_axes = tuple(range(x.ndim - 1))
-  xf = x.astype(jnp.float32)
-  maskf = None if mask is None else mask.astype(jnp.float32)
-  n, m0, corr, m2 = _local_moments(xf, maskf, reduce_axes)
-  return combine_moments(n, m0, corr, m2, axis_name=axis_name,
-                         axis_index_groups=axis_index_groups, shift=shift)
+  del shift
+  return batch_moments(x, axis_name=axis_name, axis_index_groups=axis_index_groups,
+                       mask=mask).stats()
 
 
 def combine_moments(n, m0, corr, m2, *, axis_name: AxisName = None,
                     axis_index_groups: Sequence[Sequence[int]] | None = None,
                     shift: jax.Array | None = None) -> BatchStats:
-  """Global `BatchStats` from each device's local moments, in ONE psum.
+  """Global `BatchStats` from each device's local moments (`gather_moments`, then stats).
 
   Args:
     n: ``float32[C]`` local valid count.
     m0: ``float32[C]`` a first local mean (any value close to the mean).
     corr: ``float32[C]`` correction: the local mean is ``m0 + corr``.
     m2: ``float32[C]`` local centred sum of squares.
-    axis_name, axis_index_groups, shift: as in `batch_stats`.
+    axis_name, axis_index_groups: as in `batch_stats`.
+    shift: ignored (compatibility).
   """
-  if axis_name is None:
-    return BatchStats(m0 + corr, m2 / jnp.maximum(n, 1.0), n)
-  k = (jnp.zeros_like(m0) if shift is None
-       else lax.stop_gradient(jnp.asarray(shift, jnp.float32)))
-  d = (m0 - k) + corr
-  packed = jnp.stack([n, n * d, m2, n * d * d])           # one collective for all four
-  n_g, s1, m2_g, q = _psum(packed, axis_name, _groups(axis_index_groups))
-  n_safe = jnp.maximum(n_g, 1.0)
-  dmean = s1 / n_safe
-  var = m2_g / n_safe + jnp.maximum(q / n_safe - dmean * dmean, 0.0)
-  return BatchStats(k + dmean, var, n_g)
+  del shift
+  return gather_moments(Moments(n, m0, corr, m2), axis_name=axis_name,
+                        axis_index_groups=axis_index_groups).stats()
 
 
 def update_running_stats(running_mean, running_var, stats: BatchStats, *, momentum: float,
@@ -230,7 +338,9 @@ def bn_backward(dy, xhat, mask, gamma_invstd, count, *, axis_name, axis_index_gr
   Args:
     dy: cotangent of the normalised-and-affine output ``γ x̂ + β`` (float32).
     xhat: normalised input (float32), recomputed or reconstructed by the caller.
-    mask: boolean mask or None.
+    mask: boolean mask or None. Padding (False) takes no part in the statistics, so its
+      ``dx`` is ``γ/σ dy``; where its ``dy`` is 0 it adds nothing to the sums even if its
+      ``x̂`` is not finite.
     gamma_invstd: ``γ / sqrt(var + eps)`` per channel.
     count: global valid count per channel.
     param_varying: whether γ, β vary over ``axis_name`` (then their cotangents are the
@@ -240,13 +350,18 @@ def bn_backward(dy, xhat, mask, gamma_invstd, count, *, axis_name, axis_index_gr
     ``(dx float32, dγ-like Σdy·x̂, dβ-like Σdy)``.
   """
   reduce_axes = tuple(range(dy.ndim - 1))
-  local = jnp.stack([jnp.sum(dy, axis=reduce_axes), jnp.sum(dy * xhat, axis=reduce_axes)])
+  dyx = dy * xhat
+  if mask is not None:
+    # Padding whose output the loss ignores (dy = 0) adds exactly 0, even where its x (so
+    # x̂) is NaN or Inf: selected, not multiplied.
+    dyx = jnp.where(mask | (dy != 0), dyx, 0.0)
+  local = jnp.stack([jnp.sum(dy, axis=reduce_axes), jnp.sum(dyx, axis=reduce_axes)])
   glob = _psum(local, axis_name, axis_index_groups)
   g_dy, g_dyx = glob[0], glob[1]
   inv_n = 1.0 / jnp.maximum(count, 1.0)
   corr = (g_dy + xhat * g_dyx) * inv_n
   if mask is not None:
-    corr = corr * mask
+    corr = jnp.where(mask, corr, 0.0)   # padding does not feed the statistics: dx = γ/σ dy
   dx = gamma_invstd * (dy - corr)
   sums = local if (axis_name is None or param_varying) else glob
   return dx, sums[1], sums[0]
@@ -265,26 +380,27 @@ def params_stay_local(axis_name, dy, scale) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _sync_bn(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon):
-  stats = batch_stats(x, axis_name=axis_name, axis_index_groups=axis_index_groups,
-                      mask=mask, shift=shift)
-  invstd = lax.rsqrt(stats.var + epsilon)
-  y = (x.astype(jnp.float32) - stats.mean) * (invstd * scale) + bias
-  return y.astype(x.dtype), stats
+  return _sync_bn_fwd(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon)[0]
 
 
 def _sync_bn_fwd(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon):
-  out = _sync_bn(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon)
-  stats = out[1]
-  return out, (x, scale, mask, stats.mean, lax.rsqrt(stats.var + epsilon), stats.count)
+  del shift
+  moments = batch_moments(x, axis_name=axis_name, axis_index_groups=axis_index_groups,
+                          mask=mask)
+  stats = moments.stats()
+  invstd = lax.rsqrt(stats.var + epsilon)
+  y = moments.centre(x.astype(jnp.float32)) * (invstd * scale) + bias
+  return (y.astype(x.dtype), stats), (x, scale, mask, moments.m0, moments.corr, invstd,
+                                      stats.count)
 
 
 def _sync_bn_bwd(axis_name, axis_index_groups, epsilon, res, cts):
   del epsilon
   param_varying = params_stay_local(axis_name, cts[0], res[1])
   res, cts = tie_to_cotangent(res, cts)
-  x, scale, mask, mean, invstd, count = res
+  x, scale, mask, m0, corr, invstd, count = res
   dy = cts[0].astype(jnp.float32)
-  xhat = (x.astype(jnp.float32) - mean) * invstd
+  xhat = ((x.astype(jnp.float32) - m0) - corr) * invstd
   dx, dscale, dbias = bn_backward(
       dy, xhat, mask, scale * invstd, count, axis_name=axis_name,
       axis_index_groups=axis_index_groups, param_varying=param_varying)
@@ -310,7 +426,7 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
                     axis_index_groups: Sequence[Sequence[int]] | None = None,
                     mask: jax.Array | None = None, shift: jax.Array | None = None,
                     epsilon: float = 1e-5) -> tuple[jax.Array, BatchStats]:
-  """Training-mode batch norm over ``axis_name``: one all-reduce forward, one backward.
+  """Training-mode batch norm over ``axis_name``: one all-gather forward, one psum backward.
 
   Args:
     x: ``[..., C]`` input (float32, bfloat16 or float16; reductions run in float32).
@@ -319,15 +435,22 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
     axis_name: named axis (or tuple) of an enclosing shard_map / pmap / vmap; ``None`` for
       local batch norm (also right under SPMD jit on sharded arrays, where XLA inserts the
       reduction).
-    axis_index_groups: optional groups within the axis.
-    mask: optional boolean, broadcastable to ``x`` with the same rank; True = valid.
-      Statistics use valid entries only; every entry is normalised.
-    shift: ``float[C]`` shared shift of the one-pass merge (pass the running mean).
+    axis_index_groups: optional groups within the axis (under ``jax.shard_map`` and
+      ``jax.pmap``; JAX's ``vmap`` collectives take no groups).
+    mask: optional boolean array (other dtypes raise TypeError), broadcastable to ``x``
+      with the same rank; True = valid. Statistics use valid entries only, selected with
+      ``where``: a NaN or Inf in padding changes neither the statistics nor any valid
+      output or gradient. Every entry is normalised (padding outputs follow their inputs).
+      A channel with no valid entry on any device (all padding) is normalised with mean 0
+      and variance 1, ``y = γ x / sqrt(1 + ε) + β``, its ``stats.count`` is 0 and the
+      modules keep its running statistics.
+    shift: ignored; accepted for compatibility (it was the pivot of an earlier one-pass
+      merge whose precision depended on it; the statistics are now exact without one).
     epsilon: added to the variance; must be > 0.
 
   Returns:
-    ``(y, stats)``: ``y`` like ``x``; ``stats`` (`BatchStats`, no gradient) for the
-    running averages.
+    ``(y, stats)``: ``y`` like ``x``; ``stats`` (`BatchStats`, no gradient, float32, exact
+    to float32 rounding) for the running averages.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -347,11 +470,11 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
 def sync_batch_norm_reference(x, scale=None, bias=None, *, axis_name: AxisName = None,
                               axis_index_groups=None, mask=None, shift=None,
                               epsilon: float = 1e-5):
-  """`sync_batch_norm` by plain autodiff (the oracle of the tests; backward has 2 psums)."""
-  scale, bias, mask, shift = _prepare(x, scale, bias, mask, shift)
-  stats = batch_stats(x, axis_name=axis_name, axis_index_groups=axis_index_groups, mask=mask,
-                      shift=shift)
-  y = (x.astype(jnp.float32) - stats.mean) * lax.rsqrt(stats.var + epsilon) * scale + bias
+  """`sync_batch_norm` by plain autodiff (the oracle of the tests)."""
+  scale, bias, mask, _ = _prepare(x, scale, bias, mask, shift)
+  moments = batch_moments(x, axis_name=axis_name, axis_index_groups=axis_index_groups, mask=mask)
+  stats = moments.stats()
+  y = moments.centre(x.astype(jnp.float32)) * lax.rsqrt(stats.var + epsilon) * scale + bias
   return y.astype(x.dtype), jax.tree.map(lax.stop_gradient, stats)
 
 
@@ -431,10 +554,13 @@ class SyncBatchNorm(nn.Module):
 
   Same fields, same variable names (``params/scale``, ``params/bias``,
   ``batch_stats/mean``, ``batch_stats/var``), so checkpoints are interchangeable. One
-  all-reduce forward and one backward when ``axis_name`` is set; none in eval mode.
-  ``use_fast_variance`` and ``force_float32_reductions`` are accepted for compatibility:
-  reductions are always float32 and always the stable shifted form. Running variance is
-  biased (Flax's convention) unless ``unbiased_running_var``.
+  all-gather forward and one all-reduce backward when ``axis_name`` is set; none in eval
+  mode. ``use_fast_variance`` and ``force_float32_reductions`` are accepted for
+  compatibility: reductions are always float32 and always the exact two-pass form, whatever
+  the running mean (see `sync_batch_norm`). Running variance is biased (Flax's convention)
+  unless ``unbiased_running_var``. ``mask`` (call argument) must be boolean; a channel with
+  no valid entry in the batch is normalised with mean 0 / variance 1 and keeps its running
+  statistics.
   """
 
   use_running_average: bool | None = None
@@ -497,7 +623,11 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
 
 
 class NNXSyncBatchNorm(nnx.Module):
-  """Drop-in for `flax.nnx.BatchNorm` (same arguments and variable names), exact when synced."""
+  """Drop-in for `flax.nnx.BatchNorm` (same arguments and variable names), exact when synced.
+
+  Behaves as `SyncBatchNorm`: boolean ``mask`` only; a channel with no valid entry is
+  normalised with mean 0 / variance 1 and keeps its running statistics.
+  """
 
   def __init__(self, num_features: int, *, use_running_average: bool = False, axis: int = -1,
                momentum: float = 0.99, epsilon: float = 1e-5, dtype=None,
