@@ -41,17 +41,16 @@ RESULTS = os.path.join(HERE, "results")
 # name -> (model, example shape builder args, dtype, timing batch, techniques, max-batch checks)
 # The timing batch B is also the second slope point; the first is B / 2.
 RESNET_TECHNIQUES = (
-    "exact", "remat",
-    "actnn-L1:xla", "actnn-L1:pallas", "actnn-L2:xla", "actnn-L2:pallas",
-    "actnn-L3:xla", "actnn-L3:pallas", "actnn-L4:xla", "actnn-L4:pallas",
-    "actnn-L5:xla", "actnn-L5:pallas", "inplace-abn:xla", "inplace-abn:pallas")
+    "exact", "remat", "actnn-L3:xla", "actnn-L3:pallas", "inplace-abn:xla",
+    "inplace-abn:pallas", "actnn-L2:xla", "actnn-L2:pallas", "actnn-L4:pallas",
+    "actnn-L5:pallas")
 GROUPS = {
     "resnet50-f32": dict(model="resnet50", image=224, frames=None, dtype="float32", batch=64,
                          techniques=RESNET_TECHNIQUES, overrides={},
                          confirm=("exact", "remat", "actnn-L3:pallas", "inplace-abn:pallas")),
     "resnet50-bf16": dict(model="resnet50", image=224, frames=None, dtype="bfloat16", batch=64,
-                          techniques=("exact", "remat", "actnn-L3:xla", "actnn-L3:pallas",
-                                      "inplace-abn:xla", "inplace-abn:pallas"),
+                          techniques=("exact", "remat", "actnn-L3:pallas", "inplace-abn:xla",
+                                      "inplace-abn:pallas"),
                           overrides={}, confirm=("exact", "actnn-L3:pallas")),
     "video-vit": dict(model="video-vit", image=112, frames=16, dtype="float32", batch=16,
                       techniques=("exact", "sbp-0.5", "sbp-0.25", "sbp-0.125"),
@@ -298,6 +297,7 @@ def worker_kernels(spec: dict) -> dict:
   rows.append(dict(op="copy x*2 (XLA)", dtype="float32", implementation="xla", time_s=t,
                    bytes=8 * n, bandwidth=copy_bw))
   key = jax.random.key(2)
+  checks = []
   for dtype in ("float32", "bfloat16"):
     xd = x.astype(dtype)
     isz = jnp.dtype(dtype).itemsize
@@ -310,6 +310,20 @@ def worker_kernels(spec: dict) -> dict:
         qx = qf(xd)
         df = jax.jit(lambda c, b=bits, i=impl, d=dtype: Q.dequantize(
             c, xd.shape, d, bits=b, group_size=group, implementation=i))
+        if impl == "pallas":   # the kernels agree with the XLA path on this device
+          ref = Q.quantize(xd, key, bits=bits, group_size=group, implementation="xla")
+          same = float(jnp.mean(qx.codes == ref.codes))
+          back = Q.dequantize(qx, xd.shape, dtype, bits=bits, group_size=group,
+                              implementation="xla")
+          step = (jnp.max(xd.astype(jnp.float32)) - jnp.min(xd.astype(jnp.float32))) / (2**bits - 1)
+          err = float(jnp.max(jnp.abs(back.astype(jnp.float32) - df(qx).astype(jnp.float32))))
+          checks.append(dict(dtype=dtype, bits=bits, codes_identical_fraction=same,
+                             minimum_identical=bool(jnp.array_equal(qx.minimum, ref.minimum)),
+                             scale_identical_fraction=float(jnp.mean(qx.scale == ref.scale)),
+                             dequantize_max_abs_difference=err,
+                             mean_abs_error_over_step=float(jnp.mean(jnp.abs(
+                                 back.astype(jnp.float32) - xd.astype(jnp.float32)))
+                                 / step)))
         for op, f, arg, nbytes in (
             ("quantize+pack", qf, xd, n * isz + n * bits // 8 + meta),
             ("unpack+dequantize", df, qx, n * bits // 8 + meta + n * isz)):
@@ -348,7 +362,8 @@ def worker_kernels(spec: dict) -> dict:
   for r in rows:
     r["fraction_of_copy"] = r["bandwidth"] / copy_bw
     r["fraction_of_nominal"] = None if nominal is None else r["bandwidth"] / nominal
-  return {"env": env, "rows": rows, "copy_bandwidth": copy_bw, "nominal_bandwidth": nominal}
+  return {"env": env, "rows": rows, "copy_bandwidth": copy_bw, "nominal_bandwidth": nominal,
+          "kernel_checks": checks}
 
 
 WORKERS = {"compile": worker_compile, "measure": worker_measure, "confirm": worker_confirm,
@@ -428,6 +443,9 @@ def orchestrate(args) -> int:
                bits=(2,) if args.quick else (1, 2, 4, 8),
                abn_shape=(4, 8, 8, 64) if args.quick else (128, 56, 56, 256))
   r.log("environment and kernels")
+  kspec["allow_cpu"] = args.allow_cpu
+  if args.no_kernels:
+    kspec.update(values=2**16, bits=(2,), abn_shape=(4, 8, 8, 64))
   kern = r.run("kernels", kspec, preallocate=True, timeout=240)
   if not kern.get("ok"):
     r.log(f"kernel worker failed: {kern.get('error')}\n{kern.get('traceback', '')}"
@@ -446,6 +464,7 @@ def orchestrate(args) -> int:
   results = {"env": env, "kernels": kern.get("result", {}).get("rows"),
              "copy_bandwidth": kern.get("result", {}).get("copy_bandwidth"),
              "nominal_bandwidth": kern.get("result", {}).get("nominal_bandwidth"),
+             "kernel_checks": kern.get("result", {}).get("kernel_checks"),
              "groups": {}, "log": r.log_lines}
   # Phase 1: compile every technique at B/2 and B, in parallel (fills the cache).
   jobs = {}
@@ -532,7 +551,8 @@ def _gib(b):
 
 def _write(results: dict, args) -> None:
   env = results["env"]
-  stem = f"gpu_{_slug(env.get('device_kind', 'unknown'))}" + ("_quick" if args.quick else "")
+  stem = (f"gpu_{_slug(env.get('device_kind', 'unknown'))}" + ("_quick" if args.quick else "")
+          + (f"_{args.groups.replace(',', '_')}" if args.groups else ""))
   with open(os.path.join(args.output_dir, stem + ".json"), "w") as f:
     json.dump(results, f, indent=2, default=str)
   lines = [f"# jmem on {env.get('device_kind')}", "",
@@ -540,6 +560,15 @@ def _write(results: dict, args) -> None:
            + (" --quick --allow-cpu (pipeline check, not GPU figures)" if args.quick else "")
            + f" in {results['wall_s']:.0f} s.", ""]
   lines += [f"- {k}: {v}" for k, v in env.items()]
+  if results.get("kernel_checks"):
+    lines += ["", "## Pallas kernels against the XLA path on this device", "",
+              "| dtype | bits | identical codes | identical minimum | identical scale | "
+              "max dequantize difference | mean error / step |", "|---|---:|---:|---|---:|---:|---:|"]
+    for c in results["kernel_checks"]:
+      lines.append(f"| {c['dtype']} | {c['bits']} | {c['codes_identical_fraction']:.6f} | "
+                   f"{c['minimum_identical']} | {c['scale_identical_fraction']:.6f} | "
+                   f"{c['dequantize_max_abs_difference']:.3g} | "
+                   f"{c['mean_abs_error_over_step']:.3f} |")
   lines += ["", "## Kernels", "",
             f"Copy bandwidth (x*2, read+write): {results['copy_bandwidth'] or 0:.3e} B/s; "
             f"nominal HBM: {results['nominal_bandwidth']}.", "",
@@ -595,6 +624,8 @@ def main(argv=None) -> int:
                  help="parallel compile processes")
   p.add_argument("--groups", default="", help="comma-separated subset of the model groups")
   p.add_argument("--quick", action="store_true", help="tiny shapes (pipeline check)")
+  p.add_argument("--no-kernels", action="store_true",
+                 help="kernel timings on tiny shapes only (the environment is still read)")
   p.add_argument("--allow-cpu", action="store_true",
                  help="run on CPU too (with --quick: check the pipeline without a GPU)")
   p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)

@@ -1,18 +1,36 @@
 """Choosing Pallas interpret mode, shared by the kernels."""
 
+import contextlib
+import contextvars
 import warnings
 
 import jax
+
+_FORCE_COMPILED = contextvars.ContextVar("jmem_pallas_force_compiled", default=False)
+
+
+@contextlib.contextmanager
+def compiled_kernels():
+  """Within this context ``interpret=None`` means compiled kernels on every backend.
+
+  For lowering a whole step for a GPU from a machine without one:
+  ``with compiled_kernels(): jax.jit(step).trace(*a).lower(lowering_platforms=("cuda",))``.
+  """
+  token = _FORCE_COMPILED.set(True)
+  try:
+    yield
+  finally:
+    _FORCE_COMPILED.reset(token)
 
 
 def resolve_interpret(interpret: bool | None, what: str) -> bool:
   """``interpret`` as given, or (``None``) True exactly when the backend is not a GPU.
 
   The automatic choice warns: the interpreter is far slower than the XLA path, and a slower
-  path is never taken silently.
+  path is never taken silently. Inside `compiled_kernels` the automatic choice is False.
   """
   if interpret is None:
-    interpret = jax.default_backend() != "gpu"
+    interpret = jax.default_backend() != "gpu" and not _FORCE_COMPILED.get()
     if interpret:
       warnings.warn(f"{what} on a non-GPU backend runs the Pallas kernels in interpret mode, "
                     "which is much slower than implementation='xla' (the default).",
