@@ -466,55 +466,87 @@ def orchestrate(args) -> int:
              "nominal_bandwidth": kern.get("result", {}).get("nominal_bandwidth"),
              "kernel_checks": kern.get("result", {}).get("kernel_checks"),
              "groups": {}, "log": r.log_lines}
-  # Phase 1: compile every technique at B/2 and B, in parallel (fills the cache).
-  jobs = {}
+  # Phases 1-2: compile every technique at B/2 and B (the slope; B is also the measured
+  # batch), then at its predicted max batch and 10% above; in parallel, filling the cache.
+  # With --reuse, slopes measured by an earlier run on the same device are taken from its
+  # JSON (only B and the checks are compiled again, for the cache).
+  reuse = {}
+  if args.reuse:
+    with open(args.reuse) as f:
+      old = json.load(f)
+    if old["env"].get("device_kind") != env.get("device_kind"):
+      raise SystemExit(f"--reuse {args.reuse} was measured on {old['env'].get('device_kind')}, "
+                       f"not on this {env.get('device_kind')}.")
+    for gname, gr in old["groups"].items():
+      for t, row in gr["rows"].items():
+        if "compiled" in row and len(row["compiled"]) == 2:
+          reuse[(gname, t)] = row["compiled"]
+  skip = set(filter(None, args.skip.split(",")))
+  for gname, g in groups.items():
+    results["groups"][gname] = {"config": dict(g), "rows": {}}
+    for t in g["techniques"]:
+      results["groups"][gname]["rows"][t] = ({"technique": t, "skipped": True} if t in skip
+                                             else {"technique": t})
+
+  def fitted(gname, t, compiled_rows):
+    g, row = groups[gname], results["groups"][gname]["rows"][t]
+    row["compiled"] = compiled_rows
+    row["max_batch"] = _fit(compiled_rows, g["batch"] // 2, g["batch"], limit)
+    pred = row["max_batch"]["predicted_max_batch"]
+    if t in g["confirm"] and pred and pred > 0:
+      return (gname, t, pred, max(pred + 1, int(pred * 1.1)))
+    return None
+
+  checks, check_jobs = [], {}
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    jobs = {}
     for gname, g in groups.items():
       b = g["batch"]
       for t in g["techniques"]:
-        jobs[(gname, t)] = pool.submit(r.run, "compile", dict(group=g, technique=t,
-                                                               batches=[b // 2, b]),
-                                       preallocate=False)
-    r.log(f"compiling {len(jobs)} steps at two batch sizes ({args.jobs} processes)")
-    compiled = {k: f.result() for k, f in jobs.items()}
-  r.log("compiled")
-  for gname, g in groups.items():
-    rows = {}
-    for t in g["techniques"]:
-      res = compiled[(gname, t)]
-      row = {"technique": t}
-      if res.get("ok"):
-        row["compiled"] = res["result"]
-        row["max_batch"] = _fit(res["result"], g["batch"] // 2, g["batch"], limit)
-      else:
+        if t in skip:
+          continue
+        if (gname, t) in reuse:
+          prev = reuse[(gname, t)]
+          check = fitted(gname, t, prev)
+          results["groups"][gname]["rows"][t]["compiled_reused_from"] = args.reuse
+          if check:
+            checks.append(check)
+            check_jobs[check] = pool.submit(r.run, "compile", dict(
+                group=g, technique=t, batches=[check[2], check[3]]), preallocate=False)
+          jobs[(gname, t)] = pool.submit(r.run, "compile", dict(group=g, technique=t,
+                                                                 batches=[b]), preallocate=False)
+        else:
+          jobs[(gname, t)] = pool.submit(r.run, "compile", dict(group=g, technique=t,
+                                                                 batches=[b // 2, b]),
+                                         preallocate=False)
+    r.log(f"compiling {len(jobs)} steps ({args.jobs} processes)")
+    for (gname, t), fut in jobs.items():
+      res = fut.result()
+      row = results["groups"][gname]["rows"][t]
+      if not res.get("ok"):
         row["error"] = res.get("error")
         r.log(f"{gname} {t}: compile failed: {res.get('error')}")
-      rows[t] = row
-    results["groups"][gname] = {"config": {k: v for k, v in g.items()}, "rows": rows}
-  # Phase 2: compile the max-batch checks (prediction and 10% above), in parallel.
-  checks = []
-  for gname, g in groups.items():
-    for t in g["confirm"]:
-      mb = results["groups"][gname]["rows"][t].get("max_batch", {})
-      pred = mb.get("predicted_max_batch")
-      if pred and pred > 0:
-        checks.append((gname, t, pred, max(pred + 1, int(pred * 1.1))))
-  if checks and r.left() > 120:
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-      futs = [pool.submit(r.run, "compile", dict(group=groups[gn], technique=t,
-                                                 batches=[p, a]), preallocate=False)
-              for gn, t, p, a in checks]
-      r.log(f"compiling {len(futs)} max-batch checks")
-      for (gn, t, p, a), fut in zip(checks, futs):
-        res = fut.result()
-        results["groups"][gn]["rows"][t]["compiled_at_max"] = res.get("result", res)
+        continue
+      if (gname, t) in reuse:
+        row["compiled_this_run"] = res["result"]
+        continue
+      check = fitted(gname, t, res["result"])
+      if check and r.left() > 120:
+        checks.append(check)
+        check_jobs[check] = pool.submit(r.run, "compile", dict(
+            group=groups[gname], technique=t, batches=[check[2], check[3]]), preallocate=False)
+    r.log(f"compiled; compiling {len(check_jobs)} max-batch checks")
+    for (gn, t, p, a), fut in check_jobs.items():
+      res = fut.result()
+      results["groups"][gn]["rows"][t]["compiled_at_max"] = res.get("result", res)
+  r.log("all compiled")
   # Phase 3: measure each group in its own process (peaks in ascending order).
   for gname, g in groups.items():
     if r.left() < 60:
       r.log(f"time budget spent: {gname} not measured")
       break
     rows = results["groups"][gname]["rows"]
-    ok = [t for t in g["techniques"] if "compiled" in rows[t]]
+    ok = [t for t in g["techniques"] if "compiled" in rows[t] and "error" not in rows[t]]
     order = sorted(ok, key=lambda t: rows[t]["compiled"][str(g["batch"])]["total_bytes"])
     r.log(f"measuring {gname}: {', '.join(order)}")
     res = r.run("measure", dict(group=g, batch=g["batch"], order=order,
@@ -589,7 +621,10 @@ def _write(results: dict, args) -> None:
               "runs at prediction | OOM at +10% |",
               "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for t, row in gr["rows"].items():
-      if "compiled" not in row:
+      if row.get("skipped"):
+        lines.append(f"| {t} | skipped (--skip) |")
+        continue
+      if "compiled" not in row or "error" in row:
         lines.append(f"| {t} | error: {row.get('error', '')[:120]} |")
         continue
       c = row["compiled"][str(g["batch"])]
@@ -624,6 +659,9 @@ def main(argv=None) -> int:
                  help="parallel compile processes")
   p.add_argument("--groups", default="", help="comma-separated subset of the model groups")
   p.add_argument("--quick", action="store_true", help="tiny shapes (pipeline check)")
+  p.add_argument("--skip", default="", help="comma-separated techniques not to run")
+  p.add_argument("--reuse", default="",
+                 help="JSON of an earlier run on the same device kind: its slopes are reused")
   p.add_argument("--no-kernels", action="store_true",
                  help="kernel timings on tiny shapes only (the environment is still read)")
   p.add_argument("--allow-cpu", action="store_true",
