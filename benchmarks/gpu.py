@@ -493,7 +493,7 @@ def orchestrate(args) -> int:
     row["compiled"] = compiled_rows
     row["max_batch"] = _fit(compiled_rows, g["batch"] // 2, g["batch"], limit)
     pred = row["max_batch"]["predicted_max_batch"]
-    if t in g["confirm"] and pred and pred > 0:
+    if t in g["confirm"] and pred and pred > 0 and not args.no_confirm:
       return (gname, t, pred, max(pred + 1, int(pred * 1.1)))
     return None
 
@@ -659,6 +659,8 @@ def main(argv=None) -> int:
                  help="parallel compile processes")
   p.add_argument("--groups", default="", help="comma-separated subset of the model groups")
   p.add_argument("--quick", action="store_true", help="tiny shapes (pipeline check)")
+  p.add_argument("--no-confirm", action="store_true",
+                 help="predict the max batch from the compiled slope but do not run it")
   p.add_argument("--skip", default="", help="comma-separated techniques not to run")
   p.add_argument("--reuse", default="",
                  help="JSON of an earlier run on the same device kind: its slopes are reused")
