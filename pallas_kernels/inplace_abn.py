@@ -18,14 +18,16 @@ Backward (saves only ``z``):
   4. ``_backward_dx_kernel``: ``dx = γ'/σ (dy - (Σdy + x̂ Σdy·x̂)/N)``, inverting again
      (recomputing is cheaper than storing ``y`` and ``dy``).
 
-Triton constraints are respected: power-of-2 blocks, no value-level slicing; rows and
-channels beyond the array are masked in the reductions.
+Triton constraints are respected: power-of-2 blocks, no value-level slicing. Every load and
+store is masked to the rows and channels that exist (Pallas' Triton lowering does not mask a
+partial tile by itself; an unmasked store past the end of an array corrupts its neighbour).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,46 +62,75 @@ class Tiles:
             min(self.block_channels, pl.next_power_of_2(channels)))
 
 
-def _valid_rows(shape, rows, block_rows):
-  start = pl.program_id(0) * block_rows
-  return start + lax.broadcasted_iota(jnp.int32, shape, 0) < rows
+class _Dims(NamedTuple):
+  """Array extent and tile size: every kernel masks its loads and stores with them."""
+
+  rows: int
+  channels: int
+  block_rows: int
+  block_channels: int
 
 
-def _moments_kernel(x_ref, m0_ref, corr_ref, m2_ref, *, rows, block_rows):
-  x = x_ref[...].astype(jnp.float32)
-  valid = _valid_rows(x.shape, rows, block_rows)
-  n = jnp.minimum(rows - pl.program_id(0) * block_rows, block_rows).astype(jnp.float32)
-  x = jnp.where(valid, x, 0.0)
+def _masks(dims: _Dims):
+  """``(rows bool[bm], channels bool[bc], tile bool[bm, bc])`` of this program's tile.
+
+  Pallas' Triton lowering does not mask a partial last tile by itself: an unmasked store
+  past the end of the array writes into whatever buffer follows, so every load and store
+  here is masked (in interpret mode this changes nothing).
+  """
+  r = pl.program_id(0) * dims.block_rows + lax.broadcasted_iota(
+      jnp.int32, (dims.block_rows,), 0) < dims.rows
+  c = pl.program_id(1) * dims.block_channels + lax.broadcasted_iota(
+      jnp.int32, (dims.block_channels,), 0) < dims.channels
+  return r, c, r[:, None] & c[None, :]
+
+
+def _load(ref, mask, other=0.0):
+  return pl_triton.load(ref, mask=mask, other=other).astype(jnp.float32)
+
+
+def _moments_kernel(x_ref, m0_ref, corr_ref, m2_ref, *, dims: _Dims):
+  _, cvalid, tile = _masks(dims)
+  x = _load(x_ref, tile)
+  n = jnp.minimum(dims.rows - pl.program_id(0) * dims.block_rows,
+                  dims.block_rows).astype(jnp.float32)
   m0 = jnp.sum(x, axis=0) / n
-  d = jnp.where(valid, x - m0, 0.0)
+  d = jnp.where(tile, x - m0, 0.0)
   s1 = jnp.sum(d, axis=0)
-  m0_ref[...] = m0
-  corr_ref[...] = s1 / n
-  m2_ref[...] = jnp.maximum(jnp.sum(d * d, axis=0) - s1 * s1 / n, 0.0)
+  pl_triton.store(m0_ref, m0, mask=cvalid)
+  pl_triton.store(corr_ref, s1 / n, mask=cvalid)
+  pl_triton.store(m2_ref, jnp.maximum(jnp.sum(d * d, axis=0) - s1 * s1 / n, 0.0), mask=cvalid)
 
 
-def _forward_kernel(x_ref, m0_ref, corr_ref, a_ref, b_ref, z_ref, *, cfg):
-  y = ((x_ref[...].astype(jnp.float32) - m0_ref[...]) - corr_ref[...]) * a_ref[...] + b_ref[...]
-  z_ref[...] = apply_activation(y, cfg).astype(z_ref.dtype)
+def _forward_kernel(x_ref, m0_ref, corr_ref, a_ref, b_ref, z_ref, *, cfg, dims: _Dims):
+  _, cvalid, tile = _masks(dims)
+  x = _load(x_ref, tile)
+  m0, corr = _load(m0_ref, cvalid), _load(corr_ref, cvalid)
+  a, b = _load(a_ref, cvalid), _load(b_ref, cvalid)
+  y = ((x - m0) - corr) * a + b
+  pl_triton.store(z_ref, apply_activation(y, cfg).astype(z_ref.dtype), mask=tile)
 
 
-def _reconstruct(z_ref, dz_ref, g_ref, b_ref, cfg):
-  y, dy = invert_activation(z_ref[...].astype(jnp.float32), dz_ref[...].astype(jnp.float32), cfg)
-  return (y - b_ref[...]) / g_ref[...], dy
+def _reconstruct(z_ref, dz_ref, g_ref, b_ref, cfg, dims: _Dims):
+  _, cvalid, tile = _masks(dims)
+  y, dy = invert_activation(_load(z_ref, tile), _load(dz_ref, tile), cfg)
+  xhat = (y - _load(b_ref, cvalid)) / _load(g_ref, cvalid, other=1.0)
+  return jnp.where(tile, xhat, 0.0), jnp.where(tile, dy, 0.0)
 
 
-def _backward_sums_kernel(z_ref, dz_ref, g_ref, b_ref, sdy_ref, sdyx_ref, *, rows, block_rows,
-                          cfg):
-  xhat, dy = _reconstruct(z_ref, dz_ref, g_ref, b_ref, cfg)
-  valid = _valid_rows(dy.shape, rows, block_rows)
-  dy = jnp.where(valid, dy, 0.0)
-  sdy_ref[...] = jnp.sum(dy, axis=0)
-  sdyx_ref[...] = jnp.sum(jnp.where(valid, dy * xhat, 0.0), axis=0)
+def _backward_sums_kernel(z_ref, dz_ref, g_ref, b_ref, sdy_ref, sdyx_ref, *, cfg, dims: _Dims):
+  xhat, dy = _reconstruct(z_ref, dz_ref, g_ref, b_ref, cfg, dims)
+  _, cvalid, _ = _masks(dims)
+  pl_triton.store(sdy_ref, jnp.sum(dy, axis=0), mask=cvalid)
+  pl_triton.store(sdyx_ref, jnp.sum(dy * xhat, axis=0), mask=cvalid)
 
 
-def _backward_dx_kernel(z_ref, dz_ref, g_ref, b_ref, k_ref, c1_ref, c2_ref, dx_ref, *, cfg):
-  xhat, dy = _reconstruct(z_ref, dz_ref, g_ref, b_ref, cfg)
-  dx_ref[...] = (k_ref[...] * (dy - c1_ref[...] - xhat * c2_ref[...])).astype(dx_ref.dtype)
+def _backward_dx_kernel(z_ref, dz_ref, g_ref, b_ref, k_ref, c1_ref, c2_ref, dx_ref, *, cfg,
+                        dims: _Dims):
+  xhat, dy = _reconstruct(z_ref, dz_ref, g_ref, b_ref, cfg, dims)
+  _, cvalid, tile = _masks(dims)
+  k, c1, c2 = _load(k_ref, cvalid), _load(c1_ref, cvalid), _load(c2_ref, cvalid)
+  pl_triton.store(dx_ref, (k * (dy - c1 - xhat * c2)).astype(dx_ref.dtype), mask=tile)
 
 
 def _same_varying(args):
@@ -120,6 +151,7 @@ class _Launch:
     # Inside shard_map (check_vma) outputs must say how they vary: as the input does.
     self.mat = getattr(jax.typeof(x2), "manual_axis_type", None)
     self.bm, self.bc = tiles.for_shape(self.rows, self.channels)
+    self.dims = _Dims(self.rows, self.channels, self.bm, self.bc)
     self.grid = (pl.cdiv(self.rows, self.bm), pl.cdiv(self.channels, self.bc))
     self.interpret = interpret
     # Explicit Triton params: the default GPU backend of pallas_call is now Mosaic GPU.
@@ -150,7 +182,7 @@ class _Launch:
 
 def _local_moments(x2, launch: _Launch) -> sync_bn.Moments:
   """This device's `Moments` of ``[M, C]``: per-tile moments, merged exactly in XLA."""
-  kern = functools.partial(_moments_kernel, rows=launch.rows, block_rows=launch.bm)
+  kern = functools.partial(_moments_kernel, dims=launch.dims)
   shape = launch.partial_shape()
   m0_t, corr_t, m2_t = launch.call(kern, [launch.tile], [launch.partial] * 3, [shape] * 3, x2)
   n_t = jnp.broadcast_to(launch.tile_counts(), m0_t.shape)
@@ -165,7 +197,7 @@ def _abn(x2, scale, bias, shift, cfg: ABNConfig, tiles: Tiles, interpret: bool):
                                    axis_index_groups=cfg.axis_index_groups)
   stats = moments.stats()
   a = lax.rsqrt(stats.var + cfg.epsilon) * (jnp.abs(scale) + cfg.epsilon)
-  z = launch.call(functools.partial(_forward_kernel, cfg=cfg), [launch.tile] + [launch.vec] * 4,
+  z = launch.call(functools.partial(_forward_kernel, cfg=cfg, dims=launch.dims), [launch.tile] + [launch.vec] * 4,
                   launch.tile, launch.full_shape(), x2, moments.m0, moments.corr, a, bias)
   return z, stats
 
@@ -183,7 +215,7 @@ def _abn_bwd(cfg, tiles, interpret, res, cts):
   dz = cts[0]
   launch = _Launch(z, tiles, interpret)
   g = jnp.abs(scale) + cfg.epsilon
-  kern = functools.partial(_backward_sums_kernel, rows=launch.rows, block_rows=launch.bm, cfg=cfg)
+  kern = functools.partial(_backward_sums_kernel, cfg=cfg, dims=launch.dims)
   shape = launch.partial_shape()
   sdy_t, sdyx_t = launch.call(kern, [launch.tile] * 2 + [launch.vec] * 2, [launch.partial] * 2,
                               [shape] * 2, z, dz, g, bias)
@@ -191,7 +223,7 @@ def _abn_bwd(cfg, tiles, interpret, res, cts):
   glob = local if cfg.axis_name is None else lax.psum(
       local, cfg.axis_name, axis_index_groups=cfg.axis_index_groups)
   inv_n = 1.0 / jnp.maximum(count, 1.0)
-  dx = launch.call(functools.partial(_backward_dx_kernel, cfg=cfg),
+  dx = launch.call(functools.partial(_backward_dx_kernel, cfg=cfg, dims=launch.dims),
                    [launch.tile] * 2 + [launch.vec] * 5, launch.tile,
                    launch.full_shape(), z, dz, g, bias, g * invstd,
                    glob[0] * inv_n, glob[1] * inv_n)

@@ -11,6 +11,9 @@ Layout (`jmem.ops.quantize`'s, shared with the XLA path): within a group of ``gr
 values, byte ``k`` holds the values ``k + j * n`` (``n = group_size * bits / 8``) at bit
 ``j * bits``. Each of the ``8 / bits`` planes is a contiguous slice ``[:, j*n:(j+1)*n]`` of
 the block, so every load and store is coalesced (Triton blocks, no value-level slicing).
+Every load and store is masked to the rows that exist: Pallas' Triton lowering does not
+mask a partial last block by itself, and an unmasked store past the end of the array
+writes into whatever buffer follows (seen on an H100: garbage minima, NaN gradients).
 The dither is `jmem.ops.quantize.hash_uniform` of the flat element index, so in interpret
 mode the codes are bit-identical to the XLA path's.
 """
@@ -64,11 +67,20 @@ def _check_group(group_size, bits):
   return 8 // bits, group_size * bits // 8
 
 
+def _row_mask(rows, block_rows):
+  """``bool[block_rows]``: which rows of this program's block exist."""
+  start = pl.program_id(0) * block_rows
+  return start + lax.broadcasted_iota(jnp.int32, (block_rows,), 0) < rows
+
+
 def _quantize_kernel(x_ref, seed_ref, codes_ref, mn_ref, sc_ref, *, bits, group_size,
-                     block_rows):
+                     block_rows, rows):
   per, n = 8 // bits, group_size * bits // 8
   levels = float(2**bits - 1)
-  planes = [x_ref[:, pl.ds(j * n, n)].astype(jnp.float32) for j in range(per)]
+  valid = _row_mask(rows, block_rows)
+  tile = jnp.broadcast_to(valid[:, None], (block_rows, n))
+  planes = [pl_triton.load(x_ref.at[:, pl.ds(j * n, n)], mask=tile, other=0.0
+                           ).astype(jnp.float32) for j in range(per)]
   lo = functools.reduce(jnp.minimum, planes)
   hi = functools.reduce(jnp.maximum, planes)
   bad = functools.reduce(jnp.maximum, [jnp.where(p != p, 1.0, 0.0) for p in planes])
@@ -76,9 +88,9 @@ def _quantize_kernel(x_ref, seed_ref, codes_ref, mn_ref, sc_ref, *, bits, group_
   # minimum becomes NaN, and so does every dequantized value of the group.
   mn = jnp.where(jnp.max(bad, axis=1) > 0, jnp.nan, jnp.min(lo, axis=1))
   sc = truncate_to_bfloat16(levels / (jnp.max(hi, axis=1) - mn + 2e-6))
-  mn_ref[...] = mn
-  sc_ref[...] = sc.astype(sc_ref.dtype)
-  seed = seed_ref[0]
+  pl_triton.store(mn_ref, mn, mask=valid)
+  pl_triton.store(sc_ref, sc.astype(sc_ref.dtype), mask=valid)
+  seed = pl_triton.load(seed_ref)[0]
   row = (pl.program_id(0) * block_rows +
          lax.broadcasted_iota(jnp.int32, (block_rows, n), 0)).astype(jnp.uint32)
   col = lax.broadcasted_iota(jnp.int32, (block_rows, n), 1).astype(jnp.uint32)
@@ -88,17 +100,21 @@ def _quantize_kernel(x_ref, seed_ref, codes_ref, mn_ref, sc_ref, *, bits, group_
     q = jnp.clip(jnp.floor((x - mn[:, None]) * sc[:, None] + hash_uniform(index, seed)),
                  0.0, levels)
     acc = acc | (q.astype(jnp.uint32) << jnp.uint32(j * bits))
-  codes_ref[...] = acc.astype(jnp.uint8)
+  pl_triton.store(codes_ref, acc.astype(jnp.uint8), mask=tile)
 
 
-def _dequantize_kernel(codes_ref, mn_ref, sc_ref, out_ref, *, bits, group_size):
+def _dequantize_kernel(codes_ref, mn_ref, sc_ref, out_ref, *, bits, group_size, block_rows,
+                       rows):
   per, n = 8 // bits, group_size * bits // 8
-  mn = mn_ref[...].astype(jnp.float32)[:, None]
-  sc = sc_ref[...].astype(jnp.float32)[:, None]
-  codes = codes_ref[...].astype(jnp.uint32)
+  valid = _row_mask(rows, block_rows)
+  tile = jnp.broadcast_to(valid[:, None], (block_rows, n))
+  mn = pl_triton.load(mn_ref, mask=valid, other=0.0).astype(jnp.float32)[:, None]
+  sc = pl_triton.load(sc_ref, mask=valid, other=1.0).astype(jnp.float32)[:, None]
+  codes = pl_triton.load(codes_ref, mask=tile, other=0).astype(jnp.uint32)
   for j in range(per):
     q = (codes >> jnp.uint32(j * bits)) & jnp.uint32(2**bits - 1)
-    out_ref[:, pl.ds(j * n, n)] = (q.astype(jnp.float32) / sc + mn).astype(out_ref.dtype)
+    pl_triton.store(out_ref.at[:, pl.ds(j * n, n)],
+                    (q.astype(jnp.float32) / sc + mn).astype(out_ref.dtype), mask=tile)
 
 
 def quantize_pack(groups: jax.Array, seed: jax.Array, *, bits: int, scale_dtype=jnp.bfloat16,
@@ -113,7 +129,8 @@ def quantize_pack(groups: jax.Array, seed: jax.Array, *, bits: int, scale_dtype=
   _, n = _check_group(group_size, bits)
   tiles = (tiles or Tiles.get_default()).check()
   bm = tiles.block_rows
-  kernel = functools.partial(_quantize_kernel, bits=bits, group_size=group_size, block_rows=bm)
+  kernel = functools.partial(_quantize_kernel, bits=bits, group_size=group_size, block_rows=bm,
+                             rows=rows)
   return pl.pallas_call(
       kernel, grid=(pl.cdiv(rows, bm),),
       in_specs=[pl.BlockSpec((bm, group_size), lambda i: (i, 0)),
@@ -138,7 +155,8 @@ def unpack_dequantize(codes: jax.Array, minimum: jax.Array, scale: jax.Array, *,
   _check_group(group_size, bits)
   tiles = (tiles or Tiles.get_default()).check()
   bm = tiles.block_rows
-  kernel = functools.partial(_dequantize_kernel, bits=bits, group_size=group_size)
+  kernel = functools.partial(_dequantize_kernel, bits=bits, group_size=group_size,
+                             block_rows=bm, rows=rows)
   return pl.pallas_call(
       kernel, grid=(pl.cdiv(rows, bm),),
       in_specs=[pl.BlockSpec((bm, n), lambda i: (i, 0)),

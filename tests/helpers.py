@@ -71,3 +71,52 @@ def check_exact(x, mask, y, mean=None, var=None, *, var_rtol=1e-4, y_atol=1e-4):
   np.testing.assert_allclose(yv, want_y, atol=y_atol)
   np.testing.assert_allclose(yv.mean(0), 0.0, atol=y_atol)
   np.testing.assert_allclose(yv.std(0), 1.0, atol=y_atol)
+
+
+def unmasked_kernel_accesses(fn, *args):
+  """Loads and stores inside the Pallas kernels of ``fn(*args)`` that carry no mask.
+
+  Pallas' Triton lowering does not mask a partial last block: an unmasked access reads or
+  writes past the end of the array on a GPU, while interpret mode (the CPU tests) pads
+  silently. Returns ``[(primitive, ref shape)]``; accesses to one-element refs (a seed)
+  are allowed.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax import tree_util  # pylint: disable=g-import-not-at-top
+
+  found = []
+
+  def kernel(jaxpr):
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      shape = tuple(getattr(eqn.invars[0].aval, "shape", ())) if eqn.invars else ()
+      if name in ("get", "swap"):
+        masked = False
+      elif name in ("masked_load", "masked_swap"):
+        parts = tree_util.tree_unflatten(eqn.params["args_tree"], eqn.invars)
+        masked = (parts[2] if name == "masked_load" else parts[3]) is not None
+      else:
+        masked = True
+      if not masked and int(np.prod(shape)) > 1:
+        found.append((name, shape))
+      for sub in _subjaxprs(eqn):
+        kernel(sub)
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        kernel(eqn.params["jaxpr"])
+      for sub in _subjaxprs(eqn):
+        walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def _subjaxprs(eqn):
+  for p in eqn.params.values():
+    for v in (p if isinstance(p, (tuple, list)) else (p,)):
+      if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+        yield v.jaxpr
+      elif hasattr(v, "eqns"):
+        yield v

@@ -211,6 +211,15 @@ def test_pallas_kernels_bit_identical_in_interpret_mode(bits, shape, dtype):
       rtol=1e-6, atol=1e-6)
 
 
+def test_pallas_kernels_mask_every_access():
+  import helpers  # pylint: disable=g-import-not-at-top
+  # 5 samples x 2 groups = 10 rows: a partial block of the default 32 rows.
+  def roundtrip(x):
+    q = Q.quantize(x, jax.random.key(1), implementation="pallas", interpret=True)
+    return Q.dequantize(q, x.shape, x.dtype, implementation="pallas", interpret=True)
+  assert helpers.unmasked_kernel_accesses(roundtrip, jnp.ones((5, 300))) == []
+
+
 def test_pallas_kernels_lower_for_cuda():
   def roundtrip(x):
     q = Q.quantize(x, jax.random.key(1), bits=2, implementation="pallas", interpret=False)

@@ -9,7 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jmem import measure
 from jmem.ops import inplace_abn as iabn
 from pallas_kernels import inplace_abn as kernels
-from helpers import EPS, assert_close_dtype, bn_data, check_exact, offset_data
+from helpers import (EPS, assert_close_dtype, bn_data, check_exact, offset_data,
+                     unmasked_kernel_accesses)
 
 SMALL = kernels.Tiles(block_rows=16, block_channels=4)   # several tiles on tiny shapes
 
@@ -81,6 +82,13 @@ def test_public_switch_and_sync_over_eight_devices():
     np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
   counted = measure.collective_counts(step, *args)
   assert counted["all-gather"] == 1 and counted["all-reduce"] <= 2, counted   # + the loss psum
+
+
+def test_kernels_mask_every_access():
+  """37 rows x 6 channels leave partial tiles: every kernel load and store is masked."""
+  x, g, b, ct = bn_data((37, 6))
+  f = _pallas(dict(activation="leaky_relu", slope=0.1))
+  assert unmasked_kernel_accesses(lambda *a: jax.vjp(f, *a)[1](ct), x, g, b) == []
 
 
 def test_interpret_on_cpu_warns_and_mask_is_refused():
