@@ -42,7 +42,8 @@ def xla_compiler_options(backend: str | None = None) -> dict[str, str]:
   rematerialised step keeps every forward activation and compiles to *more* temp memory
   than the exact step (measured on ResNet-20: 80.1 vs 73.1 MiB). With that one pass off the
   barriers stay and the same step compiles to 26.1 MiB, with bit-identical results and no
-  slow-down. GPU and TPU keep the barriers already, so nothing is changed there.
+  slow-down (jaxlib 0.10). XLA:CPU of jaxlib 0.11 keeps the barriers by itself; the option
+  is harmless there. GPU and TPU keep the barriers already, so nothing is changed there.
   """
   backend = backend or jax.default_backend()
   if backend == "cpu":

@@ -110,7 +110,10 @@ def test_gpu_path_lowers_for_cuda(dtype):
     z, _ = iabn.inplace_abn(x, g, b, activation="elu", implementation="pallas", interpret=False)
     return jnp.sum(z.astype(jnp.float32) ** 2)
 
-  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
-      x, jnp.ones(48), jnp.zeros(48)).lower(lowering_platforms=("cuda",))
+  from pallas_kernels import lowering_for_gpu  # pylint: disable=g-import-not-at-top
+  g, b = jnp.ones(48), jnp.zeros(48)
+  with lowering_for_gpu():
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, g, b).lower(
+        lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert text.count("__gpu$xla.gpu.triton") == 4, text.count("__gpu$xla.gpu.triton")

@@ -143,8 +143,9 @@ def test_jmem_jit_keeps_unrolled_remat_on_cpu():
   exact = measure.compiled_memory(measure.jit(grad(False)), ws, x).temp_bytes
   remat = measure.compiled_memory(measure.jit(grad(True)), ws, x).temp_bytes
   assert remat < 0.5 * exact
-  if jax.default_backend() == "cpu":
-    # What plain jax.jit gives on XLA:CPU: CSE folds the recomputation into the forward.
+  if jax.default_backend() == "cpu" and jax.__version_info__ < (0, 11):
+    # What plain jax.jit gives on XLA:CPU of jaxlib 0.10: CSE folds the recomputation into
+    # the forward. (XLA:CPU of jaxlib 0.11 keeps the barriers itself.)
     plain = measure.compiled_memory(jax.jit(grad(True)), ws, x).temp_bytes
     assert plain >= exact
   # The option changes memory, not results.
