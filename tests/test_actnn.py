@@ -211,6 +211,26 @@ def test_pallas_kernels_bit_identical_in_interpret_mode(bits, shape, dtype):
       rtol=1e-6, atol=1e-6)
 
 
+def test_broadcast_constant_residuals_are_stored_as_one_number():
+  # jax.nn.relu's derivative selects from a full-size broadcast of 0.0: compress keeps the
+  # number, not a quantized full-size copy of it (and XLA has no constant min/max to fold).
+  w = jax.random.normal(jax.random.key(0), (64, 64)) * 0.1
+  x = jax.random.normal(jax.random.key(1), (32, 64))
+  f = lambda w, x: jax.nn.relu(x @ w)
+  *_, constants = Q._vjp_with_constants(f, (w, x))
+  assert 0.0 in constants.values()
+  g = Q.compress(f, bits=8, min_size=1)
+  loss = lambda f: lambda w, x: jnp.sum(f(w, x) ** 2)
+  got = jax.grad(loss(g), argnums=(0, 1))(w, x)
+  want = jax.grad(loss(f), argnums=(0, 1))(w, x)
+  for a, b in zip(got, want):
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.02
+  # Full-size quantized residuals: x only (the relu mask is bit-packed, the zeros a number).
+  n_quantized = sum(1 for r in measure.saved_residuals(loss(g), w, x).residuals
+                    if r.dtype == jnp.uint8 and r.nbytes >= 32 * 64)
+  assert n_quantized == 1
+
+
 def test_pallas_kernels_mask_every_access():
   import helpers  # pylint: disable=g-import-not-at-top
   # 5 samples x 2 groups = 10 rows: a partial block of the default 32 rows.

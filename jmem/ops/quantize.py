@@ -19,7 +19,8 @@ and write each plane as one contiguous slice.
 backward uses 2-bit (or ``bits``) copies of ``f``'s floating-point residuals. The residuals
 are the leaves of ``jax.vjp(f, ...)``'s VJP function; the ones that are ``f``'s own
 arguments (parameters, inputs) are kept as they are (they are alive anyway), booleans are
-bit-packed, other integers kept.
+bit-packed, scalars broadcast to full size (the zeros an activation's derivative selects
+from) are stored as the one number, other integers kept.
 
 Implementations: ``implementation="xla"`` (pure JAX, the reference and the default off
 GPUs), ``"pallas"`` (the fused kernels; in interpret mode, with a warning, off GPUs) or
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -279,10 +281,52 @@ def _param_leaves(args, param_argnums):
   return jax.tree.leaves([a for i, a in enumerate(args) if i in param_argnums])
 
 
-def _residual_kind(leaf, kept, min_size) -> str:
-  """How `compress` stores a residual: "quant" (floats), "bool" (bit-packed) or "keep"."""
+def _vjp_with_constants(f, args):
+  """``(y, residual leaves, vjp treedef, {leaf index: scalar})`` of ``jax.vjp(f, *args)``.
+
+  The VJP is traced to a jaxpr once and evaluated in the caller's trace, so each residual
+  is known both as a value and as the jaxpr variable that made it. Residuals that are a
+  scalar literal (or one broadcast to full size, e.g. the zeros an activation's derivative
+  selects from) are listed with their value: they cost a full-size buffer and carry one
+  number, so `compress` stores the number and rebuilds the array in the backward pass.
+  (Quantizing one also made XLA constant-fold a min/max over the whole broadcast at compile
+  time, which grows with the batch.)
+  """
+  box = {}
+
+  def traced(*a):
+    y, vjp_fn = jax.vjp(f, *a)
+    leaves, box["treedef"] = jax.tree.flatten(vjp_fn)
+    box["y"] = jax.tree.structure(y)
+    return jax.tree.leaves(y), leaves
+
+  closed = jax.make_jaxpr(traced)(*args)
+  flat = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+  n_y = box["y"].num_leaves
+  y, leaves = jax.tree.unflatten(box["y"], flat[:n_y]), list(flat[n_y:])
+  producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+  constants = {}
+  for i, v in enumerate(closed.jaxpr.outvars[n_y:]):
+    if isinstance(v, jax.extend.core.Literal):
+      value = v.val
+    else:
+      eqn = producers.get(v)
+      if (eqn is None or eqn.primitive.name != "broadcast_in_dim"
+          or not isinstance(eqn.invars[0], jax.extend.core.Literal)):
+        continue
+      value = eqn.invars[0].val
+    if np.ndim(value) == 0:
+      constants[i] = np.asarray(value).item()
+  return y, leaves, box["treedef"], constants
+
+
+def _residual_kind(leaf, kept, min_size, constant=False) -> str:
+  """How `compress` stores a residual: "quant" (floats), "bool" (bit-packed), "const" (a
+  broadcast scalar, rebuilt in the backward) or "keep"."""
   if _is_arg(leaf, kept):
     return "keep"
+  if constant:
+    return "const"
   if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size >= min_size:
     return "quant"
   if leaf.dtype == jnp.bool_ and leaf.size % 8 == 0 and leaf.size >= min_size:
@@ -339,14 +383,16 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       return f(*args)
 
     def fwd(args, key):
-      y, vjp_fn = jax.vjp(f, *args)
-      leaves, layout["treedef"] = jax.tree.flatten(vjp_fn)
+      y, leaves, layout["treedef"], constants = _vjp_with_constants(f, args)
       kept = _param_leaves(args, param_argnums)
       key = _data_key(jax.tree.leaves(args)) if key is None else key
       plan, saved = [], []
       for i, leaf in enumerate(leaves):
-        kind = _residual_kind(leaf, kept, min_size)
-        if kind == "quant":
+        kind = _residual_kind(leaf, kept, min_size, i in constants)
+        if kind == "const":
+          plan.append(("const", leaf.shape, (leaf.dtype, constants[i])))
+          saved.append(None)
+        elif kind == "quant":
           plan.append(("quant", leaf.shape, leaf.dtype))
           n = leaf.shape[0] if leaf.ndim else 1
           saved.append(quantize(leaf.reshape(n, -1), jax.random.fold_in(key, i), **kernel_kw))
@@ -359,12 +405,12 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       layout["plan"] = plan
       # The output is released only once the residuals are compressed, so the next layer
       # cannot run while this one's float residuals are still alive.
-      packed = [v for p, v in zip(plan, saved) if p[0] != "keep"]
+      packed = [v for p, v in zip(plan, saved) if p[0] in ("quant", "bool")]
       y, packed = jax.lax.optimization_barrier((y, packed))
       it = iter(packed)
-      saved = [next(it) if p[0] != "keep" else v for p, v in zip(plan, saved)]
+      saved = [next(it) if p[0] in ("quant", "bool") else v for p, v in zip(plan, saved)]
       if offload:
-        saved = [_to_space(v, jax.memory.Space.Host) if p[0] != "keep" else v
+        saved = [_to_space(v, jax.memory.Space.Host) if p[0] in ("quant", "bool") else v
                  for p, v in zip(plan, saved)]
       return y, saved
 
@@ -373,11 +419,13 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       # forward pass and the float copies live until the backward (no saving at all).
       saved, ct = jax.lax.optimization_barrier((saved, ct))
       if offload:
-        saved = [_to_space(v, jax.memory.Space.Device) if p[0] != "keep" else v
+        saved = [_to_space(v, jax.memory.Space.Device) if p[0] in ("quant", "bool") else v
                  for p, v in zip(layout["plan"], saved)]
       leaves = []
       for (kind, shape, dtype), s in zip(layout["plan"], saved):
-        if kind == "quant":
+        if kind == "const":
+          leaves.append(jnp.full(shape, dtype[1], dtype[0]))
+        elif kind == "quant":
           n = shape[0] if len(shape) else 1
           per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
           leaves.append(dequantize(s, (n, per), dtype, **kernel_kw).reshape(shape))
@@ -427,10 +475,10 @@ def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
       return f(*args)
 
     def fwd(levels, seed, args):
-      y, vjp_fn = jax.vjp(f, *args)
-      leaves, treedef = jax.tree.flatten(vjp_fn)
+      y, leaves, treedef, constants = _vjp_with_constants(f, args)
       kept = _param_leaves(args, param_argnums)
-      kinds = [_residual_kind(leaf, kept, min_size) for leaf in leaves]
+      kinds = [_residual_kind(leaf, kept, min_size, i in constants)
+               for i, leaf in enumerate(leaves)]
       if on_residuals is not None:
         on_residuals(sum(leaf.size for leaf, k in zip(leaves, kinds) if k == "quant"))
       leaves = [fake_quantize(leaf, levels, seed + jnp.uint32(i), group_size=group_size)
