@@ -498,7 +498,10 @@ def orchestrate(args) -> int:
     return None
 
   checks, check_jobs = [], {}
-  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+  # Max-batch compiles autotune with buffers of the batch's size: few at a time (eight at
+  # once exhausted an H100's 80 GB).
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool, \
+       concurrent.futures.ThreadPoolExecutor(args.check_jobs) as check_pool:
     jobs = {}
     for gname, g in groups.items():
       b = g["batch"]
@@ -511,7 +514,7 @@ def orchestrate(args) -> int:
           results["groups"][gname]["rows"][t]["compiled_reused_from"] = args.reuse
           if check:
             checks.append(check)
-            check_jobs[check] = pool.submit(r.run, "compile", dict(
+            check_jobs[check] = check_pool.submit(r.run, "compile", dict(
                 group=g, technique=t, batches=[check[2], check[3]]), preallocate=False)
           jobs[(gname, t)] = pool.submit(r.run, "compile", dict(group=g, technique=t,
                                                                  batches=[b]), preallocate=False)
@@ -533,7 +536,7 @@ def orchestrate(args) -> int:
       check = fitted(gname, t, res["result"])
       if check and r.left() > 120:
         checks.append(check)
-        check_jobs[check] = pool.submit(r.run, "compile", dict(
+        check_jobs[check] = check_pool.submit(r.run, "compile", dict(
             group=groups[gname], technique=t, batches=[check[2], check[3]]), preallocate=False)
     r.log(f"compiled; compiling {len(check_jobs)} max-batch checks")
     for (gn, t, p, a), fut in check_jobs.items():
@@ -657,6 +660,8 @@ def main(argv=None) -> int:
                  help="seconds; later phases are skipped (and said so) when it runs out")
   p.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                  help="parallel compile processes")
+  p.add_argument("--check-jobs", type=int, default=2,
+                 help="parallel max-batch compile processes (each autotunes at a large batch)")
   p.add_argument("--groups", default="", help="comma-separated subset of the model groups")
   p.add_argument("--quick", action="store_true", help="tiny shapes (pipeline check)")
   p.add_argument("--no-confirm", action="store_true",
