@@ -182,6 +182,13 @@ def test_bad_input_errors():
     Q.quantize(x, jax.random.key(0), group_size=0)
   with pytest.raises(TypeError, match="float array"):
     Q.quantize(jnp.arange(8), jax.random.key(0))
+  for bits in (2.0, True, 0, 16):            # a float or a bool is not a bit width
+    with pytest.raises(ValueError, match="bits must be one of"):
+      Q.quantize(x, jax.random.key(0), bits=bits)
+  with pytest.raises(ValueError, match="empty"):
+    Q.quantize(jnp.zeros((0, 8)), jax.random.key(0))
+  with pytest.raises(ValueError, match="implementation"):
+    actnn.compressed(models.BasicBlock, implementation="triton")
   with pytest.raises(ValueError, match="Unknown compression level"):
     actnn.convert(models.create_model("resnet8", 10), "L9")
   with pytest.raises(ValueError, match="bits must be one of"):
