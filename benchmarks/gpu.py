@@ -330,6 +330,22 @@ def worker_kernels(spec: dict) -> dict:
           t = _time(f, arg)
           rows.append(dict(op=f"{op} {bits}-bit", dtype=dtype, implementation=impl, time_s=t,
                            bytes=nbytes, bandwidth=nbytes / t))
+  # Partial blocks (5 samples x 2 groups = 10 rows of a 32-row block): the case an unmasked
+  # kernel gets wrong on a GPU while interpret mode pads it silently.
+  for shape in ((5, 300), (33, 256), (7, 3, 5, 64)):
+    xp = jax.random.normal(jax.random.key(4), shape) * 3 + 1
+    a = Q.quantize(xp, key, bits=2, implementation="xla")
+    b = Q.quantize(xp, key, bits=2, implementation="pallas")
+    back = Q.dequantize(b, shape, xp.dtype, bits=2, implementation="pallas")
+    step = (jnp.max(xp) - jnp.min(xp)) / 3
+    checks.append(dict(dtype=f"float32 {shape} (partial block)", bits=2,
+                       codes_identical_fraction=float(jnp.mean(a.codes == b.codes)),
+                       minimum_identical=bool(jnp.array_equal(a.minimum, b.minimum)),
+                       scale_identical_fraction=float(jnp.mean(a.scale == b.scale)),
+                       dequantize_max_abs_difference=float(jnp.max(jnp.abs(
+                           back - Q.dequantize(a, shape, xp.dtype, bits=2,
+                                               implementation="xla")))),
+                       mean_abs_error_over_step=float(jnp.mean(jnp.abs(back - xp)) / step)))
   shape = spec["abn_shape"]
   m = 1
   for d in shape:
@@ -435,7 +451,6 @@ def orchestrate(args) -> int:
   groups = QUICK_GROUPS if args.quick else GROUPS
   if args.groups:
     groups = {k: v for k, v in groups.items() if k in args.groups.split(",")}
-  os.makedirs(args.output_dir, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix="jmem_gpu_")
   cache_dir = os.path.join(tmp, "xla_cache")
   r = Runner(args, cache_dir, tmp)
@@ -448,17 +463,21 @@ def orchestrate(args) -> int:
     kspec.update(values=2**16, bits=(2,), abn_shape=(4, 8, 8, 64))
   kern = r.run("kernels", kspec, preallocate=True, timeout=240)
   if not kern.get("ok"):
-    r.log(f"kernel worker failed: {kern.get('error')}\n{kern.get('traceback', '')}"
-          f"{kern.get('stderr', '')}")
-    env = {}
-  else:
-    env = kern["result"]["env"]
-    if env["backend"] != "gpu" and not args.allow_cpu:
-      print(f"benchmarks/gpu.py: no GPU here (JAX backend {env['backend']!r}); nothing to "
-            "measure. Run it on a machine with an NVIDIA GPU (or pass --allow-cpu --quick to "
-            "check the pipeline).")
-      shutil.rmtree(tmp, ignore_errors=True)
-      return 0
+    # Without the environment nothing else can be trusted to run on the right device.
+    print(f"benchmarks/gpu.py: the first worker (environment and kernels) failed, so nothing "
+          f"was measured: {kern.get('error')}\n{kern.get('traceback', '')}"
+          f"{kern.get('stderr', '')}", file=sys.stderr)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 1
+  env = kern["result"]["env"]
+  if env["backend"] != "gpu" and not args.allow_cpu:
+    print(f"benchmarks/gpu.py: no GPU here (JAX backend {env['backend']!r}); nothing to "
+          "measure. Run it on a machine with an NVIDIA GPU (or pass --allow-cpu --quick to "
+          "check the pipeline).")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+  env["jmem_commit"] = _git_commit()
+  os.makedirs(args.output_dir, exist_ok=True)
   # Off the GPU (--allow-cpu) there is no limit to read: a small one keeps the checks quick.
   limit = env.get("bytes_limit") or 2**28
   results = {"env": env, "kernels": kern.get("result", {}).get("rows"),
@@ -576,6 +595,17 @@ def orchestrate(args) -> int:
   return 0
 
 
+def _git_commit() -> str | None:
+  try:
+    out = subprocess.run(["git", "-C", os.path.dirname(HERE), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True, timeout=10)
+    dirty = subprocess.run(["git", "-C", os.path.dirname(HERE), "status", "--porcelain",
+                            "--untracked-files=no"], capture_output=True, text=True, timeout=10)
+    return out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "") or None
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
 def _slug(kind: str) -> str:
   return "".join(ch if ch.isalnum() else "_" for ch in kind.lower()).strip("_") or "unknown"
 
@@ -598,7 +628,8 @@ def _write(results: dict, args) -> None:
   if results.get("kernel_checks"):
     lines += ["", "## Pallas kernels against the XLA path on this device", "",
               "| dtype | bits | identical codes | identical minimum | identical scale | "
-              "max dequantize difference | mean error / step |", "|---|---:|---:|---|---:|---:|---:|"]
+              "max dequantize difference | mean error / step |",
+              "|---|---:|---:|---|---:|---:|---:|"]
     for c in results["kernel_checks"]:
       lines.append(f"| {c['dtype']} | {c['bits']} | {c['codes_identical_fraction']:.6f} | "
                    f"{c['minimum_identical']} | {c['scale_identical_fraction']:.6f} | "
@@ -619,10 +650,10 @@ def _write(results: dict, args) -> None:
     lines += ["", f"## {gname}: {g['model']}, batch {g['batch']}, {g['image']}²"
               + (f", {g['frames']} frames" if g["frames"] else "") + f", {g['dtype']}"
               + (f", {g['overrides']}" if g["overrides"] else ""), "",
-              "| technique | step (ms) | / exact | peak in use (GiB) | own peak | compiled "
-              "total (GiB) | temp (GiB) | GFLOP | MiB / example | predicted max batch | "
-              "runs at prediction | OOM at +10% |",
-              "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
+              "| technique | step (ms) | / exact | loss finite | peak in use (GiB) | own peak "
+              "| compiled total (GiB) | temp (GiB) | GFLOP | MiB / example | predicted max "
+              "batch | runs at prediction | OOM at +10% |",
+              "|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for t, row in gr["rows"].items():
       if row.get("skipped"):
         lines.append(f"| {t} | skipped (--skip) |")
@@ -642,7 +673,8 @@ def _write(results: dict, args) -> None:
       fits = conf.get("at_prediction", {}).get("fits") if conf else None
       above = conf.get("above", {}) if conf else {}
       lines.append(
-          f"| {t} | {step} | {ratio} | {_gib(run.get('peak_bytes_in_use'))} | "
+          f"| {t} | {step} | {ratio} | {run.get('loss_finite', '-')} | "
+          f"{_gib(run.get('peak_bytes_in_use'))} | "
           f"{run.get('peak_is_own', '-')} | {_gib(c['total_bytes'])} | {_gib(c['temp_bytes'])} "
           f"| {flops} | {mb.get('bytes_per_example', 0) / 2**20:.1f} | "
           f"{mb.get('predicted_max_batch', '-')} | {'-' if fits is None else fits} | "

@@ -92,12 +92,12 @@ IMPLEMENTATIONS = ("xla", "pallas")
 def get_technique(name: str) -> Technique:
   """The registered technique ``name``; ``"<name>:xla"`` / ``"<name>:pallas"`` pick the
   implementation of a technique with kernels."""
-  base, _, implementation = name.partition(":")
+  base, colon, implementation = name.partition(":")
   if base not in _TECHNIQUES:
     raise ValueError(f"Unknown technique {base!r}; valid techniques: "
                      f"{', '.join(_TECHNIQUES)}.")
   technique = _TECHNIQUES[base]
-  if not implementation:
+  if not colon:
     return technique
   if not technique.has_kernels:
     with_kernels = [n for n, t in _TECHNIQUES.items() if t.has_kernels]

@@ -43,6 +43,12 @@ def lowering_for_gpu(device_kind: str = "NVIDIA H100 80GB HBM3"):
     yield
 
 
+def targets_gpu() -> bool:
+  """Whether ``implementation=None`` should pick the kernels: on a GPU backend, and inside
+  `compiled_kernels` / `lowering_for_gpu` (lowering for a GPU from another machine)."""
+  return jax.default_backend() == "gpu" or _FORCE_COMPILED.get()
+
+
 def resolve_interpret(interpret: bool | None, what: str) -> bool:
   """``interpret`` as given, or (``None``) True exactly when the backend is not a GPU.
 

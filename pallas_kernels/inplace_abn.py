@@ -197,7 +197,8 @@ def _abn(x2, scale, bias, shift, cfg: ABNConfig, tiles: Tiles, interpret: bool):
                                    axis_index_groups=cfg.axis_index_groups)
   stats = moments.stats()
   a = lax.rsqrt(stats.var + cfg.epsilon) * (jnp.abs(scale) + cfg.epsilon)
-  z = launch.call(functools.partial(_forward_kernel, cfg=cfg, dims=launch.dims), [launch.tile] + [launch.vec] * 4,
+  z = launch.call(functools.partial(_forward_kernel, cfg=cfg, dims=launch.dims),
+                  [launch.tile] + [launch.vec] * 4,
                   launch.tile, launch.full_shape(), x2, moments.m0, moments.corr, a, bias)
   return z, stats
 

@@ -9,7 +9,9 @@ from pallas_kernels import lowering_for_gpu
 
 
 @pytest.mark.parametrize("technique,dtype", [("actnn-L3:pallas", jnp.float32),
-                                             ("inplace-abn:pallas", jnp.bfloat16)])
+                                             ("inplace-abn:pallas", jnp.bfloat16),
+                                             ("actnn-L3", jnp.bfloat16),   # automatic
+                                             ("inplace-abn", jnp.float32)])
 def test_train_step_lowers_for_cuda_with_its_kernels(technique, dtype):
   tech = bench.get_technique(technique)
   model = tech.apply(models.create_model("resnet8", 10, dtype=dtype),
@@ -34,5 +36,6 @@ def test_technique_implementation_suffix():
   assert bench.get_technique("actnn-L3").implementation is None
   with pytest.raises(ValueError, match="has no kernels"):
     bench.get_technique("remat:pallas")
-  with pytest.raises(ValueError, match="Unknown implementation"):
-    bench.get_technique("actnn-L3:triton")
+  for bad in ("actnn-L3:triton", "actnn-L3:"):
+    with pytest.raises(ValueError, match="Unknown implementation"):
+      bench.get_technique(bad)

@@ -25,6 +25,7 @@ References:
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -235,7 +236,11 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
   mask = sync_bn.check_mask(x, mask)
   shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
   if implementation is None:
-    implementation = "pallas" if jax.default_backend() == "gpu" and mask is None else "xla"
+    from pallas_kernels import targets_gpu  # pylint: disable=g-import-not-at-top
+    implementation = "pallas" if targets_gpu() and mask is None else "xla"
+    if targets_gpu() and mask is not None:
+      warnings.warn("inplace_abn: the Pallas kernels take no mask; this masked batch uses the "
+                    "slower XLA path.", stacklevel=2)
   if implementation == "pallas":
     if mask is not None:
       raise ValueError("implementation='pallas' does not take a mask; use implementation='xla' "

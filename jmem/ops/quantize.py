@@ -1,15 +1,18 @@
 """Per-group stochastic-rounding quantization packed into bytes, and `compress`.
 
 `quantize` flattens each sample (axis 0), pads it to groups of ``group_size``, and per
-group stores the minimum ``mn`` (float32, exact) and the scale
-``s = (2^b - 1) / (mx - mn + 2e-6)`` rounded DOWN to bfloat16, so that every code lands in
-``[0, 2^b - 1]``. Codes ``q = floor((x - mn) s + u)``, ``u ~ U[0, 1)`` (stochastic rounding,
-so ``E[q / s + mn] = x`` exactly for the stored ``mn`` and ``s``), packed ``8 / b`` per byte.
-Metadata: 6 bytes per group (9.4% on top of the 64 bytes of 2-bit codes of a group of 256). The minimum is
-kept in float32 because a bfloat16 minimum can sit far below the group's values when they
-are far from 0 compared with their range (1001.5 + U(0, 1): a bf16 minimum of 1000.0
-stretches the span 2.5x and the 2-bit variance about 6x); the scale's relative rounding
-error is below 2^-7, so the span used is at most 1% wider than the group's range.
+group stores the minimum ``mn`` (float32, exact) and the scale ``s = (2^b - 1) / span``
+rounded DOWN to bfloat16, so that every code lands in ``[0, 2^b - 1]``; ``span`` is
+``mx - mn`` widened by the float32 resolution of the group's values (`group_span`). Codes
+``q = floor((x - mn) s + u)``, ``u ~ U[0, 1)`` (stochastic rounding, so
+``E[q / s + mn] = x`` exactly for the stored ``mn`` and ``s``), packed ``8 / b`` per byte.
+Metadata: 6 bytes per group (9.4% on top of the 64 bytes of 2-bit codes of a group of 256).
+The minimum is kept in float32 because a bfloat16 minimum can sit far below the group's
+values when they are far from 0 compared with their range (1001.5 + U(0, 1): a bf16
+minimum of 1000.0 stretches the span 2.5x and the 2-bit variance about 6x); the scale's
+relative rounding error is below 2^-7, so the span used is at most 1% wider than the
+group's range plus 2^-22 of the group's largest magnitude (below float32's resolution
+there is nothing left to quantize).
 
 Layout: within a group, byte ``k`` holds the values ``k + j * n`` (``n = group_size * b /
 8``) at bit ``j * b`` (plane ``j``); the Pallas kernels of `pallas_kernels.quantize` read
@@ -46,7 +49,7 @@ import numpy as np
 
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
            "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform",
-           "check_config", "fake_quantize", "probe", "truncate_to_bfloat16",
+           "check_config", "fake_quantize", "probe", "truncate_to_bfloat16", "group_span",
            "resolve_implementation"]
 
 SUPPORTED_BITS = (1, 2, 4, 8)
@@ -76,11 +79,13 @@ def check_config(bits: int, group_size: int) -> None:
 def resolve_implementation(implementation: str | None, *, bits: int, group_size: int) -> str:
   """``"xla"`` or ``"pallas"`` for ``implementation`` (``None``: the kernels on a GPU).
 
-  ``None`` picks the Pallas kernels when the default backend is a GPU and the kernels take
+  ``None`` picks the Pallas kernels when the default backend is a GPU (or inside
+  `pallas_kernels.lowering_for_gpu`) and the kernels take
   ``(bits, group_size)``; where they do not, it warns and uses XLA (never silently slower).
   """
   if implementation is None:
-    if jax.default_backend() != "gpu":
+    from pallas_kernels import targets_gpu  # pylint: disable=g-import-not-at-top
+    if not targets_gpu():
       return "xla"
     from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
     if kernels.supports(bits, group_size):
@@ -169,6 +174,13 @@ def _ungroup(values, shape, dtype):
   return flat.reshape(shape).astype(dtype)
 
 
+def group_span(mn: jax.Array, mx: jax.Array) -> jax.Array:
+  """``mx - mn`` widened by 2^-22 of the larger magnitude (about two float32 ulps) and by
+  1e-30: positive for a constant group, and never much wider than the range (an absolute
+  epsilon such as ActNN's 2e-6 stretches the span of groups with small ranges many times)."""
+  return (mx - mn) + (jnp.maximum(jnp.abs(mn), jnp.abs(mx)) * 2.0**-22 + 1e-30)
+
+
 def group_statistics(x: jax.Array, *, bits: int, group_size: int):
   """``(groups float32[N, G, group_size], minimum float32[N, G], scale bf16[N, G])``.
 
@@ -179,7 +191,7 @@ def group_statistics(x: jax.Array, *, bits: int, group_size: int):
   levels = float(2**bits - 1)
   grouped = _range_safe_groups(x, group_size)
   mn = jnp.min(grouped, axis=-1)
-  span = jnp.max(grouped, axis=-1) - mn + 2e-6
+  span = group_span(mn, jnp.max(grouped, axis=-1))
   return grouped, mn, truncate_to_bfloat16(levels / span).astype(jnp.bfloat16)
 
 
@@ -323,7 +335,7 @@ def _vjp_with_constants(f, args):
 def _residual_kind(leaf, kept, min_size, constant=False) -> str:
   """How `compress` stores a residual: "quant" (floats), "bool" (bit-packed), "const" (a
   broadcast scalar, rebuilt in the backward) or "keep"."""
-  if _is_arg(leaf, kept):
+  if _is_arg(leaf, kept) or leaf.size == 0:
     return "keep"
   if constant:
     return "const"
@@ -452,7 +464,7 @@ def fake_quantize(x: jax.Array, levels: jax.Array, seed: jax.Array, *,
   """
   grouped = _range_safe_groups(x, group_size)
   mn = jnp.min(grouped, axis=-1, keepdims=True)
-  scale = jnp.maximum(levels, 1.0) / (jnp.max(grouped, axis=-1, keepdims=True) - mn + 2e-6)
+  scale = jnp.maximum(levels, 1.0) / group_span(mn, jnp.max(grouped, axis=-1, keepdims=True))
   index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
   q = jnp.floor((grouped - mn) * scale + hash_uniform(index, seed))
   return jnp.where(levels > 0, _ungroup(q / scale + mn, x.shape, x.dtype), x)
