@@ -120,3 +120,52 @@ def _subjaxprs(eqn):
         yield v.jaxpr
       elif hasattr(v, "eqns"):
         yield v
+
+
+def torch_running_stats(batches, *, torch_momentum=0.1, unbiased=True):
+  """PyTorch's documented BatchNorm update, in float64, over ``batches`` of valid values.
+
+  ``running = (1 - m) * running + m * batch`` from mean 0, variance 1, with the batch
+  variance times ``N / (N - 1)`` (``N`` the number of valid values per channel) when
+  ``unbiased`` (PyTorch's rule); ``unbiased=False`` keeps the biased variance (Flax's).
+  Each batch is ``[N, C]``: the valid values of a channel down a column.
+  """
+  m = torch_momentum
+  c = np.shape(batches[0])[-1]
+  mean, var = np.zeros(c), np.ones(c)
+  for b in batches:
+    b = np.asarray(b, np.float64)
+    n = len(b)
+    batch_var = b.var(0) * (n / (n - 1) if unbiased else 1.0)
+    mean = (1 - m) * mean + m * b.mean(0)
+    var = (1 - m) * var + m * batch_var
+  return mean, var
+
+
+def sharded_running_stats(models, batches, mask):
+  """Running ``(mean, var)`` of linen BN-like ``models`` after one step per batch.
+
+  The batches (``[8 * cap, ..., C]``) are split over 8 devices (mesh axis ``"d"``) with
+  ``mask`` (valid rows); all models take one jitted step each, in one ``shard_map``.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+  variables = [m.init(jax.random.key(0), batches[0][:1], use_running_average=False)
+               for m in models]
+
+  def local(x, mask, variables):
+    out = []
+    for m, v in zip(models, variables):
+      _, upd = m.apply(v, x, use_running_average=False, mask=mask, mutable=["batch_stats"])
+      out.append({"params": v["params"], **upd})
+    return out
+
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P("d"), P()),
+                               out_specs=P()))
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))
+  for x in batches:
+    variables = step(put(x), put(mask), variables)
+  return [(np.asarray(v["batch_stats"]["mean"]), np.asarray(v["batch_stats"]["var"]))
+          for v in variables]

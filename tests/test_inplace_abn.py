@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmem import bench, measure, models, train
 from jmem.ops import inplace_abn as iabn
-from helpers import assert_close_dtype, bn_data
+from helpers import (assert_close_dtype, bn_data,  # pylint: disable=g-multiple-import
+                     sharded_running_stats, torch_running_stats)
 
 
 def _data(dtype=jnp.float32, seed=0, shape=(16, 5, 5, 8)):
@@ -152,3 +153,70 @@ def test_preactivation_step_saves_memory():
   (s_bn, t_bn), (s_abn, t_abn) = _step_memory(twin), _step_memory(abn)
   assert s_abn <= 0.6 * s_bn
   assert t_abn < 0.8 * t_bn
+
+
+def _leaky(y, slope=0.01):
+  return np.where(y >= 0, y, slope * y)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_running_stats_follow_pytorch_update_rule(api):
+  """momentum=0.9 here is PyTorch's 0.1; both variance conventions over three steps; eval
+  mode normalises with the stored statistics and the effective scale |γ| + ε."""
+  rng = np.random.default_rng(7)
+  batches = [jnp.asarray(rng.normal(size=(6, 2, 3)) * 2 + 3, jnp.float32) for _ in range(3)]
+  for unbiased in (False, True):
+    if api == "linen":
+      m = iabn.InPlaceABN(momentum=0.9, unbiased_running_var=unbiased)
+      v = m.init(jax.random.key(0), batches[0], use_running_average=False)
+      for x in batches:
+        _, upd = m.apply(v, x, use_running_average=False, mutable=["batch_stats"])
+        v = {"params": v["params"], **upd}
+      mean, var = v["batch_stats"]["mean"], v["batch_stats"]["var"]
+      y = m.apply(v, batches[0], use_running_average=True)
+    else:
+      m = iabn.NNXInPlaceABN(3, momentum=0.9, unbiased_running_var=unbiased)
+      for x in batches:
+        m(x, use_running_average=False)
+      mean, var, y = m.mean[...], m.var[...], m(batches[0], use_running_average=True)
+    want_mean, want_var = torch_running_stats([np.asarray(b).reshape(-1, 3) for b in batches],
+                                              torch_momentum=0.1, unbiased=unbiased)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(var, want_var, rtol=1e-5)
+    xhat = (np.asarray(batches[0], np.float64) - want_mean) / np.sqrt(want_var + 1e-5)
+    np.testing.assert_allclose(y, _leaky(xhat * (1 + 1e-5)), rtol=1e-5, atol=1e-5)
+
+
+def test_sync_running_stats_masked_unbalanced_on_eight_devices():
+  """InPlaceABNSync: N is the global valid count (26 rows x 2 positions)."""
+  counts, cap = [5, 0, 3, 8, 1, 0, 2, 7], 8
+  rng = np.random.default_rng(8)
+  mask = np.zeros((8 * cap, 1, 1), bool)
+  for d, c in enumerate(counts):
+    mask[d * cap:d * cap + c] = True
+  batches = [(rng.normal(size=(8 * cap, 2, 3)) * 2 + 3).astype(np.float32) for _ in range(2)]
+  models = [iabn.InPlaceABNSync(momentum=0.9, axis_name="d", unbiased_running_var=u)
+            for u in (False, True)]
+  got = sharded_running_stats(models, batches, mask)
+  valid = [b[mask[:, 0, 0]].reshape(-1, 3) for b in batches]
+  for (mean, var), unbiased in zip(got, (False, True)):
+    want_mean, want_var = torch_running_stats(valid, torch_momentum=0.1, unbiased=unbiased)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(var, want_var, rtol=1e-5)
+
+
+def test_non_floating_inputs_are_refused():
+  """Integers (or booleans) would come back rounded to the input's dtype: TypeError."""
+  xf, g, b, _ = _data()
+  variables = iabn.InPlaceABN().init(jax.random.key(0), xf, use_running_average=False)
+  for x in (xf.astype(jnp.int32), xf > 0):
+    for call in (lambda: iabn.inplace_abn(x, g, b),
+                 lambda: iabn.inplace_abn(x, g, b, use_running_average=True,
+                                          running_mean=jnp.zeros(8), running_var=jnp.ones(8)),
+                 lambda: iabn.inplace_abn(x, g, b, implementation="pallas"),
+                 lambda: iabn.inplace_abn_reference(x, g, b),
+                 lambda: iabn.InPlaceABN().init(jax.random.key(0), x, use_running_average=False),
+                 lambda: iabn.InPlaceABN().apply(variables, x, use_running_average=True),
+                 lambda: iabn.NNXInPlaceABN(8)(x)):
+      with pytest.raises(TypeError, match="floating-point input"):
+        call()

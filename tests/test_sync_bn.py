@@ -1,6 +1,9 @@
 """SyncBN: exact for masked, unbalanced, offset batches on 8 devices, one collective each way."""
 
+import contextlib
 import functools
+import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -14,7 +17,7 @@ from jmem import measure
 from jmem.ops import inplace_abn as iabn
 from jmem.parallel import sync_bn
 from helpers import (EPS, OFFSET_CAP, check_exact, exact_stats,  # pylint: disable=g-multiple-import
-                     offset_data)
+                     offset_data, sharded_running_stats, torch_running_stats)
 
 COUNTS = [5, 0, 3, 8, 1, 0, 2, 7]
 CAP, C = 8, 3
@@ -406,3 +409,134 @@ def test_non_boolean_mask_is_refused():
       sync_bn.sync_batch_norm(x, mask=bad)
     with pytest.raises(TypeError, match="boolean"):
       sync_bn.SyncBatchNorm().init(jax.random.key(0), x, use_running_average=False, mask=bad)
+
+
+# --------------------------------------- running statistics: Flax's and PyTorch's conventions
+
+def _linen_steps(model, batches, **interceptor):
+  """Running stats and the eval output of a linen module after one step per batch."""
+  ctx = (sync_bn.sync_batch_norm_interceptor(**interceptor) if interceptor
+         else contextlib.nullcontext())
+  with ctx:
+    v = model.init(jax.random.key(0), batches[0], use_running_average=False)
+    for x in batches:
+      _, upd = model.apply(v, x, use_running_average=False, mutable=["batch_stats"])
+      v = {"params": v["params"], **upd}
+    y = model.apply(v, batches[0], use_running_average=True)
+  return v["batch_stats"]["mean"], v["batch_stats"]["var"], y
+
+
+def _nnx_steps(module, batches):
+  for x in batches:
+    module(x, use_running_average=False)
+  y = module(batches[0], use_running_average=True)
+  bn = module.bn if hasattr(module, "bn") else module
+  return bn.mean[...], bn.var[...], y
+
+
+class _NNXNet(nnx.Module):
+  def __init__(self):
+    self.bn = nnx.BatchNorm(C, momentum=0.9, rngs=nnx.Rngs(0))
+
+  def __call__(self, x, use_running_average=None):
+    return self.bn(x, use_running_average=use_running_average)
+
+
+def _swapped(unbiased):
+  net = _NNXNet()
+  assert sync_bn.swap_nnx_batch_norm(net, unbiased_running_var=unbiased) == 1
+  return net
+
+
+RUNNERS = {
+    "SyncBatchNorm": lambda u, b: _linen_steps(
+        sync_bn.SyncBatchNorm(momentum=0.9, unbiased_running_var=u), b),
+    "interceptor": lambda u, b: _linen_steps(nn.BatchNorm(momentum=0.9), b,
+                                             unbiased_running_var=u),
+    "NNXSyncBatchNorm": lambda u, b: _nnx_steps(
+        sync_bn.NNXSyncBatchNorm(C, momentum=0.9, unbiased_running_var=u), b),
+    "swap_nnx_batch_norm": lambda u, b: _nnx_steps(_swapped(u), b),
+}
+
+
+@pytest.mark.parametrize("module", list(RUNNERS))
+def test_running_stats_follow_pytorch_update_rule(module):
+  """momentum=0.9 here is PyTorch's 0.1; both variance conventions over three steps, and
+  eval mode normalises with the stored statistics as PyTorch's eval does."""
+  rng = np.random.default_rng(7)
+  batches = [(rng.normal(size=(6, 2, C)) * 2 + 3).astype(np.float32) for _ in range(3)]
+  valid = [b.reshape(-1, C) for b in batches]
+  for unbiased in (False, True):
+    mean, var, y = RUNNERS[module](unbiased, [jnp.asarray(b) for b in batches])
+    want_mean, want_var = torch_running_stats(valid, torch_momentum=0.1, unbiased=unbiased)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(var, want_var, rtol=1e-5)
+    want_y = (batches[0].astype(np.float64) - want_mean) / np.sqrt(want_var + 1e-5)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+
+
+def test_running_stats_masked_unbalanced_on_eight_devices():
+  """N is the global valid count (26 rows x 2 positions), not a device's or the padded one."""
+  rng = np.random.default_rng(8)
+  _, mask, _, _, _ = _data()
+  batches = [(rng.normal(size=(8 * CAP, 2, C)) * 2 + 3).astype(np.float32) for _ in range(2)]
+  models = [sync_bn.SyncBatchNorm(momentum=0.9, axis_name="d", unbiased_running_var=u)
+            for u in (False, True)]
+  got = sharded_running_stats(models, batches, mask)
+  valid = [b[mask[:, 0, 0]].reshape(-1, C) for b in batches]
+  for (mean, var), unbiased in zip(got, (False, True)):
+    want_mean, want_var = torch_running_stats(valid, torch_momentum=0.1, unbiased=unbiased)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(var, want_var, rtol=1e-5)
+
+
+def test_non_floating_inputs_are_refused():
+  """Integers (or booleans) would come back rounded to the input's dtype: TypeError."""
+  xf = jnp.arange(12.0).reshape(4, 3)
+  variables = sync_bn.SyncBatchNorm().init(jax.random.key(0), xf, use_running_average=False)
+  for x in (xf.astype(jnp.int32), xf > 5):
+    for call in (lambda: sync_bn.sync_batch_norm(x),
+                 lambda: sync_bn.sync_batch_norm_reference(x),
+                 lambda: sync_bn.SyncBatchNorm().init(jax.random.key(0), x,
+                                                      use_running_average=False),
+                 lambda: sync_bn.SyncBatchNorm().apply(variables, x, use_running_average=True),
+                 lambda: sync_bn.NNXSyncBatchNorm(3)(x),
+                 lambda: sync_bn.NNXSyncBatchNorm(3, use_running_average=True)(x)):
+      with pytest.raises(TypeError, match="floating-point input"):
+        call()
+
+
+def test_axes_left_out_inside_shard_map_warn_and_unbound_names_raise():
+  """x split over ('a', 'b'): statistics over fewer axes are per shard (a warning: it may be
+  deliberate local BN); an unbound name is an error; init inside the map stays quiet."""
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x = jnp.asarray(_data()[0][:, 0])                                  # [64, C]
+
+  def trace(f, spec=P(("a", "b"))):
+    return jax.make_jaxpr(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+
+  calls = {
+      "sync_batch_norm": lambda name: lambda v: sync_bn.sync_batch_norm(v, axis_name=name)[0],
+      "batch_stats": lambda name: lambda v: v + sync_bn.batch_stats(v, axis_name=name).mean,
+      "inplace_abn": lambda name: lambda v: iabn.inplace_abn(v, jnp.ones(C), jnp.zeros(C),
+                                                            axis_name=name)[0],
+  }
+  for op, call in calls.items():
+    for name, left_out in ((None, "['a', 'b']"), ("a", "['b']"), (("b",), "['a']")):
+      with pytest.warns(sync_bn.LocalStatisticsWarning, match=rf"{op}.*{re.escape(left_out)}"):
+        trace(call(name))
+    with pytest.raises(NameError, match="'batch' is not bound"):
+      trace(call("batch"))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", sync_bn.LocalStatisticsWarning)
+      trace(call(("a", "b")))                      # synchronised over every axis
+      trace(call(None), spec=P())                  # replicated input: nothing is split
+  model = sync_bn.SyncBatchNorm(axis_name=("a", "b"))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", sync_bn.LocalStatisticsWarning)
+    trace(lambda v: v * model.init(jax.random.key(0), v, use_running_average=False)[
+        "params"]["scale"])                        # init is local, by design: quiet
+  variables = model.init(jax.random.key(0), x, use_running_average=False)
+  with pytest.warns(sync_bn.LocalStatisticsWarning, match=r"\['b'\]"):
+    trace(lambda v: model.clone(axis_name="a").apply(
+        variables, v, use_running_average=False, mutable=["batch_stats"])[0])

@@ -188,7 +188,7 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
 
   Args:
     x: ``[..., C]`` input, channels last (float32, bfloat16 or float16; statistics and
-      the backward reductions run in float32).
+      the backward reductions run in float32). Integer and boolean inputs raise TypeError.
     scale: ``float[C]`` γ; the effective scale is ``|γ| + epsilon``.
     bias: ``float[C]`` β.
     activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (``"relu"`` is refused).
@@ -197,7 +197,9 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
     epsilon: variance epsilon (also the |γ| offset), > 0.
     axis_name: reduce statistics over this named axis (InPlace-ABN-Sync): one all-gather
       forward and one all-reduce backward (`jmem.parallel.sync_bn`), global counts in the
-      backward; exact in float32 whatever the data's offset.
+      backward; exact in float32 whatever the data's offset. An unbound name raises
+      NameError; in training mode under ``jax.shard_map`` an ``x`` that varies over a mesh
+      axis this leaves out gets a `jmem.parallel.sync_bn.LocalStatisticsWarning`.
     axis_index_groups: optional groups within the axis.
     mask: optional boolean array (other dtypes raise TypeError), broadcastable to ``x``
       with the same rank; True = valid. As in `jmem.parallel.sync_bn.sync_batch_norm`:
@@ -215,8 +217,15 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
 
   Returns:
     ``(z, stats)``: ``z`` like ``x``; ``stats`` the batch `BatchStats` (None in eval mode).
+
+  Raises:
+    TypeError: ``x`` not floating point; ``mask`` not boolean.
+    NameError: ``axis_name`` not bound.
+    ValueError: a bad option (ReLU, slope or alpha ≤ 0, epsilon ≤ 0, implementation), or
+      ``scale``/``bias``/``mask`` of the wrong shape.
   """
   cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
+  sync_bn.check_floating(x, "inplace_abn")
   sync_bn.check_axis_name(cfg.axis_name)
   c = x.shape[-1]
   scale = jnp.asarray(scale, jnp.float32)
@@ -234,6 +243,7 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
                   jnp.asarray(running_var, jnp.float32), cfg)
     return z, None
   mask = sync_bn.check_mask(x, mask)
+  sync_bn.warn_if_unsynchronised(x, cfg.axis_name, "inplace_abn")
   shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
   if implementation is None:
     from pallas_kernels import targets_gpu  # pylint: disable=g-import-not-at-top
@@ -258,12 +268,15 @@ def inplace_abn_reference(x, scale, bias, *, activation="leaky_relu", slope=0.01
                           running_var=None):
   """BN then activation by plain autodiff (saves x): the oracle of `inplace_abn`."""
   cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
+  sync_bn.check_floating(x, "inplace_abn_reference")
+  sync_bn.check_axis_name(cfg.axis_name)
   g = _gamma(jnp.asarray(scale, jnp.float32), epsilon)
   del shift
   if use_running_average:
     xc = x.astype(jnp.float32) - running_mean
     var, stats = running_var, None
   else:
+    sync_bn.warn_if_unsynchronised(x, cfg.axis_name, "inplace_abn_reference")
     moments = sync_bn.batch_moments(x, axis_name=axis_name,
                                     axis_index_groups=cfg.axis_index_groups, mask=mask)
     stats = moments.stats()
@@ -312,9 +325,21 @@ def _abn_fns(cfg: ABNConfig, implementation: str):
 class InPlaceABN(nn.Module):
   """BatchNorm followed by its activation, saving only the output (Flax linen).
 
-  Replaces ``act(BatchNorm()(x))``. Variable names are flax.linen.BatchNorm's; the effective
-  scale is ``|scale| + epsilon`` (see `to_batch_norm_scale`). Set ``axis_name`` for the
-  synchronised variant (`InPlaceABNSync`).
+  Replaces ``act(BatchNorm()(x))``. Variable names are flax.linen.BatchNorm's. Set
+  ``axis_name`` for the synchronised variant (`InPlaceABNSync`). Inputs must be floating
+  point (TypeError otherwise).
+
+  Conventions, ``N`` the global number of valid values of a channel in the batch:
+
+  * The effective scale is ``|scale| + epsilon``, never 0, so the activation's input can be
+    recovered from its output: a plain BN's scale ``s >= epsilon`` is ``scale = s -
+    epsilon`` here (`from_batch_norm_scale`, `to_batch_norm_scale`).
+  * ``momentum`` is Flax's decay, ``running = momentum * running + (1 - momentum) * batch``;
+    PyTorch's ``momentum=m`` is ``1 - m`` here (its default 0.1 is 0.9).
+  * The batch is normalised with its biased variance. The running variance is the biased
+    one (Flax's convention) unless ``unbiased_running_var=True``, which stores
+    ``var * N / (N - 1)`` (PyTorch's): set it for statistics that go to or come from
+    PyTorch. Eval mode normalises with the stored variance as it is.
 
   Attributes:
     use_running_average: eval mode (may be given at call time instead).
@@ -328,6 +353,8 @@ class InPlaceABN(nn.Module):
     axis_index_groups: optional groups within the axis.
     implementation: ``"xla"``, ``"pallas"`` or ``None`` (the kernels on a GPU for unmasked
       batches, else XLA; see `inplace_abn`).
+    unbiased_running_var: store the unbiased (PyTorch) running variance instead of the
+      biased (Flax) one.
   """
 
   use_running_average: bool | None = None
@@ -344,6 +371,7 @@ class InPlaceABN(nn.Module):
   axis_name: str | tuple[str, ...] | None = None
   axis_index_groups: Any = None
   implementation: str | None = None
+  unbiased_running_var: bool = False
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
@@ -352,11 +380,16 @@ class InPlaceABN(nn.Module):
                   self.axis_index_groups)
     train_fn, eval_fn = _abn_fns(cfg, self.implementation)
     return sync_bn.linen_norm_call(self, x, use_running_average, mask, train_fn=train_fn,
-                                   eval_fn=eval_fn, use_scale=True, use_bias=True)
+                                   eval_fn=eval_fn, use_scale=True, use_bias=True,
+                                   unbiased_running_var=self.unbiased_running_var)
 
 
 class InPlaceABNSync(InPlaceABN):
-  """`InPlaceABN` with statistics synchronised over ``axis_name`` (which must be set)."""
+  """`InPlaceABN` with statistics synchronised over ``axis_name`` (which must be set).
+
+  Same fields and conventions as `InPlaceABN` (``N`` counts the valid values of every
+  device of ``axis_name``).
+  """
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
@@ -367,13 +400,18 @@ class InPlaceABNSync(InPlaceABN):
 
 
 class NNXInPlaceABN(nnx.Module):
-  """`InPlaceABN` for Flax NNX (variables named as flax.nnx.BatchNorm's)."""
+  """`InPlaceABN` for Flax NNX (variables named as flax.nnx.BatchNorm's).
+
+  Same arguments and conventions as `InPlaceABN`: effective scale ``|scale| + epsilon``;
+  ``momentum`` is Flax's decay (PyTorch's 0.1 is 0.9 here); the running variance is biased
+  (Flax's) unless ``unbiased_running_var=True`` (PyTorch's ``var * N / (N - 1)``).
+  """
 
   def __init__(self, num_features: int, *, use_running_average: bool = False, axis: int = -1,
                momentum: float = 0.99, epsilon: float = 1e-5, activation: str = "leaky_relu",
                slope: float = 0.01, alpha: float = 1.0, dtype=None, param_dtype=jnp.float32,
                axis_name=None, axis_index_groups=None, implementation: str | None = None,
-               rngs: nnx.Rngs | None = None):
+               unbiased_running_var: bool = False, rngs: nnx.Rngs | None = None):
     del rngs  # deterministic initialisation: scale 1, bias 0
     self.cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
     self.mean = nnx.BatchStat(jnp.zeros((num_features,), jnp.float32))
@@ -383,6 +421,7 @@ class NNXInPlaceABN(nnx.Module):
     self.use_running_average = use_running_average
     self.axis, self.momentum, self.dtype = axis, momentum, dtype
     self.implementation = implementation
+    self.unbiased_running_var = unbiased_running_var
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     use_ra = self.use_running_average if use_running_average is None else use_running_average
@@ -390,7 +429,8 @@ class NNXInPlaceABN(nnx.Module):
     y, mean, var = sync_bn.normalize_with_state(
         x, axis=self.axis, scale=self.scale[...], bias=self.bias[...], running_mean=self.mean[...],
         running_var=self.var[...], use_running_average=use_ra, mask=mask, train_fn=train_fn,
-        eval_fn=eval_fn, momentum=self.momentum)
+        eval_fn=eval_fn, momentum=self.momentum, unbiased_running_var=self.unbiased_running_var,
+        op=type(self).__name__)
     if not use_ra:
       self.mean[...], self.var[...] = mean, var
     return y.astype(self.dtype or x.dtype)

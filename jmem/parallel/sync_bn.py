@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -48,7 +49,8 @@ from jax import lax
 __all__ = [
     "BatchStats", "Moments", "batch_moments", "batch_stats", "combine_moments", "gather_moments",
     "merge_moments", "sync_batch_norm", "sync_batch_norm_reference", "update_running_stats",
-    "check_axis_name", "check_mask", "params_stay_local", "varying_axes",
+    "check_axis_name", "check_floating", "check_mask", "params_stay_local", "varying_axes",
+    "warn_if_unsynchronised", "LocalStatisticsWarning",
 ]
 
 AxisName = str | tuple[str, ...] | None
@@ -114,6 +116,48 @@ def check_axis_name(axis_name: AxisName) -> None:
           f"axis_name {name!r} is not bound: call this inside jax.shard_map, jax.pmap or "
           f"jax.vmap with axis_name={name!r} (or pass axis_name=None for local batch norm)."
       ) from e
+
+
+class LocalStatisticsWarning(UserWarning):
+  """Batch statistics are per shard along a mesh axis that the input is split over.
+
+  Issued when, under ``jax.shard_map`` with its varying types (``check_vma=True``, the
+  default), a batch norm's input varies over a manual mesh axis that its ``axis_name``
+  leaves out. That may be deliberate (local BN per data shard); silence it with
+  ``warnings.filterwarnings("ignore", category=LocalStatisticsWarning)``.
+  """
+
+
+def warn_if_unsynchronised(x, axis_name: AxisName, op: str, *, stacklevel: int = 3) -> None:
+  """Warns (`LocalStatisticsWarning`) if ``x`` varies over manual axes ``axis_name`` omits.
+
+  Only what JAX's types show is seen: under ``shard_map`` with ``check_vma=False``, under
+  ``pmap`` or ``vmap`` nothing is known and nothing is said.
+  """
+  left_out = varying_axes(x) - set(_axes_tuple(axis_name))
+  if left_out:
+    every = tuple(sorted(varying_axes(x)))
+    warnings.warn(
+        f"{op}: the input varies over the mesh axes {sorted(left_out)} of the enclosing "
+        f"shard_map, but axis_name={axis_name!r} leaves them out, so the statistics are "
+        f"those of each shard along them, not of the whole batch. Pass "
+        f"axis_name={every[0] if len(every) == 1 else every!r} to synchronise over every "
+        "axis the batch is split over; if per-shard (local) batch norm is intended, silence "
+        "this with warnings.filterwarnings('ignore', category=jmem.parallel.sync_bn."
+        "LocalStatisticsWarning).", LocalStatisticsWarning, stacklevel=stacklevel)
+
+
+def check_floating(x, op: str) -> None:
+  """Raises TypeError unless ``x`` has a floating-point dtype.
+
+  A batch norm of integers would be computed in float32 and rounded back to the input's
+  integer dtype: a silently truncated result.
+  """
+  dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"{op} needs a floating-point input, got dtype {dtype}: the normalised output would "
+        f"be rounded back to {dtype}. Cast the input first, e.g. x.astype(jnp.float32).")
 
 
 def varying_axes(x) -> frozenset:
@@ -276,6 +320,8 @@ def batch_stats(x: jax.Array, *, axis_name: AxisName = None,
     `sync_batch_norm` has the one-collective VJP).
   """
   del shift
+  check_axis_name(axis_name)
+  warn_if_unsynchronised(x, axis_name, "batch_stats")
   return batch_moments(x, axis_name=axis_name, axis_index_groups=axis_index_groups,
                        mask=mask).stats()
 
@@ -302,9 +348,13 @@ def update_running_stats(running_mean, running_var, stats: BatchStats, *, moment
                          unbiased: bool = False):
   """Flax convention: ``new = momentum * running + (1 - momentum) * batch``.
 
-  ``unbiased=True`` stores the sample variance ``var * N / (N - 1)`` (PyTorch's choice);
-  the default stores the biased variance (Flax's choice). Channels with no valid element
-  in the batch keep their running values.
+  ``momentum`` is the decay of the old value: PyTorch's ``momentum=m`` (weight of the
+  batch) is ``1 - m`` here (its default 0.1 is 0.9). ``unbiased=True`` stores the sample
+  variance ``var * N / (N - 1)`` (PyTorch's choice), ``N`` being ``stats.count``, the
+  global number of valid values per channel; the default stores the biased variance
+  (Flax's choice). With ``N = 1`` the stored variance is 0 either way (``N / (N - 1)`` is
+  undefined; PyTorch refuses such a batch). Channels with no valid element in the batch
+  keep their running values.
   """
   var = stats.var
   if unbiased:
@@ -430,11 +480,14 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
 
   Args:
     x: ``[..., C]`` input (float32, bfloat16 or float16; reductions run in float32).
+      Integer and boolean inputs raise TypeError (the output would be rounded to them).
     scale: ``float[C]`` γ (default ones).
     bias: ``float[C]`` β (default zeros).
     axis_name: named axis (or tuple) of an enclosing shard_map / pmap / vmap; ``None`` for
       local batch norm (also right under SPMD jit on sharded arrays, where XLA inserts the
-      reduction).
+      reduction). A name no enclosing transform binds raises NameError. Under
+      ``jax.shard_map`` (``check_vma=True``) an ``x`` that varies over a mesh axis this
+      leaves out gives per-shard statistics along it and a `LocalStatisticsWarning`.
     axis_index_groups: optional groups within the axis (under ``jax.shard_map`` and
       ``jax.pmap``; JAX's ``vmap`` collectives take no groups).
     mask: optional boolean array (other dtypes raise TypeError), broadcastable to ``x``
@@ -452,6 +505,11 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
     ``(y, stats)``: ``y`` like ``x``; ``stats`` (`BatchStats`, no gradient, float32, exact
     to float32 rounding) for the running averages.
 
+  Raises:
+    TypeError: ``x`` not floating point; ``mask`` not boolean.
+    NameError: ``axis_name`` not bound.
+    ValueError: ``epsilon <= 0``; ``scale``/``bias``/``mask`` of the wrong shape.
+
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> y, stats = sync_batch_norm(jnp.arange(8.0).reshape(4, 2))
@@ -460,7 +518,9 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
   """
   if not epsilon > 0:
     raise ValueError(f"epsilon must be > 0, got {epsilon}.")
+  check_floating(x, "sync_batch_norm")
   check_axis_name(axis_name)
+  warn_if_unsynchronised(x, axis_name, "sync_batch_norm")
   scale, bias, mask, shift = _prepare(x, scale, bias, mask, shift)
   y, stats = _sync_bn(x, scale, bias, mask, shift, axis_name, _groups(axis_index_groups),
                       float(epsilon))
@@ -471,6 +531,9 @@ def sync_batch_norm_reference(x, scale=None, bias=None, *, axis_name: AxisName =
                               axis_index_groups=None, mask=None, shift=None,
                               epsilon: float = 1e-5):
   """`sync_batch_norm` by plain autodiff (the oracle of the tests)."""
+  check_floating(x, "sync_batch_norm_reference")
+  check_axis_name(axis_name)
+  warn_if_unsynchronised(x, axis_name, "sync_batch_norm_reference")
   scale, bias, mask, _ = _prepare(x, scale, bias, mask, shift)
   moments = batch_moments(x, axis_name=axis_name, axis_index_groups=axis_index_groups, mask=mask)
   stats = moments.stats()
@@ -489,13 +552,16 @@ def _from_last(x, axis):
 
 
 def normalize_with_state(x, *, axis, scale, bias, running_mean, running_var, use_running_average,
-                         mask, train_fn, eval_fn, momentum, unbiased_running_var=False):
+                         mask, train_fn, eval_fn, momentum, unbiased_running_var=False,
+                         op: str = "batch norm"):
   """What a BatchNorm-like layer does, on plain arrays (shared by linen and NNX modules).
 
   Moves the feature ``axis`` last, normalises with ``train_fn(x, scale, bias, mask, shift)``
   (returning ``(y, stats)``) or ``eval_fn(x, scale, bias, mean, var)`` and returns
-  ``(y, new_running_mean, new_running_var)``.
+  ``(y, new_running_mean, new_running_var)`` (see `update_running_stats`). Raises TypeError
+  for a non-floating ``x`` (named ``op`` in the message), in both modes.
   """
+  check_floating(x, op)
   if not isinstance(axis, int):
     raise ValueError(f"Only a single feature axis is supported, got axis={axis!r}.")
   xl = _to_last(x, axis)
@@ -530,7 +596,11 @@ def _bn_eval_fn(epsilon):
 
 def linen_norm_call(module, x, use_running_average, mask, *, train_fn, eval_fn, use_scale,
                     use_bias, unbiased_running_var=False):
-  """Body of a linen BatchNorm-like ``__call__`` (variables named as flax.linen.BatchNorm)."""
+  """Body of a linen BatchNorm-like ``__call__`` (variables named as flax.linen.BatchNorm).
+
+  While initialising, statistics are local (``train_fn`` is built so) and no
+  `LocalStatisticsWarning` is issued: ``init`` may run inside a shard_map.
+  """
   use_ra = nn.merge_param("use_running_average", module.use_running_average,
                           use_running_average)
   c = x.shape[module.axis]
@@ -539,10 +609,14 @@ def linen_norm_call(module, x, use_running_average, mask, *, train_fn, eval_fn, 
   scale = (module.param("scale", module.scale_init, (c,), module.param_dtype)
            if use_scale else None)
   bias = module.param("bias", module.bias_init, (c,), module.param_dtype) if use_bias else None
-  y, new_mean, new_var = normalize_with_state(
-      x, axis=module.axis, scale=scale, bias=bias, running_mean=ra_mean.value,
-      running_var=ra_var.value, use_running_average=use_ra, mask=mask, train_fn=train_fn,
-      eval_fn=eval_fn, momentum=module.momentum, unbiased_running_var=unbiased_running_var)
+  with warnings.catch_warnings():
+    if module.is_initializing():
+      warnings.simplefilter("ignore", LocalStatisticsWarning)
+    y, new_mean, new_var = normalize_with_state(
+        x, axis=module.axis, scale=scale, bias=bias, running_mean=ra_mean.value,
+        running_var=ra_var.value, use_running_average=use_ra, mask=mask, train_fn=train_fn,
+        eval_fn=eval_fn, momentum=module.momentum, unbiased_running_var=unbiased_running_var,
+        op=type(module).__name__)
   if not use_ra and not module.is_initializing():
     ra_mean.value, ra_var.value = new_mean, new_var
   dtype = module.dtype or x.dtype
@@ -557,10 +631,24 @@ class SyncBatchNorm(nn.Module):
   all-gather forward and one all-reduce backward when ``axis_name`` is set; none in eval
   mode. ``use_fast_variance`` and ``force_float32_reductions`` are accepted for
   compatibility: reductions are always float32 and always the exact two-pass form, whatever
-  the running mean (see `sync_batch_norm`). Running variance is biased (Flax's convention)
-  unless ``unbiased_running_var``. ``mask`` (call argument) must be boolean; a channel with
-  no valid entry in the batch is normalised with mean 0 / variance 1 and keeps its running
-  statistics.
+  the running mean (see `sync_batch_norm`). ``mask`` (call argument) must be boolean; a
+  channel with no valid entry in the batch is normalised with mean 0 / variance 1 and keeps
+  its running statistics. Inputs must be floating point (TypeError otherwise).
+
+  Conventions (see `update_running_stats`), ``N`` the global number of valid values of a
+  channel in the batch (all devices of ``axis_name``):
+
+  * ``momentum`` is Flax's decay, ``running = momentum * running + (1 - momentum) * batch``;
+    PyTorch's ``momentum=m`` is ``1 - m`` here (its default 0.1 is 0.9; Flax's is 0.99).
+  * The batch is normalised with its biased variance (as in both frameworks). The running
+    variance is the biased one (Flax's convention) unless ``unbiased_running_var=True``,
+    which stores ``var * N / (N - 1)`` (PyTorch's): set it for statistics that go to or
+    come from PyTorch. Eval mode normalises with the stored variance as it is.
+
+  Attributes:
+    unbiased_running_var: store the unbiased (PyTorch) running variance instead of the
+      biased (Flax) one.
+    Other fields: as `flax.linen.BatchNorm`'s.
   """
 
   use_running_average: bool | None = None
@@ -593,11 +681,16 @@ class SyncBatchNorm(nn.Module):
 
 
 @contextlib.contextmanager
-def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=None):
+def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=None, *,
+                                unbiased_running_var: bool = False):
   """Runs every `flax.linen.BatchNorm` inside the context as jmem's `SyncBatchNorm`.
 
   For existing models, without editing their code: the BatchNorm's own fields and
-  variables are used; ``axis_name`` (if given) overrides the module's.
+  variables are used; ``axis_name`` (if given) overrides the module's. Conventions as
+  `SyncBatchNorm`'s: ``momentum`` is Flax's decay (PyTorch's 0.1 is 0.9); the running
+  variance is biased (Flax's, and ``flax.linen.BatchNorm``'s own) unless
+  ``unbiased_running_var=True`` (PyTorch's ``var * N / (N - 1)``, ``N`` the global valid
+  count).
 
   Examples:
     >>> with sync_batch_norm_interceptor(axis_name="batch"):
@@ -616,7 +709,8 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
     return linen_norm_call(
         mod, x, use_ra, kwargs.get("mask"),
         train_fn=_sync_train_fn(name, groups, mod.epsilon), eval_fn=_bn_eval_fn(mod.epsilon),
-        use_scale=mod.use_scale, use_bias=mod.use_bias)
+        use_scale=mod.use_scale, use_bias=mod.use_bias,
+        unbiased_running_var=unbiased_running_var)
 
   with nn.intercept_methods(interceptor):
     yield
@@ -625,8 +719,12 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
 class NNXSyncBatchNorm(nnx.Module):
   """Drop-in for `flax.nnx.BatchNorm` (same arguments and variable names), exact when synced.
 
-  Behaves as `SyncBatchNorm`: boolean ``mask`` only; a channel with no valid entry is
-  normalised with mean 0 / variance 1 and keeps its running statistics.
+  Behaves as `SyncBatchNorm`: boolean ``mask`` only; floating-point inputs only; a channel
+  with no valid entry is normalised with mean 0 / variance 1 and keeps its running
+  statistics. Same conventions: ``momentum`` is Flax's decay (``running = momentum *
+  running + (1 - momentum) * batch``; PyTorch's 0.1 is 0.9 here); the running variance is
+  biased (Flax's) unless ``unbiased_running_var=True`` (PyTorch's ``var * N / (N - 1)``,
+  ``N`` the global valid count per channel).
   """
 
   def __init__(self, num_features: int, *, use_running_average: bool = False, axis: int = -1,
@@ -659,7 +757,7 @@ class NNXSyncBatchNorm(nnx.Module):
         running_var=self.var[...], use_running_average=use_ra, mask=mask,
         train_fn=_sync_train_fn(self.axis_name, self.axis_index_groups, self.epsilon),
         eval_fn=_bn_eval_fn(self.epsilon), momentum=self.momentum,
-        unbiased_running_var=self.unbiased_running_var)
+        unbiased_running_var=self.unbiased_running_var, op=type(self).__name__)
     if not use_ra:
       self.mean[...], self.var[...] = mean, var
     return y.astype(self.dtype or x.dtype)
@@ -688,8 +786,12 @@ def replace_nnx_modules(model: nnx.Module, match: Callable[[Any], bool],
 
 
 def swap_nnx_batch_norm(model: nnx.Module, *, axis_name: AxisName = None,
-                        axis_index_groups=None) -> int:
-  """Replaces every `flax.nnx.BatchNorm` in ``model`` by `NNXSyncBatchNorm`, keeping weights."""
+                        axis_index_groups=None, unbiased_running_var: bool = False) -> int:
+  """Replaces every `flax.nnx.BatchNorm` in ``model`` by `NNXSyncBatchNorm`, keeping weights.
+
+  ``unbiased_running_var`` is given to every new module (see `NNXSyncBatchNorm`; the
+  default keeps ``flax.nnx.BatchNorm``'s biased running variance).
+  """
 
   def make(bn):
     new = NNXSyncBatchNorm(
@@ -698,7 +800,7 @@ def swap_nnx_batch_norm(model: nnx.Module, *, axis_name: AxisName = None,
         use_bias=bn.bias is not None, use_scale=bn.scale is not None,
         axis_name=axis_name if axis_name is not None else bn.axis_name,
         axis_index_groups=axis_index_groups if axis_index_groups is not None
-        else bn.axis_index_groups)
+        else bn.axis_index_groups, unbiased_running_var=unbiased_running_var)
     new.mean, new.var = bn.mean, bn.var
     new.scale, new.bias = bn.scale, bn.bias
     return new
