@@ -174,3 +174,24 @@ def test_bench_technique_spatial_8():
                          quiet=True)
   assert [r["technique"] for r in rows] == ["exact", "spatial-8"]
   assert rows[1]["temp_ratio"] < 0.25, rows[1]
+
+
+def test_axis_names_that_do_not_split_the_input():
+  """Unbound names raise NameError; naming an axis the input is not split over (typed
+  invariant under check_vma) raises ValueError. Swapped names between two split dims are
+  not visible inside the map (the local block carries no partition spec): not tested."""
+  mesh = spatial.spatial_mesh(1, 2, 4)
+  w3 = jnp.ones((3, 3, 2, 2))
+  x = jnp.ones((1, 8, 16, 2))
+
+  def trace(names, spec, **kw):
+    f = lambda v: spatial.halo_conv(v, w3, axis_names=names)
+    return jax.make_jaxpr(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, **kw))(x)
+  with pytest.raises(NameError, match="'height' is not bound"):
+    trace(("height", "w"), P(None, "h", "w"))
+  with pytest.raises(ValueError, match="H is split over mesh axis 'h'.*same on every device"):
+    trace(("h", "w"), P(None, None, "w"))           # H is not split over 'h'
+  with pytest.raises(ValueError, match="W is split over mesh axis 'w'"):
+    trace((None, "w"), P())                         # replicated input
+  trace(("h", "w"), P(None, "h", "w"))              # the right names
+  trace(("h", "w"), P(None, None, "w"), check_vma=False)   # no types there: unchecked

@@ -193,9 +193,36 @@ def _check_axes(axis_names: AxisNames, nd: int) -> tuple[str | None, ...]:
   return axis_names
 
 
-def _plans(x, *, window, strides, dilation, padding, axis_names) -> tuple[HaloPlan, ...]:
+def _check_split(x, axis_names: tuple[str | None, ...]) -> None:
+  """Raises if ``x`` is typed identical on every device of an axis it is said to be split over.
+
+  Only under ``jax.shard_map`` with its varying types (``check_vma=True``, seen from
+  ``axis_index`` being typed varying); elsewhere nothing is known and nothing is checked.
+  Which dimension an axis splits is not visible inside the map (the local block's type
+  has no partition spec), so names swapped between two dimensions that are both split
+  cannot be detected.
+  """
+  for i, name in enumerate(axis_names):
+    if name is None or lax.axis_size(name) == 1:
+      continue
+    if name not in sync_bn.varying_axes(lax.axis_index(name)):
+      continue                       # no varying types here (check_vma=False, pmap, vmap)
+    if name not in sync_bn.varying_axes(x):
+      dim = "HWD"[i] if len(axis_names) > 1 else "W"
+      raise ValueError(
+          f"axis_names says {dim} is split over mesh axis {name!r}, but the input is the "
+          f"same on every device of {name!r} (typed invariant), so it holds no block of "
+          f"{dim}: the result would be the convolution of {lax.axis_size(name)} tiled copies. "
+          f"Name the mesh axes as in the input's shard_map in_specs (spatial dims only; "
+          f"None for a dim that is not split).")
+
+
+def _plans(x, *, window, strides, dilation, padding, axis_names,
+           check_split: bool = True) -> tuple[HaloPlan, ...]:
   nd = x.ndim - 2
   axis_names = _check_axes(axis_names, nd)
+  if check_split:
+    _check_split(x, axis_names)
   global_sizes = [x.shape[1 + i] * (1 if a is None else lax.axis_size(a))
                   for i, a in enumerate(axis_names)]
   pads = _padding(padding, window, strides, dilation, global_sizes)
@@ -231,10 +258,11 @@ def _rebuild(x, strips, plans):
   return x
 
 
-def _haloed(x, *, window, strides, dilation, padding, axis_names, pad_value=0.0):
+def _haloed(x, *, window, strides, dilation, padding, axis_names, pad_value=0.0,
+            check_split=True):
   """``(x with halos, local padding)`` for a window op over x's spatial dims 1..nd."""
   plans = _plans(x, window=window, strides=strides, dilation=dilation, padding=padding,
-                 axis_names=axis_names)
+                 axis_names=axis_names, check_split=check_split)
   return _extend(x, plans, pad_value=pad_value)[0], tuple(p.padding for p in plans)
 
 
@@ -314,14 +342,22 @@ def halo_conv(x: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] =
       (``padding`` "SAME", "VALID", an int or ``(lo, hi)`` pairs; the global image's).
     feature_group_count: groups (``C_in`` for depthwise).
     axis_names: per spatial dim, the mesh axis it is sharded over or None. ``None``:
-      nothing sharded (a plain convolution: the same code runs unsharded).
+      nothing sharded (a plain convolution: the same code runs unsharded). Every name
+      must be bound by the enclosing shard_map (NameError otherwise). Under
+      ``check_vma=True``, naming an axis of size > 1 that ``x`` is not split over
+      (typed invariant) raises ValueError. Not detectable from inside the map: names
+      left out or swapped between dims that are split (an axis that splits the batch
+      is indistinguishable from one that splits H or W), which give per-block or wrong
+      results silently; `spatial_model_fns` derives both the specs and the names from
+      one mesh.
 
   Returns:
     ``[N, *spatial / strides, C_out]``: this device's block of the global output.
 
   Raises:
     ValueError: if the global output does not split into equal blocks (e.g. a per-device
-      width that is not a multiple of the stride), or a halo is wider than a block.
+      width that is not a multiple of the stride), a halo is wider than a block, or ``x``
+      is not split over a named axis (see ``axis_names``).
     NameError: if an axis name is not bound by an enclosing shard_map / pmap.
   """
   nd = x.ndim - 2
@@ -366,15 +402,16 @@ def halo_pool(x: jax.Array, *, window: int | Sequence[int], strides: int | Seque
   dims, ones = (1,) + window + (1,), (1,) * nd
   st = (1,) + strides + (1,)
 
-  def pool(v, init, op, pad_value):
+  def pool(v, init, op, pad_value, check_split=True):
     v, pads = _haloed(v, window=window, strides=strides, dilation=ones, padding=padding,
-                      axis_names=axis_names, pad_value=pad_value)
+                      axis_names=axis_names, pad_value=pad_value, check_split=check_split)
     return lax.reduce_window(v, init, op, dims, st, ((0, 0),) + pads + ((0, 0),))
 
   if kind == "max":
     return pool(x, -jnp.inf, lax.max, -jnp.inf)
   total = pool(x, 0.0, lax.add, 0.0)
-  count = pool(jnp.ones(x.shape[:-1] + (1,), x.dtype), 0.0, lax.add, 0.0)
+  # The window counts: the same ones on every device (typed invariant), by design.
+  count = pool(jnp.ones(x.shape[:-1] + (1,), x.dtype), 0.0, lax.add, 0.0, check_split=False)
   return total / count
 
 
