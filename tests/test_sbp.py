@@ -108,9 +108,10 @@ def test_samplers_are_deterministic_sorted_and_spread():
 def test_bad_input_errors():
   p, x, _ = _setup()
   key = jax.random.key(0)
-  for r in (0.0, -0.5, 1.5):
+  for r in (0.0, -0.5, 1.5, float("nan"), float("inf"), True, "0.5"):
     with pytest.raises(ValueError, match=r"keep_ratio must be in \(0, 1\]"):
       S.sbp(_mlp, keep_ratio=r)
+  S.sbp(_mlp, keep_ratio=np.float32(0.5))          # a NumPy scalar is a ratio
   with pytest.raises(ValueError, match="out of range"):
     S.sbp(_mlp, keep_ratio=0.5, axis=5)(p, x, key)
   with pytest.raises(ValueError, match="zero nodes"):
@@ -270,3 +271,14 @@ def test_pretrained_backbone_starts_the_video_model():
     video.pretrain_backbone(model, clips, cfg)
   with pytest.raises(TypeError, match="supports StTVideo and VideoTransformer"):
     video.pretrain_backbone(models.create_model("resnet8", 10), frames, cfg)
+
+
+@pytest.mark.parametrize("name", ["stt-resnet8", "video-vit"])
+def test_video_models_refuse_bad_keep_ratio_at_construction(name):
+  """Each of these used to train exact (1.5, NaN) or fail later inside SBP (0)."""
+  for r in (1.5, float("nan"), 0.0, -0.25, True):
+    with pytest.raises(ValueError, match=r"keep_ratio must be in \(0, 1\]"):
+      models.create_model(name, 10, keep_ratio=r)
+  model = models.create_model(name, 10, keep_ratio=0.5)
+  with pytest.raises(ValueError, match=r"keep_ratio must be in \(0, 1\]"):
+    model.clone(keep_ratio=2.0)

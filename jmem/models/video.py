@@ -85,7 +85,8 @@ class StTVideo(nn.Module):
 
   Attributes:
     num_classes: outputs.
-    keep_ratio: fraction of frames that get a backward pass through the CNN (1 = exact).
+    keep_ratio: fraction of frames that get a backward pass through the CNN, in (0, 1]
+      (1 = exact); anything else (NaN included) raises ValueError at construction.
     sampler: SBP sampler name or callable.
     backbone: ResNet config name for the per-frame CNN (GroupNorm replaces BatchNorm).
     feature_dim: per-frame feature size (the CNN's head width).
@@ -103,6 +104,11 @@ class StTVideo(nn.Module):
   temporal_depth: int = 2
   heads: int = 4
   reference: bool = False
+
+  def __post_init__(self):
+    # At construction: a ratio > 1 or NaN would otherwise silently train exact.
+    sbp_lib.check_keep_ratio(self.keep_ratio)
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, video, train: bool = False):
@@ -139,7 +145,8 @@ class VideoTransformer(nn.Module):
 
   Attributes:
     num_classes: outputs.
-    keep_ratio: fraction of tokens kept for the backward of the SBP blocks (1 = exact).
+    keep_ratio: fraction of tokens kept for the backward of the SBP blocks, in (0, 1]
+      (1 = exact); anything else (NaN included) raises ValueError at construction.
     sampler: SBP sampler over the ``T * (H/p) * (W/p)`` tokens (e.g.
       ``jmem.ops.sbp.checkerboard((T, H/p, W/p))``).
     patch: spatial patch side.
@@ -159,6 +166,11 @@ class VideoTransformer(nn.Module):
   heads: int = 4
   exact_last: int = 1
   readout: str = "mean"
+
+  def __post_init__(self):
+    # At construction: a ratio > 1 or NaN would otherwise silently train exact.
+    sbp_lib.check_keep_ratio(self.keep_ratio)
+    super().__post_init__()
 
   @nn.compact
   def __call__(self, video, train: bool = False):

@@ -34,6 +34,7 @@ References:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,7 +65,13 @@ def num_kept(num_nodes: int, keep_ratio: float) -> int:
 
 
 def check_keep_ratio(keep_ratio: float) -> None:
-  if not isinstance(keep_ratio, (int, float)) or not 0.0 < keep_ratio <= 1.0:
+  """Raises ValueError unless ``keep_ratio`` is a real number in (0, 1].
+
+  NaN, infinities and booleans are refused (``True`` is not a ratio); NumPy scalars are
+  accepted.
+  """
+  if (isinstance(keep_ratio, (bool, np.bool_)) or not isinstance(keep_ratio, numbers.Real)
+      or not 0.0 < keep_ratio <= 1.0):
     raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r} (1 = exact "
                      "backpropagation; 0.25 keeps a quarter of the nodes).")
 
