@@ -1,5 +1,6 @@
 """The training loop: linen and NNX, state threading, exact resume from orbax checkpoints."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,3 +85,26 @@ def test_unwritable_checkpoint_dir(digits8, tmp_path):
   with pytest.raises(ValueError, match="checkpoint directory"):
     train.train(resnet("resnet8", 10), digits8,
                 train.TrainConfig(steps=1, checkpoint_dir=str(blocker / "sub"), progress=False))
+
+
+class _Tiny(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=False):
+    return nn.Dense(3)(x)
+
+
+def test_empty_batch_is_refused_before_any_update():
+  """A mean over no example is NaN: the step used to return a NaN loss (and, with
+  BatchNorm, NaN statistics and parameters); now it refuses the batch when traced."""
+  fns = train.model_fns(_Tiny())
+  opt = train.default_optimizer(1e-3, 10)
+  state = train.init_state(fns, opt, jax.random.key(0), jnp.ones((1, 4)))
+  step = train.make_train_step(fns, opt, donate=False)
+  with pytest.raises(ValueError, match=r"Empty batch: x has shape \(0, 4\)"):
+    step(state, jnp.ones((0, 4)), jnp.zeros((0,), jnp.int32))
+  with pytest.raises(ValueError, match="Empty batch"):
+    train.make_loss(fns)(state.params, state.model_state, jnp.ones((0, 4)),
+                         jnp.zeros((0,), jnp.int32), None)
+  new, metrics = step(state, jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))   # still works
+  assert np.isfinite(float(metrics["loss"]))
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(new.params))
