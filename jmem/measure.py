@@ -20,6 +20,7 @@ import jax.extend.core as jex
 import numpy as np
 
 __all__ = [
+    "VIEW_PRIMITIVES",
     "jit",
     "xla_compiler_options",
     "Residual",
@@ -78,8 +79,10 @@ class Residual:
     dtype: array dtype.
     nbytes: bytes this value occupies.
     source: ``"activation"`` (computed in the forward pass), ``"argument"`` (one of the
-      function's own inputs, resident anyway), ``"constant"`` or ``"literal"``.
-    description: where it came from (primitive and source line, or argument name).
+      function's own inputs, or a copy or slice of one: resident anyway, and not what a
+      technique saves; see `saved_residuals`), ``"constant"`` or ``"literal"``.
+    description: where it came from (producing primitive, or argument index and the
+      primitives that copied it).
   """
 
   shape: tuple[int, ...]
@@ -131,6 +134,16 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
   its ``fwd`` returns them (packed uint8 stays uint8), and ``jax.checkpoint`` policies are
   honoured.
 
+  A residual that is an argument, or made from one only by copies, dtype casts and layout
+  ops (`VIEW_PRIMITIVES`: ``pvary``, ``convert_element_type``, ``reshape``, ``transpose``,
+  slicing, a ``broadcast_in_dim`` that adds unit dims only, ...), counts as
+  ``"argument"``, also when the chain runs through the jaxpr of a ``shard_map``, ``jit``
+  or ``checkpoint`` (whose inputs are the outer values). Under ``jax.shard_map`` every
+  device keeps its copy of a replicated weight (a ``pvary``) for the backward: that is
+  the weight's memory, not an activation, and is counted once per device, at the size the
+  residual has. A broadcast to a larger shape, or anything computed from a weight, stays
+  an activation.
+
   Args:
     f: the function to differentiate, e.g. ``loss(params, batch)``.
     *args: its positional arguments (arrays or ShapeDtypeStructs, any pytrees).
@@ -174,10 +187,8 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
 
   invars = {v: i for i, v in enumerate(jaxpr.invars)}
   constvars = set(jaxpr.constvars)
-  producers: dict[Any, Any] = {}
-  for eqn in jaxpr.eqns:
-    for v in eqn.outvars:
-      producers[v] = eqn
+  producers = _producers(jaxpr)
+  origins = _Origins()
 
   seen: set[Any] = set()
   residuals: list[Residual] = []
@@ -196,6 +207,14 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
         eqn = producers.get(v)
         source = "activation"
         desc = f"output of {eqn.primitive.name}" if eqn is not None else "unknown"
+        found = origins.find(v, jaxpr)
+        if found is not None:
+          root, via = found
+          if root in invars:
+            source = "argument"
+            desc = f"copy of argument at flattened index {invars[root]} (via {' > '.join(via)})"
+          elif root in constvars:
+            source, desc = "constant", f"copy of a closed-over constant (via {' > '.join(via)})"
     aval = v.aval
     residuals.append(Residual(tuple(getattr(aval, "shape", ())), getattr(aval, "dtype", None),
                               _nbytes(aval), source, desc))
@@ -205,6 +224,91 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
 
   return ResidualReport(tuple(residuals), total(("activation",)), total(("argument",)),
                         total(("constant", "literal")))
+
+
+# Primitives whose output is a copy, a dtype cast, a relayout or a slice of their first
+# operand (not a new value computed from it).
+VIEW_PRIMITIVES = frozenset({
+    "pvary", "pcast", "convert_element_type", "copy", "copy_p", "reduce_precision",
+    "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice",
+    "broadcast_in_dim", "sharding_constraint", "mesh_cast", "reshard",
+})
+# Several operands, output ``i`` a copy of operand ``i``.
+_POSITIONAL_PRIMITIVES = frozenset({"device_put", "optimization_barrier"})
+# Calls whose inner jaxpr's inputs and outputs are the equation's, in order.
+_CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr")
+_CALL_PRIMITIVES = frozenset({"shard_map", "pjit", "jit", "closed_call", "core_call",
+                              "checkpoint", "remat", "custom_jvp_call"})
+
+
+def _producers(jaxpr) -> dict[Any, Any]:
+  return {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+
+def _inner_jaxpr(eqn):
+  """The jaxpr of a call-like equation whose invars/outvars match the equation's, or None."""
+  if eqn.primitive.name not in _CALL_PRIMITIVES:
+    return None
+  for key in _CALL_JAXPR_PARAMS:
+    inner = eqn.params.get(key)
+    inner = getattr(inner, "jaxpr", inner)          # ClosedJaxpr -> Jaxpr
+    if (inner is not None and hasattr(inner, "eqns")
+        and len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars)):
+      return inner
+  return None
+
+
+class _Origins:
+  """Follows a value back through `VIEW_PRIMITIVES` (and into call jaxprs) to its root."""
+
+  def __init__(self):
+    self._producers: dict[int, dict[Any, Any]] = {}
+
+  def _of(self, jaxpr):
+    if id(jaxpr) not in self._producers:
+      self._producers[id(jaxpr)] = _producers(jaxpr)
+    return self._producers[id(jaxpr)]
+
+  def find(self, v, jaxpr) -> tuple[Any, list[str]] | None:
+    """``(root, primitives on the way)`` if ``v`` is a view of an input or constant of
+    ``jaxpr`` (the root is that input or constvar), else None."""
+    inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+    producers = self._of(jaxpr)
+    via: list[str] = []
+    while True:
+      if isinstance(v, jex.Literal):
+        return None
+      if v in inputs:
+        return (v, via) if via else None
+      eqn = producers.get(v)
+      if eqn is None:
+        return None
+      name = eqn.primitive.name
+      i = eqn.outvars.index(v)
+      if name in VIEW_PRIMITIVES:
+        if name == "broadcast_in_dim" and _size(eqn.outvars[0]) != _size(eqn.invars[0]):
+          return None                                   # a new, larger buffer
+        v = eqn.invars[0]
+      elif name in _POSITIONAL_PRIMITIVES and i < len(eqn.invars):
+        v = eqn.invars[i]
+      elif (inner := _inner_jaxpr(eqn)) is not None:
+        found = self.find(inner.outvars[i], inner)
+        if found is None or found[0] not in inner.invars:
+          if inner.outvars[i] in inner.invars:         # forwarded unchanged
+            found = (inner.outvars[i], [])
+          else:
+            return None
+        root, inner_via = found
+        v = eqn.invars[inner.invars.index(root)]
+        via.extend([name] + inner_via)
+        continue
+      else:
+        return None
+      via.append(name)
+
+
+def _size(v) -> int:
+  return int(np.prod(getattr(v.aval, "shape", ()), dtype=np.int64))
 
 
 @dataclasses.dataclass(frozen=True)

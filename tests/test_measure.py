@@ -152,3 +152,41 @@ def test_jmem_jit_keeps_unrolled_remat_on_cpu():
   w = [jnp.full((128, 128), 0.01)] * 12
   xv = jnp.ones((512, 128))
   np.testing.assert_array_equal(measure.jit(grad(True))(w, xv)[0], jax.jit(grad(False))(w, xv)[0])
+
+
+def _dense_loss(w, b, x, act=jnp.tanh):
+  return jnp.sum(act(x @ w + b))
+
+
+def test_replicated_weights_under_shard_map_are_arguments_not_activations():
+  """Each device's copy of a replicated weight (a pvary inside the map) is the weight, not
+  an activation: the sharded figure equals the single-device one. Values computed from the
+  weights, and the real activations, still count."""
+  mesh = _mesh()
+  w, b, x = jnp.ones((16, 32)), jnp.ones((32,)), jnp.ones((64, 16))
+
+  def sharded(loss):
+    return jax.shard_map(lambda w, b, x: lax.psum(loss(w, b, x), "d"), mesh=mesh,
+                         in_specs=(P(), P(), P("d")), out_specs=P())
+
+  single = measure.saved_residuals(_dense_loss, w, b, x)
+  report = measure.saved_residuals(sharded(_dense_loss), w, b, x)
+  assert single.activation_bytes >= 64 * 32 * 4                 # tanh's output, at least
+  assert report.activation_bytes == single.activation_bytes
+  copies = [r for r in report.residuals if r.description.startswith("copy of argument")]
+  assert [(r.source, r.shape, r.nbytes) for r in copies] == [("argument", (8 * 16, 32),
+                                                              8 * w.nbytes)]
+  assert "index 0" in copies[0].description and "pvary" in copies[0].description
+  # sin(w) is computed from the weight: its per-device copies are activations.
+  computed = measure.saved_residuals(sharded(lambda w, b, x: _dense_loss(jnp.sin(w), b, x)),
+                                     w, b, x)
+  assert computed.activation_bytes >= report.activation_bytes + 8 * w.nbytes
+  # Off the mesh too: a dtype cast of a weight is a copy of it, a broadcast to a batch-sized
+  # array is not.
+  cast = measure.saved_residuals(
+      lambda w, x: jnp.sum(jnp.tanh(x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16))), w, x)
+  assert [r.source for r in cast.residuals if r.shape == w.shape] == ["argument"]
+  tiled = measure.saved_residuals(lambda b, x: jnp.sum(jnp.sin(x @ jnp.ones((16, 32)) *
+                                                           jnp.broadcast_to(b, (64, 32)))), b, x)
+  assert any(r.source == "activation" and r.shape == (64, 32) and "broadcast" in r.description
+             for r in tiled.residuals)
