@@ -594,6 +594,13 @@ def _bn_eval_fn(epsilon):
   return fn
 
 
+@contextlib.contextmanager
+def _quiet_local_statistics():
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", LocalStatisticsWarning)
+    yield
+
+
 def linen_norm_call(module, x, use_running_average, mask, *, train_fn, eval_fn, use_scale,
                     use_bias, unbiased_running_var=False):
   """Body of a linen BatchNorm-like ``__call__`` (variables named as flax.linen.BatchNorm).
@@ -609,9 +616,7 @@ def linen_norm_call(module, x, use_running_average, mask, *, train_fn, eval_fn, 
   scale = (module.param("scale", module.scale_init, (c,), module.param_dtype)
            if use_scale else None)
   bias = module.param("bias", module.bias_init, (c,), module.param_dtype) if use_bias else None
-  with warnings.catch_warnings():
-    if module.is_initializing():
-      warnings.simplefilter("ignore", LocalStatisticsWarning)
+  with _quiet_local_statistics() if module.is_initializing() else contextlib.nullcontext():
     y, new_mean, new_var = normalize_with_state(
         x, axis=module.axis, scale=scale, bias=bias, running_mean=ra_mean.value,
         running_var=ra_var.value, use_running_average=use_ra, mask=mask, train_fn=train_fn,
