@@ -10,6 +10,7 @@ uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,6 +28,7 @@ from jmem import measure
 __all__ = [
     "ModelFns", "TrainState", "TrainConfig", "TrainResult", "model_fns", "init_state",
     "make_loss", "make_train_step", "evaluate", "default_optimizer", "train", "override_params",
+    "check_learning_rate",
 ]
 
 
@@ -207,6 +209,16 @@ def default_optimizer(learning_rate: float, steps: int, *,
   return optax.adamw(schedule, weight_decay=weight_decay)
 
 
+def check_learning_rate(learning_rate: float) -> None:
+  """Raises a ValueError unless ``learning_rate`` is a finite number > 0.
+
+  A NaN or infinite rate would train without complaint and turn every parameter NaN.
+  """
+  if not (math.isfinite(learning_rate) and learning_rate > 0):
+    raise ValueError(f"learning_rate must be a finite number > 0, got {learning_rate!r}; "
+                     "pass e.g. --learning-rate 3e-3.")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Options of `train`.
@@ -242,10 +254,14 @@ class TrainConfig:
       raise ValueError(
           f"batch_size {self.batch_size} must be between 1 and the number of training "
           f"examples ({num_train}); lower --batch-size.")
-    if self.learning_rate <= 0:
-      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
-    if self.eval_every < 0 or self.checkpoint_every < 1:
-      raise ValueError("eval_every must be >= 0 and checkpoint_every >= 1.")
+    check_learning_rate(self.learning_rate)
+    if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+      raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}.")
+    if self.eval_every < 0:
+      raise ValueError(f"eval_every must be >= 0 (0: evaluate only at the end), got "
+                       f"{self.eval_every}.")
+    if self.checkpoint_every < 1:
+      raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}.")
     if self.resume and self.checkpoint_dir is None:
       raise ValueError("resume=True needs a checkpoint_dir to resume from.")
 
@@ -327,15 +343,16 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
   fns = model_fns(model)
   optimizer = optimizer or default_optimizer(config.learning_rate, config.steps,
                                              weight_decay=config.weight_decay)
+  manager = ocp = None
+  if config.checkpoint_dir is not None:   # a bad directory fails before any work
+    ocp, manager = _checkpoint_manager(config.checkpoint_dir, config.checkpoint_every)
   key = jax.random.key(config.seed)
   state = init_state(fns, optimizer, jax.random.fold_in(key, 1), jnp.asarray(dataset.x_train[:1]))
   if initial_params is not None:
     params = override_params(state.params, initial_params)
     state = state._replace(params=params, opt_state=optimizer.init(params))
   start = 0
-  manager = ocp = None
-  if config.checkpoint_dir is not None:
-    ocp, manager = _checkpoint_manager(config.checkpoint_dir, config.checkpoint_every)
+  if manager is not None:
     latest = manager.latest_step() if config.resume else None
     if latest is not None:
       abstract = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)

@@ -36,23 +36,62 @@ def test_cli_bench_json_and_files(tmp_path, capsys):
     assert (out / name).stat().st_size > 0
 
 
-def _error(argv, capsys):
+TRAIN = ["train", "--model", "resnet8", "--image-size", "8", "--batch-size", "16",
+         "--steps", "2", "--no-progress"]
+BENCH = ["bench", "--model", "resnet8", "--image-size", "8", "--batch-size", "16",
+         "--steps", "1", "--no-progress", "--output-dir", "{tmp}/out"]
+
+# (flags that replace or extend TRAIN / BENCH, fragments the error message must contain).
+# Every error is found before a step is compiled.
+BAD_FLAGS = {
+    "train-lr-nan": (TRAIN + ["--learning-rate", "nan"], ["learning_rate", "nan", "> 0"]),
+    "train-lr-inf": (TRAIN + ["--learning-rate", "inf"], ["learning_rate", "inf"]),
+    "train-lr-zero": (TRAIN + ["--learning-rate", "0"], ["learning_rate", "> 0"]),
+    "train-lr-negative": (TRAIN + ["--learning-rate=-1e-3"], ["learning_rate", "-0.001"]),
+    "bench-lr-nan": (BENCH + ["--learning-rate", "nan"], ["learning_rate", "nan"]),
+    "train-batch-0": (TRAIN + ["--batch-size", "0"], ["batch_size 0", "--batch-size"]),
+    "train-batch-too-big": (TRAIN + ["--batch-size", "5000"], ["batch_size 5000", "1438"]),
+    "bench-batch-0": (BENCH + ["--batch-size", "0"], ["batch_size", "got 0"]),
+    "bench-batch-too-big": (BENCH + ["--batch-size", "5000"], ["larger than", "--batch-size"]),
+    "train-steps-negative": (TRAIN + ["--steps", "-3"], ["steps", "-3"]),
+    "bench-steps-negative": (BENCH + ["--steps", "-3"], ["steps", "-3"]),
+    "train-image-0": (TRAIN + ["--image-size", "0"], ["image_size", "got 0"]),
+    "train-image-too-small": (TRAIN + ["--model", "convnext-digits", "--image-size", "1"],
+                              ["at least 2x2", "got 1x1", "--image-size 2"]),
+    "bench-image-too-small": (BENCH + ["--model", "convnext-t", "--memory-only"],
+                              ["at least 32x32", "got 8x8"]),
+    "train-video-too-small": (TRAIN + ["--model", "stt-resnet8", "--image-size", "16"],
+                              ["too small", "16 frames", "--image-size 22"]),
+    "train-unknown-model": (TRAIN + ["--model", "vgg"], ["'vgg'", "resnet20"]),
+    "bench-unknown-model": (BENCH + ["--model", "vgg"], ["'vgg'", "resnet20"]),
+    "train-unknown-technique": (TRAIN + ["--technique", "magic"], ["'magic'", "remat"]),
+    "bench-unknown-technique": (BENCH + ["--techniques", "exact,magic"], ["'magic'", "remat"]),
+    "train-technique-needs-other-model": (TRAIN + ["--technique", "sbp-0.5"],
+                                          ["sbp-0.5", "video model"]),
+    "train-eval-every-negative": (TRAIN + ["--eval-every", "-1"], ["eval_every", "-1"]),
+    "train-checkpoint-every-0": (TRAIN + ["--checkpoint-every", "0"], ["checkpoint_every"]),
+    "train-unwritable-checkpoint-dir": (TRAIN + ["--checkpoint-dir", "{tmp}/file/ckpt"],
+                                        ["checkpoint directory", "{tmp}/file/ckpt"]),
+    "bench-unwritable-output-dir": (BENCH + ["--output-dir", "{tmp}/file/out"],
+                                    ["{tmp}/file/out", "--output-dir"]),
+    "train-resume-without-dir": (TRAIN + ["--resume"], ["checkpoint_dir"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_cli_bad_flags_exit_2_with_a_clear_message(case, tmp_path, capsys):
+  """Each bad flag: exit status 2 (as argparse's own errors), one line naming the problem."""
+  (tmp_path / "file").write_text("not a directory")
+  argv, fragments = BAD_FLAGS[case]
+  argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
   assert e.value.code == 2
-  return capsys.readouterr().err
-
-
-def test_cli_errors_are_clear(tmp_path, capsys):
-  assert "resnet20" in _error(["bench", "--model", "vgg"], capsys)
-  err = _error(["bench", "--techniques", "exact,magic"], capsys)
-  assert "magic" in err and "remat" in err
-  assert "larger than" in _error(["bench", "--batch-size", "5000", "--steps", "1",
-                                  "--output-dir", str(tmp_path)], capsys)
-  assert "steps" in _error(["bench", "--steps", "-3"], capsys)
-  blocker = tmp_path / "f"
-  blocker.write_text("x")
-  assert "--output-dir" in _error(["bench", "--output-dir", str(blocker / "d")], capsys)
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  assert err.splitlines()[-1].startswith(f"jmem {argv[0]}: error: "), err
+  for fragment in fragments:
+    assert fragment.replace("{tmp}", str(tmp_path)) in err, (fragment, err)
 
 
 def test_registry_one_registration_adds_a_bench_row():
