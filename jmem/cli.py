@@ -104,7 +104,8 @@ def _train(args) -> int:
   config.validate(len(dataset.x_train))
   model = technique.build(models.create_model(args.model, dataset.num_classes), dataset,
                           args.batch_size)
-  result = train.train(model, dataset, config)
+  result = train.train(model, dataset, config, run_info={
+      "model": args.model, "technique": args.technique, "image_size": args.image_size})
   if result.resumed_from:
     print(f"resumed from step {result.resumed_from}")
   for h in result.history:

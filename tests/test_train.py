@@ -64,6 +64,28 @@ def test_resume_is_bit_identical(kind, digits8, tmp_path):
   assert resumed.resumed_from == 3
   _same_tree(full.state, resumed.state)
   assert resumed.test_accuracy == full.test_accuracy
+  # The other kind of model is refused: its state has other arrays.
+  other = (SmallCNN(1, 10, width=8, rngs=nnx.Rngs(0)) if kind == "linen"
+           else resnet("resnet8", 10, num_filters=8))
+  with pytest.raises(ValueError, match="different run.*state: '[0-9]+ arrays"):
+    train.train(other, digits8, train.TrainConfig(**cfg, checkpoint_dir=ckpt, resume=True))
+
+
+def _tiny_fns(shape):
+  """A model whose only parameter has ``shape``: the logits are 0 plus sum(w) * 0."""
+  def apply(params, model_state, x, *, train, rng=None):
+    del train, rng
+    return jnp.zeros((x.shape[0], 10)) + 0.0 * jnp.sum(params["w"]), model_state
+  return train.ModelFns(lambda key, x: ({"w": jnp.ones(shape)}, {}), apply, None)
+
+
+def test_resume_refuses_a_state_of_other_shapes(digits8, tmp_path):
+  """Same number of arrays and parameters, but a transposed weight."""
+  cfg = dict(steps=2, batch_size=8, progress=False, checkpoint_dir=str(tmp_path / "c"))
+  train.train(_tiny_fns((2, 3)), digits8, train.TrainConfig(**cfg))
+  with pytest.raises(ValueError, match=r"different run \(state: '6 arrays, 6 parameters, "
+                     r"shapes and dtypes #\w+' there, '6 arrays, 6 parameters, shapes"):
+    train.train(_tiny_fns((3, 2)), digits8, train.TrainConfig(**cfg, resume=True))
 
 
 def test_train_config_errors(digits8):
