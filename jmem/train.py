@@ -10,6 +10,7 @@ uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -41,11 +42,15 @@ class ModelFns(NamedTuple):
     init: ``(key, x) -> (params, model_state)``.
     apply: ``(params, model_state, x, *, train, rng) -> (logits, new_model_state)``.
     module: the original linen module or NNX graph definition (for reference).
+    sharding: the `jax.sharding.Sharding` of every leaf of the training state (e.g.
+      replicated over a mesh), or None (the default device). `train` puts the initial state
+      there, where the step leaves it, so that the step compiles once.
   """
 
   init: Callable[..., tuple[Any, Any]]
   apply: Callable[..., tuple[jax.Array, Any]]
   module: Any
+  sharding: Any = None
 
 
 def _from_linen(module: nn.Module) -> ModelFns:
@@ -190,17 +195,30 @@ def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
 
 def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
              batch_size: int = 256) -> float:
-  """Top-1 accuracy of the model in eval mode (running statistics, no dropout)."""
-  predict = _predict_fn(fns)
+  """Top-1 accuracy of the model in eval mode (running statistics, no dropout).
+
+  The last batch is padded to the size of the others and the jitted prediction is kept per
+  ``fns.apply``, so repeated evaluations compile once.
+  """
+  if len(x) == 0:
+    raise ValueError("evaluate needs at least one example, got none.")
+  predict = _predict_fn(fns.apply)
+  size = min(batch_size, len(x))
   correct = 0
-  for i in range(0, len(x), batch_size):
-    logits = predict(state.params, state.model_state, jnp.asarray(x[i:i + batch_size]))
-    correct += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(y[i:i + batch_size])))
+  for i in range(0, len(x), size):
+    xb, n = x[i:i + size], len(x[i:i + size])
+    if n < size:     # eval mode is per example (running statistics): padding changes nothing
+      xb = np.concatenate([xb, np.zeros((size - n,) + xb.shape[1:], xb.dtype)])
+    logits = predict(state.params, state.model_state, jnp.asarray(xb))[:n]
+    correct += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(y[i:i + n])))
   return correct / len(x)
 
 
-def _predict_fn(fns: ModelFns):
-  return measure.jit(lambda p, s, x: fns.apply(p, s, x, train=False)[0])
+@functools.lru_cache(maxsize=16)
+def _predict_fn(apply: Callable[..., Any]) -> Callable[..., jax.Array]:
+  def predict(params, model_state, x):
+    return apply(params, model_state, x, train=False)[0]
+  return measure.jit(predict)
 
 
 def default_optimizer(learning_rate: float, steps: int, *,
@@ -480,6 +498,8 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
   if checkpoints is not None and config.resume:
     state = checkpoints.restore(state)
     start = int(state.step)
+  if fns.sharding is not None:     # where the step leaves it: no second compile
+    state = jax.device_put(state, fns.sharding)
   # The step donates its state; copy it so arrays the caller owns (an NNX model's
   # parameters, say) are never invalidated.
   state = jax.tree.map(lambda a: a.copy(), state)

@@ -1,12 +1,16 @@
 """The training loop: linen and NNX, state threading, exact resume from orbax checkpoints."""
 
+import collections
+import contextlib
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jmem import data, train
+from jmem import bench, data, models, train
 from jmem.models import SmallCNN, resnet
 
 
@@ -106,3 +110,44 @@ def test_unwritable_checkpoint_dir(digits8, tmp_path):
   with pytest.raises(ValueError, match="checkpoint directory"):
     train.train(resnet("resnet8", 10), digits8,
                 train.TrainConfig(steps=1, checkpoint_dir=str(blocker / "sub"), progress=False))
+
+
+@contextlib.contextmanager
+def _compiles():
+  """Counts XLA compilations, by function name, while the block runs."""
+  counts = collections.Counter()
+
+  def listener(event, duration, **kwargs):
+    del duration
+    if event == "/jax/core/compile/backend_compile_duration":
+      counts[kwargs.get("fun_name")] += 1
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield counts
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("technique", ["exact", "spatial-8"])
+def test_step_and_evaluate_compile_once(technique):
+  """A train step called 3 times compiles once, and so does an evaluation called again and
+  again, a partial last batch included.
+
+  spatial-8 compiled its step twice (the initial state on one device, the step's output
+  replicated on the mesh); evaluate re-jitted on every call, once more for a partial batch.
+  """
+  ds = data.digits(16)
+  ds = dataclasses.replace(ds, x_test=ds.x_test[:40], y_test=ds.y_test[:40])
+  model = models.create_model("convnext-digits", 10, depths=(1,), dims=(8,))
+  fns = train.model_fns(bench.get_technique(technique).build(model, ds, 8))
+  with _compiles() as counts:      # evaluates after steps 1, 2 and 3
+    result = train.train(fns, ds, train.TrainConfig(steps=3, batch_size=8, eval_every=1,
+                                                    progress=False))
+  assert len(result.history) == 3
+  assert counts["jit(step)"] == 1 and counts["jit(predict)"] == 1, counts
+  accuracies = []
+  for _ in range(3):               # batches of 16, 16 and 8 (padded)
+    with _compiles() as counts:
+      accuracies.append(train.evaluate(fns, result.state, ds.x_test, ds.y_test, batch_size=16))
+    assert counts["jit(predict)"] == (0 if accuracies[1:] else 1), counts
+  assert accuracies == [result.test_accuracy] * 3
