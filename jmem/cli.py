@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
                  "with kernels (actnn-*, inplace-abn) picks its implementation")
   b.add_argument("--batch-size", type=int, default=d.batch_size)
   b.add_argument("--image-size", type=int, default=d.image_size,
-                 help="image side, or frame side for video models (>= 24)")
+                 help="image side, or frame side for video models (at least 22 for 16 frames)")
   b.add_argument("--num-frames", type=int, default=d.num_frames, help="frames per clip (video)")
   b.add_argument("--train-clips", type=int, default=d.train_clips,
                  help="training clips rendered (video)")
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--technique", default="exact",
                  help=f"one of: {', '.join(bench.technique_names())}")
   t.add_argument("--image-size", type=int, default=16,
-                 help="image side, or frame side for video models (>= 24)")
+                 help="image side, or frame side for video models (at least 22 for 16 frames)")
   t.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
   t.add_argument("--train-clips", type=int, default=1024, help="training clips rendered (video)")
   t.add_argument("--batch-size", type=int, default=128)
