@@ -331,8 +331,8 @@ class _Checkpoints:
   """The orbax checkpoints of one run in one directory.
 
   Each step holds two items: ``state`` (the `TrainState` leaves) and ``run`` (a JSON record
-  of what the state means: model, technique, data, batch size, seed, optimiser settings and
-  the state's size). A resume compares the record with the new run's and refuses any
+  of what the state means: model, technique, data, batch size, seed, optimiser settings, the
+  state's size and a digest of its shapes and dtypes). A resume compares the record with the new run's and refuses any
   difference, and a fresh run refuses a directory that already holds checkpoints (orbax
   would silently skip every step it already has).
   """

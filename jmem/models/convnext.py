@@ -85,8 +85,11 @@ def _check_image_size(x, stem_patch: int, stages: int, axis_names) -> None:
   NaN. Under ``shard_map`` the global size (block size times the axis size) is checked.
   """
   need = stem_patch * 2 ** (stages - 1)
-  sizes = [x.shape[1 + i] * (1 if a is None else jax.lax.axis_size(a))
-           for i, a in enumerate(axis_names)]
+  try:
+    sizes = [x.shape[1 + i] * (1 if a is None else jax.lax.axis_size(a))
+             for i, a in enumerate(axis_names)]
+  except NameError:   # an unbound axis name: the stem's halo_conv says how to fix it
+    return
   if min(sizes) < need:
     raise ValueError(
         f"This ConvNeXt (stem patch {stem_patch}, {stages} stages, each after the first "
