@@ -32,6 +32,7 @@ from jmem import train as train_lib
 __all__ = [
     "Technique", "BenchConfig", "register_technique", "get_technique", "technique_names",
     "run_bench", "write_results", "format_table", "step_memory", "calibration_problem",
+    "make_dataset",
 ]
 
 
@@ -254,10 +255,36 @@ class BenchConfig:
       raise ValueError(f"batch_size must be >= 1, got {self.batch_size}.")
     if self.image_size < 1:
       raise ValueError(f"image_size must be >= 1, got {self.image_size}.")
+    train_lib.check_learning_rate(self.learning_rate)
     if not self.seeds:
       raise ValueError("Give at least one seed.")
     if self.timing_repeats < 1:
       raise ValueError(f"timing_repeats must be >= 1, got {self.timing_repeats}.")
+
+
+def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
+                 train_clips: int = 1024) -> data_lib.Dataset:
+  """The data ``jmem bench`` and ``jmem train`` use for the model named ``model``.
+
+  Image models get the digits resized to ``image_size``; video models get moving-digit clips
+  of ``num_frames`` frames of side ``image_size``, the digits a third of it, moving one pixel
+  per frame (so the frame must leave ``num_frames - 1`` pixels of room).
+
+  Raises:
+    ValueError: if ``image_size`` is too small for clips of ``num_frames`` frames.
+  """
+  if models_lib.model_task(model) != "video":
+    return data_lib.digits(image_size)
+  need = 3
+  while need - need // 3 < num_frames - 1:    # frame minus digit >= travel
+    need += 1
+  if image_size < need:
+    raise ValueError(
+        f"Image size {image_size} is too small for video clips of {num_frames} frames: a "
+        f"digit a third of the frame moving 1 px per frame needs frames of at least "
+        f"{need}x{need}; use --image-size {need} or more, or fewer --num-frames.")
+  return data_lib.moving_digits(num_frames, frame_size=image_size, digit_size=image_size // 3,
+                                num_train=train_clips)
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -293,12 +320,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   """
   config.validate()
   names = ["exact"] + [t for t in config.techniques if t != "exact"]
-  if models_lib.model_task(config.model) == "video":
-    dataset = data_lib.moving_digits(config.num_frames, frame_size=config.image_size,
-                                     digit_size=config.image_size // 3,
-                                     num_train=config.train_clips)
-  else:
-    dataset = data_lib.digits(config.image_size)
+  dataset = make_dataset(config.model, config.image_size, num_frames=config.num_frames,
+                         train_clips=config.train_clips)
   if not config.memory_only and config.batch_size > len(dataset.x_train):
     raise ValueError(
         f"batch_size {config.batch_size} is larger than the {len(dataset.x_train)} training "

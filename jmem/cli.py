@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
                  "with kernels (actnn-*, inplace-abn) picks its implementation")
   b.add_argument("--batch-size", type=int, default=d.batch_size)
   b.add_argument("--image-size", type=int, default=d.image_size,
-                 help="image side, or frame side for video models (>= 24)")
+                 help="image side, or frame side for video models (at least 22 for 16 frames)")
   b.add_argument("--num-frames", type=int, default=d.num_frames, help="frames per clip (video)")
   b.add_argument("--train-clips", type=int, default=d.train_clips,
                  help="training clips rendered (video)")
@@ -55,7 +55,10 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--model", default="resnet8", help=f"one of: {', '.join(models.MODEL_NAMES)}")
   t.add_argument("--technique", default="exact",
                  help=f"one of: {', '.join(bench.technique_names())}")
-  t.add_argument("--image-size", type=int, default=16)
+  t.add_argument("--image-size", type=int, default=16,
+                 help="image side, or frame side for video models (at least 22 for 16 frames)")
+  t.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
+  t.add_argument("--train-clips", type=int, default=1024, help="training clips rendered (video)")
   t.add_argument("--batch-size", type=int, default=128)
   t.add_argument("--steps", type=int, default=300)
   t.add_argument("--learning-rate", type=float, default=3e-3)
@@ -89,16 +92,20 @@ def _bench(args) -> int:
 
 
 def _train(args) -> int:
-  from jmem import bench, data, models, train  # pylint: disable=g-import-not-at-top
-  dataset = data.digits(args.image_size)
-  model = bench.get_technique(args.technique).build(
-      models.create_model(args.model, dataset.num_classes), dataset, args.batch_size)
+  from jmem import bench, models, train  # pylint: disable=g-import-not-at-top
   config = train.TrainConfig(
       steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
       seed=args.seed, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
       checkpoint_every=args.checkpoint_every, resume=args.resume,
       progress=not args.no_progress)
-  result = train.train(model, dataset, config)
+  technique = bench.get_technique(args.technique)    # bad names fail before any work
+  dataset = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,
+                               train_clips=args.train_clips)
+  config.validate(len(dataset.x_train))
+  model = technique.build(models.create_model(args.model, dataset.num_classes), dataset,
+                          args.batch_size)
+  result = train.train(model, dataset, config, run_info={
+      "model": args.model, "technique": args.technique, "image_size": args.image_size})
   if result.resumed_from:
     print(f"resumed from step {result.resumed_from}")
   for h in result.history:

@@ -10,6 +10,10 @@ uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,7 +31,7 @@ from jmem import measure
 __all__ = [
     "ModelFns", "TrainState", "TrainConfig", "TrainResult", "model_fns", "init_state",
     "check_batch", "make_loss", "make_train_step", "evaluate", "default_optimizer", "train",
-    "override_params",
+    "override_params", "check_learning_rate",
 ]
 
 
@@ -38,11 +42,15 @@ class ModelFns(NamedTuple):
     init: ``(key, x) -> (params, model_state)``.
     apply: ``(params, model_state, x, *, train, rng) -> (logits, new_model_state)``.
     module: the original linen module or NNX graph definition (for reference).
+    sharding: the `jax.sharding.Sharding` of every leaf of the training state (e.g.
+      replicated over a mesh), or None (the default device). `train` puts the initial state
+      there, where the step leaves it, so that the step compiles once.
   """
 
   init: Callable[..., tuple[Any, Any]]
   apply: Callable[..., tuple[jax.Array, Any]]
   module: Any
+  sharding: Any = None
 
 
 def _from_linen(module: nn.Module) -> ModelFns:
@@ -209,17 +217,30 @@ def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
 
 def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
              batch_size: int = 256) -> float:
-  """Top-1 accuracy of the model in eval mode (running statistics, no dropout)."""
-  predict = _predict_fn(fns)
+  """Top-1 accuracy of the model in eval mode (running statistics, no dropout).
+
+  The last batch is padded to the size of the others and the jitted prediction is kept per
+  ``fns.apply``, so repeated evaluations compile once.
+  """
+  if len(x) == 0:
+    raise ValueError("evaluate needs at least one example, got none.")
+  predict = _predict_fn(fns.apply)
+  size = min(batch_size, len(x))
   correct = 0
-  for i in range(0, len(x), batch_size):
-    logits = predict(state.params, state.model_state, jnp.asarray(x[i:i + batch_size]))
-    correct += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(y[i:i + batch_size])))
+  for i in range(0, len(x), size):
+    xb, n = x[i:i + size], len(x[i:i + size])
+    if n < size:     # eval mode is per example (running statistics): padding changes nothing
+      xb = np.concatenate([xb, np.zeros((size - n,) + xb.shape[1:], xb.dtype)])
+    logits = predict(state.params, state.model_state, jnp.asarray(xb))[:n]
+    correct += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(y[i:i + n])))
   return correct / len(x)
 
 
-def _predict_fn(fns: ModelFns):
-  return measure.jit(lambda p, s, x: fns.apply(p, s, x, train=False)[0])
+@functools.lru_cache(maxsize=16)
+def _predict_fn(apply: Callable[..., Any]) -> Callable[..., jax.Array]:
+  def predict(params, model_state, x):
+    return apply(params, model_state, x, train=False)[0]
+  return measure.jit(predict)
 
 
 def default_optimizer(learning_rate: float, steps: int, *,
@@ -228,6 +249,16 @@ def default_optimizer(learning_rate: float, steps: int, *,
   warmup = max(1, steps // 20)
   schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1))
   return optax.adamw(schedule, weight_decay=weight_decay)
+
+
+def check_learning_rate(learning_rate: float) -> None:
+  """Raises a ValueError unless ``learning_rate`` is a finite number > 0.
+
+  A NaN or infinite rate would train without complaint and turn every parameter NaN.
+  """
+  if not (math.isfinite(learning_rate) and learning_rate > 0):
+    raise ValueError(f"learning_rate must be a finite number > 0, got {learning_rate!r}; "
+                     "pass e.g. --learning-rate 3e-3.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,9 +272,11 @@ class TrainConfig:
     weight_decay: AdamW weight decay.
     seed: seeds initialisation, batch order and dropout.
     eval_every: evaluate on the test set every this many steps (0: only at the end).
-    checkpoint_dir: where orbax checkpoints go (``None``: no checkpoints).
+    checkpoint_dir: where orbax checkpoints go (``None``: no checkpoints); a fresh run needs
+      a directory without checkpoints.
     checkpoint_every: save every this many steps (and at the end).
-    resume: continue from the latest checkpoint in ``checkpoint_dir`` if there is one.
+    resume: continue from the latest checkpoint in ``checkpoint_dir``; there must be one,
+      written by a run with the same model, data and settings (see `train`).
     progress: show a progress bar.
   """
 
@@ -265,10 +298,14 @@ class TrainConfig:
       raise ValueError(
           f"batch_size {self.batch_size} must be between 1 and the number of training "
           f"examples ({num_train}); lower --batch-size.")
-    if self.learning_rate <= 0:
-      raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}.")
-    if self.eval_every < 0 or self.checkpoint_every < 1:
-      raise ValueError("eval_every must be >= 0 and checkpoint_every >= 1.")
+    check_learning_rate(self.learning_rate)
+    if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+      raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}.")
+    if self.eval_every < 0:
+      raise ValueError(f"eval_every must be >= 0 (0: evaluate only at the end), got "
+                       f"{self.eval_every}.")
+    if self.checkpoint_every < 1:
+      raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}.")
     if self.resume and self.checkpoint_dir is None:
       raise ValueError("resume=True needs a checkpoint_dir to resume from.")
 
@@ -312,24 +349,129 @@ def _from_savable(saved: list[Any], like: TrainState) -> TrainState:
   return jax.tree.unflatten(treedef, out)
 
 
-def _checkpoint_manager(directory: str, every: int):
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  directory = os.path.abspath(directory)
-  try:
-    os.makedirs(directory, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f"Cannot create checkpoint directory {directory!r}: {e}") from e
-  if not os.access(directory, os.W_OK):
-    raise ValueError(f"Checkpoint directory {directory!r} is not writable.")
-  options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every,
-                                         enable_async_checkpointing=False)
-  return ocp, ocp.CheckpointManager(directory, options=options)
+class _Checkpoints:
+  """The orbax checkpoints of one run in one directory.
+
+  Each step holds two items: ``state`` (the `TrainState` leaves) and ``run`` (a JSON record
+  of what the state means: model, technique, data, batch size, seed, optimiser settings, the
+  state's size and a digest of its shapes and dtypes). A resume compares the record with the new run's and refuses any
+  difference, and a fresh run refuses a directory that already holds checkpoints (orbax
+  would silently skip every step it already has).
+  """
+
+  def __init__(self, directory: str, every: int, *, resume: bool):
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    self._ocp = ocp
+    self.directory = directory = os.path.abspath(directory)
+    if resume and not os.path.isdir(directory):
+      raise ValueError(f"Cannot resume: the checkpoint directory {directory!r} does not exist. "
+                       "Check the path, or start fresh by running without --resume "
+                       "(resume=False).")
+    try:
+      os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+      raise ValueError(f"Cannot create checkpoint directory {directory!r}: {e}") from e
+    if not os.access(directory, os.W_OK):
+      raise ValueError(f"Checkpoint directory {directory!r} is not writable.")
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=every,
+                                           enable_async_checkpointing=False)
+    self._manager = ocp.CheckpointManager(directory, options=options)
+    self.steps = sorted(self._manager.all_steps())
+    if resume and not self.steps:
+      self.close()
+      raise ValueError(f"Cannot resume: there is no checkpoint in {directory!r}. To start "
+                       "fresh, run without --resume (resume=False).")
+    if not resume and self.steps:
+      self.close()
+      raise ValueError(
+          f"Checkpoint directory {directory!r} already holds checkpoints (steps "
+          f"{', '.join(map(str, self.steps))}), which a fresh run would not replace. Pass "
+          "--resume (resume=True) to continue that run, or start fresh in an empty "
+          "--checkpoint-dir (or delete those steps).")
+
+  def _unreadable(self, step: int, why: str) -> ValueError:
+    earlier = [s for s in self.steps if s < step]
+    fix = (f"Delete {os.path.join(self.directory, str(step))!r} to resume from step "
+           f"{earlier[-1]}, or start" if earlier else "Start")
+    self.close()
+    return ValueError(f"Checkpoint step {step} in {self.directory!r} is unreadable ({why}). "
+                      f"{fix} fresh in an empty --checkpoint-dir without --resume.")
+
+  def check_record(self, record: dict[str, Any]) -> None:
+    """Raises a ValueError unless the latest step was written by a run with ``record``."""
+    step, ocp = self.steps[-1], self._ocp
+    if not os.path.isdir(os.path.join(self.directory, str(step), "run")):
+      raise self._unreadable(step, "it has no run record: written by an earlier jmem, or "
+                             "incomplete")
+    try:
+      saved = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))
+      saved = dict(saved["run"])
+    except Exception as e:  # pylint: disable=broad-except  (tensorstore raises Exception)
+      raise self._unreadable(step, _first_line(e)) from e
+    show = lambda r, k: repr(r[k]) if k in r else "not recorded"
+    diffs = [f"{k}: {show(saved, k)} there, {show(record, k)} now"
+             for k in {**saved, **record} if saved.get(k) != record.get(k)]
+    if diffs:
+      self.close()
+      raise ValueError(
+          f"Cannot resume from checkpoint step {step} in {self.directory!r}: it was written by "
+          f"a different run ({'; '.join(diffs)}). Resume with the settings it was written "
+          "with, or start fresh in an empty --checkpoint-dir without --resume.")
+
+  def restore(self, like: TrainState) -> TrainState:
+    """The latest step's state, with the structure, shapes and dtypes of ``like``."""
+    step, ocp = self.steps[-1], self._ocp
+    target = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in _to_savable(like)]
+    try:
+      saved = self._manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    except Exception as e:  # pylint: disable=broad-except  (tensorstore raises Exception)
+      raise self._unreadable(step, _first_line(e)) from e
+    return _from_savable(list(saved), like)
+
+  def save(self, step: int, state: TrainState, record: dict[str, Any], *, force: bool) -> None:
+    ocp = self._ocp
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_to_savable(state)), run=ocp.args.JsonSave(record)),
+                       force=force)
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+
+def _first_line(e: Exception) -> str:
+  """The gist of an orbax / tensorstore error (their messages run to a page)."""
+  text = str(e).strip().splitlines()
+  text = text[0].split(" See full TensorStore details")[0] if text else type(e).__name__
+  return f"perhaps truncated or corrupted: {text[:300]}"
+
+
+def _run_record(state, dataset: data_lib.Dataset, config: TrainConfig, *,
+                default_optimizer_used: bool, run_info: dict[str, Any] | None) -> dict[str, Any]:
+  """What a checkpoint's state means, as JSON: compared field by field on resume."""
+  record = dict(run_info or {})
+  leaves = jax.tree.leaves(state)
+  layout = json.dumps([[list(np.shape(x)), str(x.dtype)] for x in leaves])
+  params = sum(int(np.prod(np.shape(p))) for p in jax.tree.leaves(state.params))
+  record.update(dataset=dataset.name, example_shape=list(dataset.example_shape),
+                num_classes=dataset.num_classes, num_train=len(dataset.x_train),
+                batch_size=config.batch_size, seed=config.seed,
+                state=f"{len(leaves)} arrays, {params:,} parameters, shapes and dtypes "
+                      f"#{hashlib.sha256(layout.encode()).hexdigest()[:12]}")
+  if default_optimizer_used:       # the schedule depends on the number of steps
+    record.update(optimizer="default_optimizer", learning_rate=config.learning_rate,
+                  weight_decay=config.weight_decay, steps=config.steps)
+  else:
+    record.update(optimizer="given")
+  return json.loads(json.dumps(record))
 
 
 def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
           config: TrainConfig = TrainConfig(), *,
           optimizer: optax.GradientTransformation | None = None,
-          initial_params: Any = None, stop_after: int | None = None) -> TrainResult:
+          initial_params: Any = None, stop_after: int | None = None,
+          run_info: dict[str, Any] | None = None) -> TrainResult:
   """Trains a classifier on ``dataset`` with one jit-compiled step.
 
   Args:
@@ -342,30 +484,44 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
       resumed wins over it.
     stop_after: stop (as if killed) once this many total steps are done, without the final
       evaluation; used to test that resuming is exact.
+    run_info: JSON-serialisable facts about the run that the state does not show, such as
+      ``{"model": "resnet8", "technique": "remat"}``: recorded with every checkpoint, beside
+      the data, batch size, seed, optimiser settings and the state's size, and compared on
+      resume.
 
   Returns:
     A `TrainResult`.
+
+  Raises:
+    ValueError: for a bad config; with ``config.resume``, if the checkpoint directory holds
+      no checkpoint, its latest step is unreadable, or it was written by a run with another
+      record; without it, if the directory already holds checkpoints.
   """
   config.validate(len(dataset.x_train))
   fns = model_fns(model)
+  default_used = optimizer is None
   optimizer = optimizer or default_optimizer(config.learning_rate, config.steps,
                                              weight_decay=config.weight_decay)
-  key = jax.random.key(config.seed)
-  state = init_state(fns, optimizer, jax.random.fold_in(key, 1), jnp.asarray(dataset.x_train[:1]))
+  key = jax.random.fold_in(jax.random.key(config.seed), 1)
+  x1 = jnp.asarray(dataset.x_train[:1])
+  checkpoints = record = None
+  if config.checkpoint_dir is not None:   # directory and record checked before any work
+    checkpoints = _Checkpoints(config.checkpoint_dir, config.checkpoint_every,
+                               resume=config.resume)
+    record = _run_record(jax.eval_shape(lambda k, x: init_state(fns, optimizer, k, x), key, x1),
+                         dataset, config, default_optimizer_used=default_used, run_info=run_info)
+    if config.resume:
+      checkpoints.check_record(record)
+  state = init_state(fns, optimizer, key, x1)
   if initial_params is not None:
     params = override_params(state.params, initial_params)
     state = state._replace(params=params, opt_state=optimizer.init(params))
   start = 0
-  manager = ocp = None
-  if config.checkpoint_dir is not None:
-    ocp, manager = _checkpoint_manager(config.checkpoint_dir, config.checkpoint_every)
-    latest = manager.latest_step() if config.resume else None
-    if latest is not None:
-      abstract = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-                  for x in _to_savable(state)]
-      restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
-      state = _from_savable(list(restored), state)
-      start = int(state.step)
+  if checkpoints is not None and config.resume:
+    state = checkpoints.restore(state)
+    start = int(state.step)
+  if fns.sharding is not None:     # where the step leaves it: no second compile
+    state = jax.device_put(state, fns.sharding)
   # The step donates its state; copy it so arrays the caller owns (an NNX model's
   # parameters, say) are never invalidated.
   state = jax.tree.map(lambda a: a.copy(), state)
@@ -382,16 +538,16 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
       idx = data_lib.batch_indices(len(x_all), config.batch_size, step, seed=config.seed)
       state, metrics = step_fn(state, jnp.asarray(x_all[idx]), jnp.asarray(y_all[idx]))
       done = step + 1
-      if manager is not None and (done % config.checkpoint_every == 0 or done == config.steps):
-        manager.save(done, args=ocp.args.StandardSave(_to_savable(state)))
+      if checkpoints is not None and (done % config.checkpoint_every == 0
+                                      or done == config.steps):
+        checkpoints.save(done, state, record, force=done == config.steps)
       if config.eval_every and done % config.eval_every == 0 and done != config.steps:
         history.append({"step": done, "loss": float(metrics["loss"]),
                         "train_accuracy": float(metrics["accuracy"]),
                         "test_accuracy": evaluate(fns, state, dataset.x_test, dataset.y_test)})
       bar.update(task, completed=done)
-  if manager is not None:
-    manager.wait_until_finished()
-    manager.close()
+  if checkpoints is not None:
+    checkpoints.close()
   if stop_after is not None and end < config.steps:
     return TrainResult(state, float("nan"), history, start)
   acc = evaluate(fns, state, dataset.x_test, dataset.y_test)

@@ -1,6 +1,11 @@
 """`jmem bench` and `jmem train`: rows, files, registry and clear errors."""
 
+import contextlib
+import functools
+import io
 import json
+import os
+import shutil
 
 import pytest
 
@@ -36,23 +41,107 @@ def test_cli_bench_json_and_files(tmp_path, capsys):
     assert (out / name).stat().st_size > 0
 
 
-def _error(argv, capsys):
+TRAIN = ["train", "--model", "resnet8", "--image-size", "8", "--batch-size", "16",
+         "--steps", "2", "--no-progress"]
+BENCH = ["bench", "--model", "resnet8", "--image-size", "8", "--batch-size", "16",
+         "--steps", "1", "--no-progress", "--output-dir", "{tmp}/out"]
+
+# (flags that replace or extend TRAIN / BENCH, fragments the error message must contain).
+# Every error is found before a step is compiled.
+BAD_FLAGS = {
+    "train-lr-nan": (TRAIN + ["--learning-rate", "nan"], ["learning_rate", "nan", "> 0"]),
+    "train-lr-inf": (TRAIN + ["--learning-rate", "inf"], ["learning_rate", "inf"]),
+    "train-lr-zero": (TRAIN + ["--learning-rate", "0"], ["learning_rate", "> 0"]),
+    "train-lr-negative": (TRAIN + ["--learning-rate=-1e-3"], ["learning_rate", "-0.001"]),
+    "bench-lr-nan": (BENCH + ["--learning-rate", "nan"], ["learning_rate", "nan"]),
+    "train-batch-0": (TRAIN + ["--batch-size", "0"], ["batch_size 0", "--batch-size"]),
+    "train-batch-too-big": (TRAIN + ["--batch-size", "5000"], ["batch_size 5000", "1438"]),
+    "bench-batch-0": (BENCH + ["--batch-size", "0"], ["batch_size", "got 0"]),
+    "bench-batch-too-big": (BENCH + ["--batch-size", "5000"], ["larger than", "--batch-size"]),
+    "train-steps-negative": (TRAIN + ["--steps", "-3"], ["steps", "-3"]),
+    "bench-steps-negative": (BENCH + ["--steps", "-3"], ["steps", "-3"]),
+    "train-image-0": (TRAIN + ["--image-size", "0"], ["image_size", "got 0"]),
+    "train-image-too-small": (TRAIN + ["--model", "convnext-digits", "--image-size", "1"],
+                              ["at least 2x2", "got 1x1", "--image-size 2"]),
+    "bench-image-too-small": (BENCH + ["--model", "convnext-t", "--memory-only"],
+                              ["at least 32x32", "got 8x8"]),
+    "train-video-too-small": (TRAIN + ["--model", "stt-resnet8", "--image-size", "16"],
+                              ["too small", "16 frames", "--image-size 22"]),
+    "train-unknown-model": (TRAIN + ["--model", "vgg"], ["'vgg'", "resnet20"]),
+    "bench-unknown-model": (BENCH + ["--model", "vgg"], ["'vgg'", "resnet20"]),
+    "train-unknown-technique": (TRAIN + ["--technique", "magic"], ["'magic'", "remat"]),
+    "bench-unknown-technique": (BENCH + ["--techniques", "exact,magic"], ["'magic'", "remat"]),
+    "train-technique-needs-other-model": (TRAIN + ["--technique", "sbp-0.5"],
+                                          ["sbp-0.5", "video model"]),
+    "train-eval-every-negative": (TRAIN + ["--eval-every", "-1"], ["eval_every", "-1"]),
+    "train-checkpoint-every-0": (TRAIN + ["--checkpoint-every", "0"], ["checkpoint_every"]),
+    "train-unwritable-checkpoint-dir": (TRAIN + ["--checkpoint-dir", "{tmp}/file/ckpt"],
+                                        ["checkpoint directory", "{tmp}/file/ckpt"]),
+    "bench-unwritable-output-dir": (BENCH + ["--output-dir", "{tmp}/file/out"],
+                                    ["{tmp}/file/out", "--output-dir"]),
+    "train-resume-without-dir": (TRAIN + ["--resume"], ["checkpoint_dir"]),
+    "train-resume-missing-dir": (TRAIN + ["--resume", "--checkpoint-dir", "{tmp}/missing"],
+                                 ["{tmp}/missing", "does not exist", "without --resume"]),
+    "train-resume-empty-dir": (TRAIN + ["--resume", "--checkpoint-dir", "{tmp}/empty"],
+                               ["no checkpoint in", "{tmp}/empty", "without --resume"]),
+    # {ckpt}: the checkpoints of TRAIN (steps 1 and 2); {broken}: a copy, step 2 truncated.
+    "train-fresh-over-checkpoints": (TRAIN + ["--checkpoint-dir", "{ckpt}"],
+                                     ["already holds checkpoints (steps 1, 2)", "--resume"]),
+    "train-resume-truncated": (TRAIN + ["--resume", "--checkpoint-dir", "{broken}"],
+                               ["step 2 in", "{broken}", "unreadable", "truncated",
+                                "{broken}/2' to resume from step 1"]),
+    "train-resume-other-model": (TRAIN + ["--resume", "--checkpoint-dir", "{ckpt}",
+                                          "--model", "resnet20"],
+                                 ["different run", "model: 'resnet8' there, 'resnet20' now"]),
+    "train-resume-other-technique": (TRAIN + ["--resume", "--checkpoint-dir", "{ckpt}",
+                                              "--technique", "remat"],
+                                     ["technique: 'exact' there, 'remat' now"]),
+    "train-resume-other-image-size": (TRAIN + ["--resume", "--checkpoint-dir", "{ckpt}",
+                                               "--image-size", "16"],
+                                      ["image_size: 8 there, 16 now"]),
+    "train-resume-other-batch-size": (TRAIN + ["--resume", "--checkpoint-dir", "{ckpt}",
+                                               "--batch-size", "8"],
+                                      ["batch_size: 16 there, 8 now"]),
+    "train-resume-other-learning-rate": (TRAIN + ["--resume", "--checkpoint-dir", "{ckpt}",
+                                                  "--learning-rate", "0.1"],
+                                         ["learning_rate: 0.003 there, 0.1 now"]),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """``(directory, stdout)`` of one short `TRAIN` run saving every step."""
+  ckpt = str(tmp_path_factory.mktemp("trained") / "ckpt")
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert cli.main(TRAIN + ["--checkpoint-every", "1", "--checkpoint-dir", ckpt]) == 0
+  return ckpt, out.getvalue()
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_cli_bad_flags_exit_2_with_a_clear_message(case, tmp_path, capsys, request):
+  """Each bad flag: exit status 2 (as argparse's own errors), one line naming the problem."""
+  (tmp_path / "file").write_text("not a directory")
+  (tmp_path / "empty").mkdir()
+  argv, fragments = BAD_FLAGS[case]
+  paths = {"{tmp}": str(tmp_path)}
+  if any("{ckpt}" in a or "{broken}" in a for a in argv):
+    paths["{ckpt}"] = request.getfixturevalue("checkpoint")[0]
+    paths["{broken}"] = str(tmp_path / "broken")
+    shutil.copytree(paths["{ckpt}"], paths["{broken}"])
+    for f in (tmp_path / "broken" / "2" / "state").rglob("*"):
+      if f.is_file():
+        os.truncate(f, f.stat().st_size // 2)
+  fill = lambda text: functools.reduce(lambda t, kv: t.replace(*kv), paths.items(), text)
+  argv = [fill(a) for a in argv]
   with pytest.raises(SystemExit) as e:
     cli.main(argv)
   assert e.value.code == 2
-  return capsys.readouterr().err
-
-
-def test_cli_errors_are_clear(tmp_path, capsys):
-  assert "resnet20" in _error(["bench", "--model", "vgg"], capsys)
-  err = _error(["bench", "--techniques", "exact,magic"], capsys)
-  assert "magic" in err and "remat" in err
-  assert "larger than" in _error(["bench", "--batch-size", "5000", "--steps", "1",
-                                  "--output-dir", str(tmp_path)], capsys)
-  assert "steps" in _error(["bench", "--steps", "-3"], capsys)
-  blocker = tmp_path / "f"
-  blocker.write_text("x")
-  assert "--output-dir" in _error(["bench", "--output-dir", str(blocker / "d")], capsys)
+  err = capsys.readouterr().err
+  assert "Traceback" not in err, err
+  assert err.splitlines()[-1].startswith(f"jmem {argv[0]}: error: "), err
+  for fragment in fragments:
+    assert fill(fragment) in err, (fragment, err)
 
 
 def test_registry_one_registration_adds_a_bench_row():
@@ -85,13 +174,11 @@ def test_actnn_l3_technique_calibrates_bits_before_measuring():
   assert rows[1]["saved_ratio"] < 1 / 8, rows[1]
 
 
-def test_cli_train_resume(tmp_path, capsys):
-  ckpt = str(tmp_path / "ckpt")
-  args = ["train", "--model", "resnet8", "--image-size", "8", "--batch-size", "16",
-          "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", ckpt, "--no-progress"]
-  assert cli.main(args) == 0
-  first = capsys.readouterr().out
-  assert cli.main(args + ["--resume"]) == 0    # already finished: resumes at the end
+def test_cli_train_resume(checkpoint, tmp_path, capsys):
+  ckpt, first = checkpoint
+  copy = str(tmp_path / "ckpt")
+  shutil.copytree(ckpt, copy)
+  assert cli.main(TRAIN + ["--checkpoint-dir", copy, "--resume"]) == 0   # resumes at the end
   second = capsys.readouterr().out
-  assert "resumed from step 4" in second
+  assert "resumed from step 2" in second
   assert first.splitlines()[-1] == second.splitlines()[-1]   # same final accuracy

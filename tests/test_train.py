@@ -1,5 +1,9 @@
 """The training loop: linen and NNX, state threading, exact resume from orbax checkpoints."""
 
+import collections
+import contextlib
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jmem import data, train
+from jmem import bench, data, models, train
 from jmem.models import SmallCNN, resnet
 
 
@@ -65,6 +69,28 @@ def test_resume_is_bit_identical(kind, digits8, tmp_path):
   assert resumed.resumed_from == 3
   _same_tree(full.state, resumed.state)
   assert resumed.test_accuracy == full.test_accuracy
+  # The other kind of model is refused: its state has other arrays.
+  other = (SmallCNN(1, 10, width=8, rngs=nnx.Rngs(0)) if kind == "linen"
+           else resnet("resnet8", 10, num_filters=8))
+  with pytest.raises(ValueError, match="different run.*state: '[0-9]+ arrays"):
+    train.train(other, digits8, train.TrainConfig(**cfg, checkpoint_dir=ckpt, resume=True))
+
+
+def _tiny_fns(shape):
+  """A model whose only parameter has ``shape``: the logits are 0 plus sum(w) * 0."""
+  def apply(params, model_state, x, *, train, rng=None):
+    del train, rng
+    return jnp.zeros((x.shape[0], 10)) + 0.0 * jnp.sum(params["w"]), model_state
+  return train.ModelFns(lambda key, x: ({"w": jnp.ones(shape)}, {}), apply, None)
+
+
+def test_resume_refuses_a_state_of_other_shapes(digits8, tmp_path):
+  """Same number of arrays and parameters, but a transposed weight."""
+  cfg = dict(steps=2, batch_size=8, progress=False, checkpoint_dir=str(tmp_path / "c"))
+  train.train(_tiny_fns((2, 3)), digits8, train.TrainConfig(**cfg))
+  with pytest.raises(ValueError, match=r"different run \(state: '6 arrays, 6 parameters, "
+                     r"shapes and dtypes #\w+' there, '6 arrays, 6 parameters, shapes"):
+    train.train(_tiny_fns((3, 2)), digits8, train.TrainConfig(**cfg, resume=True))
 
 
 def test_train_config_errors(digits8):
@@ -108,3 +134,47 @@ def test_empty_batch_is_refused_before_any_update():
   new, metrics = step(state, jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))   # still works
   assert np.isfinite(float(metrics["loss"]))
   assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(new.params))
+
+
+@contextlib.contextmanager
+def _compiles():
+  """Counts XLA compilations, by function name, while the block runs."""
+  counts = collections.Counter()
+
+  def listener(event, duration, **kwargs):
+    del duration
+    if event == "/jax/core/compile/backend_compile_duration":
+      counts[kwargs.get("fun_name")] += 1
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield counts
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.parametrize("technique", ["exact", "spatial-8"])
+def test_step_and_evaluate_compile_once(technique):
+  """A train step called 3 times compiles once, and so does an evaluation called again and
+  again, a partial last batch included.
+
+  spatial-8 compiled its step twice (the initial state on one device, the step's output
+  replicated on the mesh); evaluate re-jitted on every call, once more for a partial batch.
+  """
+  ds = data.digits(16)
+  ds = dataclasses.replace(ds, x_test=ds.x_test[:40], y_test=ds.y_test[:40])
+  model = models.create_model("convnext-digits", 10, depths=(1,), dims=(8,))
+  fns = train.model_fns(bench.get_technique(technique).build(model, ds, 8))
+  with _compiles() as counts:      # evaluates after steps 1, 2 and 3
+    result = train.train(fns, ds, train.TrainConfig(steps=3, batch_size=8, eval_every=1,
+                                                    progress=False))
+  assert len(result.history) == 3
+  assert counts["jit(step)"] == 1 and counts["jit(predict)"] == 1, counts
+  accuracies = []
+  for i in range(3):               # batches of 16, 16 and 8 (padded)
+    with _compiles() as counts:
+      accuracies.append(train.evaluate(fns, result.state, ds.x_test, ds.y_test, batch_size=16))
+    if i == 0:                     # a new batch size: one compile, the partial batch included
+      assert counts["jit(predict)"] == 1, counts
+    else:                          # nothing at all is compiled again
+      assert not counts, counts
+  assert accuracies == [result.test_accuracy] * 3

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
+import jax
 
 from jmem.parallel import spatial
 
@@ -76,6 +77,27 @@ class ConvNeXtBlock(nn.Module):
     return x + y
 
 
+def _check_image_size(x, stem_patch: int, stages: int, axis_names) -> None:
+  """Raises a ValueError if the stem and downsamplings would leave no pixel of ``x``.
+
+  The patchify stem and the ``stages - 1`` 2x2 downsamplings use VALID padding, so an image
+  smaller than ``stem_patch * 2**(stages - 1)`` ends as an empty feature map whose mean is
+  NaN. Under ``shard_map`` the global size (block size times the axis size) is checked.
+  """
+  need = stem_patch * 2 ** (stages - 1)
+  try:
+    sizes = [x.shape[1 + i] * (1 if a is None else jax.lax.axis_size(a))
+             for i, a in enumerate(axis_names)]
+  except NameError:   # an unbound axis name: the stem's halo_conv says how to fix it
+    return
+  if min(sizes) < need:
+    raise ValueError(
+        f"This ConvNeXt (stem patch {stem_patch}, {stages} stages, each after the first "
+        f"halving the size) needs images of at least {need}x{need}, got {sizes[0]}x{sizes[1]} "
+        f"(its feature map would be empty and the loss NaN): use larger images "
+        f"(e.g. --image-size {need}).")
+
+
 class ConvNeXt(nn.Module):
   """ConvNeXt classifier, ``apply(variables, x, train=bool)`` on ``[N, H, W, C]`` images.
 
@@ -106,6 +128,7 @@ class ConvNeXt(nn.Module):
   def __call__(self, x, train: bool = False):
     if len(self.depths) != len(self.dims):
       raise ValueError(f"depths {self.depths} and dims {self.dims} must have the same length.")
+    _check_image_size(x, self.stem_patch, len(self.dims), self.axis_names)
     block_cls = ConvNeXtBlock if self.block_transform is None else self.block_transform(
         ConvNeXtBlock, static_argnums=(2,))
     total = sum(self.depths)

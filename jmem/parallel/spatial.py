@@ -490,7 +490,8 @@ def spatial_model_fns(model, mesh: Mesh):
   `jmem.models.ConvNeXt`); ``mesh`` a `spatial_mesh` ``(data, h, w)``. Parameters are
   initialised by the unsharded model (they are the same) and replicated; ``apply`` runs the
   sharded clone inside ``jax.shard_map``, so the training step of `jmem.train` is unchanged:
-  autodiff of the shard_map all-reduces the replicated parameters' gradients.
+  autodiff of the shard_map all-reduces the replicated parameters' gradients. The training
+  state is replicated over ``mesh`` (``sharding``), as the step returns it.
   """
   from jmem import train as train_lib  # pylint: disable=g-import-not-at-top
   for field in ("axis_names", "data_axis"):
@@ -518,4 +519,4 @@ def spatial_model_fns(model, mesh: Mesh):
     return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), x_spec, P()),
                          out_specs=(out_spec, P()))(params, model_state, x, rng)
 
-  return train_lib.ModelFns(base.init, apply, sharded)
+  return train_lib.ModelFns(base.init, apply, sharded, sharding=replicated(mesh))
