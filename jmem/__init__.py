@@ -10,6 +10,14 @@ from jmem.measure import time_steps as time_steps
 from jmem.measure import xla_compiler_options as xla_compiler_options
 
 from jmem.ops.inplace_abn import inplace_abn as inplace_abn
+from jmem.surgery import ActNN as ActNN
+from jmem.surgery import InPlaceABN as InPlaceABN
+from jmem.surgery import Remat as Remat
+from jmem.surgery import SyncBN as SyncBN
+from jmem.surgery import Technique as Technique
+from jmem.surgery import batch_mask as batch_mask
+from jmem.surgery import convert as convert
+from jmem.surgery import technique as technique
 from jmem.parallel.sync_bn import sync_batch_norm as sync_batch_norm
 
 __version__ = "0.1.0"

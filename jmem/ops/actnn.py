@@ -133,9 +133,14 @@ def compressed(target, *, bits: int = 2, group_size: int = 256, offload: bool = 
   if implementation not in (None, *q.IMPLEMENTATIONS):
     raise ValueError(f"implementation must be one of {q.IMPLEMENTATIONS} or None "
                      f"(automatic), got {implementation!r}.")
-  return nn_transforms.lift_transform(
+  lifted = nn_transforms.lift_transform(
       _lift_sites(_compress_site), target, bits=bits, layer_bits=layer_bits,
       group_size=group_size, offload=offload, methods=methods, implementation=implementation)
+  if isinstance(target, type):
+    # Flax names the lifted class "Lifted<Name>", which renames auto-named submodules
+    # ("LiftedBlock_0"): parameters and checkpoints of the plain model would not load.
+    lifted.__name__, lifted.__qualname__ = target.__name__, target.__qualname__
+  return lifted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,22 +445,18 @@ def convert_nnx(model: nnx.Module, level: str | Level = "L3", *,
                 implementation: str | None = None) -> nnx.Module:
   """Graph surgery on an NNX model, in place (and returned): `convert` for Flax NNX.
 
-  L1/L2 wrap every ``nnx.Conv`` (and, at L2, ``nnx.BatchNorm``) in `CompressedNNX` at 4
-  bits. L3+ wrap every instance of ``block_types`` at ``block_bits`` (the GACT way); with no
-  ``block_types`` they wrap convolutions and batch norms at ``block_bits``. ``L0`` changes
-  nothing. ``implementation`` as in `convert`.
+  L1/L2 compress every ``nnx.Conv`` (and, at L2, ``nnx.BatchNorm``) at 4 bits. L3+ compress
+  every instance of ``block_types`` at ``block_bits`` (the GACT way); with no
+  ``block_types`` they compress convolutions and batch norms at ``block_bits``. ``L0``
+  changes nothing. ``implementation`` as in `convert`. The state paths do not change (each
+  site keeps its place and its attributes; see `jmem.convert`, of which this is the
+  ``jmem.ActNN(level, where=block_types)`` case).
   """
-  from jmem.parallel.sync_bn import replace_nnx_modules  # pylint: disable=g-import-not-at-top
+  from jmem import surgery  # pylint: disable=g-import-not-at-top
   lv = get_level(level)
-  kw = dict(group_size=lv.group_size, offload=lv.offload, implementation=implementation)
-  plan = []
-  if lv.conv_bits is not None:
-    plan.append(((nnx.Conv,), lv.conv_bits))
-  if lv.norm_bits is not None:
-    plan.append(((nnx.BatchNorm,), lv.norm_bits))
-  if lv.block_bits is not None:
-    plan.append((tuple(block_types) or (nnx.Conv, nnx.BatchNorm), lv.block_bits))
-  for types, bits in plan:
-    replace_nnx_modules(model, lambda m, t=types: isinstance(m, t),
-                        lambda m, b=bits: CompressedNNX(m, bits=b, **kw))
+  if lv.block_bits is not None or lv.conv_bits is not None or lv.norm_bits is not None:
+    where = None
+    if lv.block_bits is not None:
+      where = tuple(block_types) or (nnx.Conv, nnx.BatchNorm)
+    surgery.convert(model, surgery.ActNN(lv, where=where, implementation=implementation))
   return model

@@ -690,6 +690,11 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
                                 unbiased_running_var: bool = False):
   """Runs every `flax.linen.BatchNorm` inside the context as jmem's `SyncBatchNorm`.
 
+  Subclasses that keep BatchNorm's ``__call__`` are handled too; one with its own
+  ``__call__``, or a look-alike keeping ``batch_stats`` mean/var, raises ValueError (its
+  statistics would silently stay local). `jmem.convert` with `jmem.SyncBN` is the general
+  form (``where=``, NNX, masks).
+
   For existing models, without editing their code: the BatchNorm's own fields and
   variables are used; ``axis_name`` (if given) overrides the module's. Conventions as
   `SyncBatchNorm`'s: ``momentum`` is Flax's decay (PyTorch's 0.1 is 0.9); the running
@@ -704,8 +709,25 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
 
   def interceptor(next_fun, args, kwargs, context):
     mod = context.module
-    if type(mod) is not nn.BatchNorm or context.method_name != "__call__":  # pylint: disable=unidiomatic-typecheck
+    if context.method_name != "__call__":
       return next_fun(*args, **kwargs)
+    if not isinstance(mod, nn.BatchNorm):
+      y = next_fun(*args, **kwargs)
+      if _keeps_bn_statistics(mod):
+        raise ValueError(
+            f"sync_batch_norm_interceptor: {type(mod).__qualname__} at "
+            f"{'/'.join(mod.scope.path) or '<top>'!r} keeps BatchNorm statistics (batch_stats "
+            "mean/var) but is not a flax.linen.BatchNorm, so its statistics would stay local. "
+            "Use jmem.convert(model, jmem.SyncBN(axis_name=..., where=<its class or path>)) "
+            "if it has BatchNorm's fields, or replace it by nn.BatchNorm.")
+      return y
+    if type(mod).__call__ is not nn.BatchNorm.__call__:
+      raise ValueError(
+          f"sync_batch_norm_interceptor: {type(mod).__qualname__} at "
+          f"{'/'.join(mod.scope.path) or '<top>'!r} subclasses nn.BatchNorm with its own "
+          "__call__, so jmem cannot know what it computes and would leave its statistics "
+          "local. Use jmem.convert(model, jmem.SyncBN(axis_name=..., where=<its class>)) to "
+          "replace its call, or give it the axis_name itself.")
     x, *rest = args
     use_ra = rest[0] if rest else kwargs.get("use_running_average")
     name = axis_name if axis_name is not None else mod.axis_name
@@ -719,6 +741,13 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
 
   with nn.intercept_methods(interceptor):
     yield
+
+
+def _keeps_bn_statistics(mod) -> bool:
+  try:
+    return mod.has_variable("batch_stats", "mean") and mod.has_variable("batch_stats", "var")
+  except Exception:  # pylint: disable=broad-except
+    return False
 
 
 class NNXSyncBatchNorm(nnx.Module):

@@ -1,0 +1,172 @@
+"""`jmem.convert`: jmem's techniques on a Flax model someone else wrote (linen or NNX).
+
+::
+
+  model = jmem.convert(model, jmem.ActNN("L3"))                    # any linen or NNX model
+  model = jmem.convert(model, jmem.SyncBN(axis_name="batch"), jmem.Remat())
+  model = jmem.convert(model, jmem.InPlaceABN(where=r"features/.*"))
+
+**Sites are module calls.** A technique applies to the calls of the modules its ``where=``
+selects (module classes and/or regular expressions over "/"-joined module paths; see
+`jmem.surgery.techniques`). Code that a module runs in its own body (``nn.relu(x)``,
+``jnp.mean(x, (1, 2))``) is covered only when an enclosing module is a site: a block site
+(`Remat`, `ActNN` L3+) recomputes or compresses everything its module computes, inline code
+included; nothing outside module calls can be reached.
+
+**The variable tree does not change.** A converted linen model is a wrapper sharing the
+model's scope (``nn.share_scope``): ``init``/``apply`` take and give the same variables, so
+parameters and checkpoints of the original apply to the converted model and back, bit for
+bit in the forward pass (InPlace-ABN's ``|scale| + epsilon`` is the one exception:
+`inplace_abn_params`). An NNX model is changed in place: each site module's class becomes a
+subclass of its own (same name and attributes), so ``nnx.state`` is unchanged.
+
+**Execution model.** A converted model runs under ``jax.jit`` over (possibly sharded) global
+arrays, or inside ``jax.shard_map`` as per-device code. `Remat` and `ActNN` work in both.
+`SyncBN` and a synchronised `InPlaceABN` (``axis_name=``) are per-device code and need
+``shard_map`` (an unbound axis name raises NameError saying so); under plain ``jit`` XLA
+already computes BatchNorm statistics over the global batch, so they are not needed there.
+
+**Stacking.** ``convert(model, *techniques)`` applies them together: BatchNorm techniques
+(`SyncBN`, `InPlaceABN`; both on one BatchNorm = synchronised InPlace-ABN) with block
+techniques (`Remat`, `ActNN`) on any sites; `Remat` and `ActNN` on disjoint sites. One site
+both recomputed and compressed, or one nested in the other, raises (not implemented yet).
+
+**No silent no-op.** A technique whose ``where=`` matches nothing raises; so does a
+BatchNorm technique meeting a BatchNorm-like module it does not recognise (a subclass with
+its own ``__call__``, a look-alike with ``batch_stats`` mean/var) unless ``where=`` names it,
+and InPlace-ABN on a BatchNorm whose activation it cannot see or is not invertible.
+
+**Masks.** `batch_mask` passes a validity mask to every converted BatchNorm site of a model
+whose own calls pass none.
+
+**Randomness.** ActNN's stochastic rounding takes its key from the Flax RNG stream
+``"actnn"`` (linen ``apply(..., rngs={"actnn": key})``) or from `rngs` (both APIs); without
+one, from the data, with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmem.surgery._common import batch_mask as batch_mask
+from jmem.surgery._common import rngs as rngs
+from jmem.surgery.techniques import ActNN as ActNN
+from jmem.surgery.techniques import InPlaceABN as InPlaceABN
+from jmem.surgery.techniques import Remat as Remat
+from jmem.surgery.techniques import SyncBN as SyncBN
+from jmem.surgery.techniques import Technique as Technique
+from jmem.surgery.techniques import technique as technique
+from jmem.surgery.techniques import technique_names as technique_names
+
+__all__ = ["convert", "Technique", "Remat", "ActNN", "SyncBN", "InPlaceABN", "technique",
+           "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params"]
+
+
+def convert(model, *techniques: Technique | None):
+  """``model`` with ``techniques`` applied (module docstring).
+
+  Args:
+    model: an unbound linen ``Module`` (a converted linen module is returned, with the same
+      ``init``/``apply`` and variables) or an NNX ``Module`` (changed in place and
+      returned).
+    *techniques: `Remat`, `ActNN`, `SyncBN`, `InPlaceABN` objects, or bench names
+      (``"actnn-L3"``, see `technique`); None (``technique("exact")``) is skipped.
+
+  Raises:
+    TypeError: ``model`` is not a Flax module, or a technique is not one.
+    ValueError: a technique matches nothing or meets a module it cannot handle (the message
+      names the module path and what to do).
+  """
+  resolved = []
+  for t in techniques:
+    if isinstance(t, str):
+      t = technique(t)
+    if t is None:
+      continue
+    if not isinstance(t, Technique):
+      raise TypeError(f"jmem.convert takes technique objects (jmem.Remat(), jmem.ActNN('L3'), "
+                      f"jmem.SyncBN(...), jmem.InPlaceABN(...)) or bench names, got {t!r}.")
+    resolved.append(t)
+  if isinstance(model, nn.Module):
+    from jmem.surgery import _linen  # pylint: disable=g-import-not-at-top
+    return _linen.convert_linen(model, tuple(resolved)) if resolved else model
+  if isinstance(model, nnx.Module):
+    from jmem.surgery import _nnx  # pylint: disable=g-import-not-at-top
+    return _nnx.convert_nnx(model, tuple(resolved)) if resolved else model
+  raise TypeError(f"jmem.convert takes a flax.linen or flax.nnx Module, got "
+                  f"{type(model).__name__}.")
+
+
+_SITES: contextvars.ContextVar = contextvars.ContextVar("jmem_sites", default=None)
+
+
+def sites(model, *args, **kwargs) -> dict[str, list[str]]:
+  """The module paths each technique of a converted ``model`` applies to: for linen, found
+  by tracing ``model.init(key, *args, **kwargs)`` (shapes only); for NNX, read from the
+  model. Keys are the techniques' reprs."""
+  if isinstance(model, nnx.Module):
+    out: dict[str, list[str]] = {}
+    for p, m in nnx.iter_graph(model):
+      for klass in type(m).__mro__ if isinstance(m, nnx.Module) else ():
+        site = klass.__dict__.get("_jmem_site")
+        if site is not None:
+          out.setdefault(site[1][0], []).append("/".join(str(k) for k in p))
+    return out
+  from jmem.surgery import _linen  # pylint: disable=g-import-not-at-top
+  if not isinstance(model, _linen.Converted):
+    raise TypeError("sites() takes a model returned by jmem.convert.")
+  collected: dict = {}
+  token = _linen.RECORD.set(collected)
+  try:
+    jax.eval_shape(lambda: model.apply(
+        model.init(jax.random.key(0), *args, **kwargs), *args,
+        mutable=True, rngs={"actnn": jax.random.key(0)}, **kwargs))
+  finally:
+    _linen.RECORD.reset(token)
+  return {repr(model.techniques[i]): sorted(set(p)) for i, p in collected.items()}
+
+
+def inplace_abn_params(params: Mapping[str, Any], paths, *, to: str = "inplace_abn",
+                       epsilon: float = 1e-5):
+  """Maps the BatchNorm ``scale`` parameters at ``paths`` (e.g. ``sites(model, x)`` of an
+  `InPlaceABN` technique) between plain BatchNorm and InPlace-ABN.
+
+  ``to="inplace_abn"``: ``s -> s - epsilon`` (InPlace-ABN's effective scale ``|γ| + ε`` then
+  equals ``s``; needs ``s >= epsilon``, see `jmem.ops.inplace_abn.from_batch_norm_scale`);
+  ``to="batch_norm"``: ``γ -> |γ| + ε``. ``params`` is a linen ``params`` dict (nested by
+  path), or an NNX ``nnx.State`` of parameters; a new tree is returned.
+  """
+  from jmem.ops import inplace_abn as abn  # pylint: disable=g-import-not-at-top
+  if to not in ("inplace_abn", "batch_norm"):
+    raise ValueError(f"to must be 'inplace_abn' or 'batch_norm', got {to!r}.")
+  fn = ((lambda s: abn.from_batch_norm_scale(s, epsilon)) if to == "inplace_abn"
+        else (lambda s: abn.to_batch_norm_scale(s, epsilon)))
+  is_state = isinstance(params, nnx.State)
+  tree = nnx.to_pure_dict(params) if is_state else params
+  tree = jax.tree.map(lambda x: x, dict(tree))   # copy the containers
+  for path in paths:
+    node = tree
+    keys = [k for k in path.split("/") if k]
+    for k in keys:
+      k2 = int(k) if (k not in node and k.isdigit()) else k
+      node[k2] = dict(node[k2])
+      node = node[k2]
+    if "scale" not in node:
+      raise ValueError(f"No 'scale' parameter at {path!r}.")
+    node["scale"] = fn(node["scale"])
+  if is_state:
+    out = jax.tree.map(lambda x: x, params)
+    nnx.replace_by_pure_dict(out, tree)
+    return out
+  return tree
+
+
+del contextlib, jnp

@@ -1,0 +1,236 @@
+"""What the linen and NNX engines of `jmem.convert` share: recognising BatchNorm and
+activations, the batch mask and RNG contexts, the per-site transforms."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import warnings
+import zlib
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmem.ops import quantize as q
+from jmem.ops.inplace_abn import ABNConfig
+
+_MASK: contextvars.ContextVar = contextvars.ContextVar("jmem_batch_mask", default=None)
+_RNGS: contextvars.ContextVar = contextvars.ContextVar("jmem_rngs", default=None)
+_WARNED: set = set()
+
+
+@contextlib.contextmanager
+def batch_mask(mask: jax.Array):
+  """Gives every BatchNorm site that `jmem.convert` made (`SyncBN`, `InPlaceABN`) a validity
+  ``mask`` when the model's own calls pass none.
+
+  ``mask``: boolean, True = a valid example, over the leading axes of the BatchNorm inputs
+  (``[N]`` for ``[N, H, W, C]`` activations; trailing axes are broadcast). Use it inside the
+  traced function, around the model call::
+
+    def loss(params, x, y, valid):
+      with jmem.surgery.batch_mask(valid):
+        logits, updates = model.apply({"params": params, **state}, x, mutable=["batch_stats"])
+
+  A BatchNorm-like module that runs inside the context without being a jmem site raises
+  (it would ignore the mask).
+  """
+  mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise TypeError(f"batch_mask takes a boolean mask (True = valid), got dtype {mask.dtype}; "
+                    "use mask.astype(bool) or mask > 0.")
+  token = _MASK.set(mask)
+  try:
+    yield
+  finally:
+    _MASK.reset(token)
+
+
+def active_mask():
+  return _MASK.get()
+
+
+def mask_for(x, mask, path: str):
+  """The context mask broadcast to ``x``'s rank (trailing axes of size 1)."""
+  if mask is None:
+    return None
+  if mask.ndim > x.ndim or x.shape[:mask.ndim] != mask.shape:
+    raise ValueError(f"jmem.surgery.batch_mask: the mask of shape {mask.shape} does not cover "
+                     f"the leading axes of the BatchNorm input of shape {x.shape} at "
+                     f"{path or '<top>'}; give one entry per example (shape {x.shape[:1]}).")
+  return mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+
+
+@contextlib.contextmanager
+def rngs(*, actnn: jax.Array | None = None):
+  """Keys of the RNG streams of converted sites, for code with no Flax RNG stream (NNX,
+  or a linen ``apply`` without ``rngs={"actnn": ...}``): each site folds in its path."""
+  token = _RNGS.set({"actnn": actnn})
+  try:
+    yield
+  finally:
+    _RNGS.reset(token)
+
+
+def context_key(stream: str, path: str):
+  keys = _RNGS.get()
+  key = None if keys is None else keys.get(stream)
+  if key is None:
+    return None
+  if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key) if key.dtype == jnp.uint32 else key
+  return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+
+
+def warn_once(tag: str, message: str) -> None:
+  if tag not in _WARNED:
+    _WARNED.add(tag)
+    warnings.warn(message, stacklevel=4)
+
+
+def no_key_warning():
+  warn_once("actnn-key", "jmem.convert ActNN sites: no 'actnn' RNG stream was given "
+            "(linen: apply(..., rngs={'actnn': key}); either API: with jmem.surgery.rngs("
+            "actnn=key)), so the stochastic-rounding key is derived from the data (it changes "
+            "as the data change, but repeats for repeated batches).")
+
+
+# ---------------------------------------------------------------- recognising BatchNorm
+
+LINEN_BN_FIELDS = ("use_running_average", "axis", "momentum", "epsilon", "use_scale", "use_bias",
+                   "scale_init", "bias_init", "param_dtype", "dtype")
+NNX_BN_ATTRS = ("mean", "var", "scale", "bias", "use_running_average", "axis", "momentum",
+                "epsilon")
+
+
+def overrides_call(module, base: type) -> bool:
+  """``module`` is a ``base`` subclass with its own ``__call__``."""
+  return type(module).__call__ is not base.__call__
+
+
+def linen_bn_status(module) -> str | None:
+  """``"bn"`` (nn.BatchNorm or a subclass keeping its __call__), ``"override"`` (a subclass
+  with its own __call__), or None."""
+  if isinstance(module, nn.BatchNorm):
+    return "override" if overrides_call(module, nn.BatchNorm) else "bn"
+  return None
+
+
+def linen_has_bn_variables(module) -> bool:
+  try:
+    return (module.has_variable("batch_stats", "mean") and
+            module.has_variable("batch_stats", "var"))
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+def nnx_bn_status(module) -> str | None:
+  if isinstance(module, nnx.BatchNorm):
+    return "override" if overrides_call(module, nnx.BatchNorm) else "bn"
+  if isinstance(getattr(module, "mean", None), nnx.BatchStat) and \
+      isinstance(getattr(module, "var", None), nnx.BatchStat):
+    return "lookalike"
+  return None
+
+
+# ---------------------------------------------------------------- recognising activations
+
+def _leaky_fns():
+  return {jax.nn.leaky_relu, nn.leaky_relu, nnx.leaky_relu}
+
+
+def _elu_fns():
+  return {jax.nn.elu, nn.elu, nnx.elu}
+
+
+def _relu_fns():
+  return {jax.nn.relu, nn.relu, nnx.relu, jax.nn.relu6, nn.relu6, jax.nn.gelu, nn.gelu,
+          jax.nn.silu, nn.silu, nn.swish, jax.nn.sigmoid, nn.sigmoid}
+
+
+def activation_of(fn) -> tuple[str, dict] | None:
+  """``("leaky_relu", {"slope": s})``, ``("elu", {"alpha": a})``, ``("other", {"name": n})``
+  for a known non-invertible activation function, or None for anything else."""
+  base, args, kwargs = fn, (), {}
+  if isinstance(fn, functools.partial):
+    base, args, kwargs = fn.func, fn.args, dict(fn.keywords)
+  try:
+    if base in _leaky_fns():
+      slope = args[0] if args else kwargs.get("negative_slope", 0.01)
+      return "leaky_relu", {"slope": float(slope)}
+    if base in _elu_fns():
+      alpha = args[0] if args else kwargs.get("alpha", 1.0)
+      return "elu", {"alpha": float(alpha)}
+    if base in _relu_fns():
+      return "other", {"name": getattr(base, "__name__", repr(base))}
+  except TypeError:   # unhashable callables
+    return None
+  return None
+
+
+def abn_config(technique, pair: tuple[str, dict] | None, path: str, epsilon: float,
+               axis_name, axis_index_groups) -> ABNConfig:
+  """The ABN configuration of a site: the pair's activation checked against the
+  technique's."""
+  from jmem.ops.inplace_abn import _config  # pylint: disable=g-import-not-at-top
+  where = path or "<top>"
+  if pair is None:
+    if technique.activation == "identity":
+      act, opts = "identity", {}
+    else:
+      raise ValueError(
+          f"InPlaceABN: the BatchNorm at {where!r} is not followed by an activation jmem can "
+          "see (the model applies it in its own code, or applies none). jmem recognises a "
+          "BatchNorm followed by leaky_relu/elu in an nn.Sequential / nnx.Sequential. Either "
+          "replace the pair in the model by one module - jmem.ops.inplace_abn.InPlaceABN "
+          "(linen) or jmem.ops.NNXInPlaceABN, which take BatchNorm's arguments plus "
+          "activation=, slope=, alpha= - or leave this BatchNorm out with where= (a regular "
+          "expression over module paths), or use InPlaceABN(activation='identity') for "
+          "BatchNorm alone.")
+  elif pair[0] == "other":
+    raise ValueError(
+        f"InPlaceABN: the BatchNorm at {where!r} is followed by {pair[1]['name']}, which is not "
+        "invertible, so its input cannot be recovered from its output. InPlace-ABN needs "
+        "leaky_relu (slope > 0) or elu: change the model's activation there, or leave this "
+        "BatchNorm out with where=.")
+  else:
+    act, opts = pair
+  if technique.activation not in (None, act):
+    raise ValueError(f"InPlaceABN(activation={technique.activation!r}) but the BatchNorm at "
+                     f"{where!r} is followed by {act}: the site computes what the model "
+                     "computes, so give the model's activation (or None).")
+  slope = opts.get("slope", 0.01)
+  alpha = opts.get("alpha", 1.0)
+  for name, mine, given in (("slope", slope, technique.slope), ("alpha", alpha, technique.alpha)):
+    if given is not None and opts.get(name) is not None and float(given) != mine:
+      raise ValueError(f"InPlaceABN({name}={given}) but the model's activation at {where!r} "
+                       f"has {name}={mine}.")
+  return _config(act, slope, alpha, epsilon, axis_name, axis_index_groups)
+
+
+# ---------------------------------------------------------------- per-site transforms
+
+def compress_transform(bits: int, level, key, implementation):
+  """``pure -> g`` compressing every floating residual of a site at ``bits`` (the site's
+  variables and RNG keys, arguments 0 and 1 of ``pure``, never)."""
+  return lambda pure: functools.partial(
+      q.compress(pure, bits=bits, group_size=level.group_size, param_argnums=(0, 1),
+                 offload=level.offload, implementation=implementation), compress_key=key)
+
+
+def remat_transform(policy):
+  return lambda pure: jax.checkpoint(pure, policy=policy, prevent_cse=True)
+
+
+def is_head(module) -> bool:
+  return isinstance(module, (nn.Dense, nnx.Linear))
+
+
+def describe(module) -> str:
+  t = type(module)
+  return f"{t.__module__}.{t.__qualname__}"
+

@@ -1,0 +1,350 @@
+"""`jmem.convert` for linen: a wrapper that shares the model's scope and intercepts its
+module calls (``nn.intercept_methods``).
+
+Sites are module calls. A block site (`Remat`, `ActNN`) runs the module's ``__call__``
+under a lifted transform (``lift.pack``: the variables and RNGs go through the transform
+as arguments, so ``batch_stats`` updates flow out and no tracer leaks); a BatchNorm site
+(`SyncBN`, `InPlaceABN`) computes with the module's own fields and variables. Variable
+paths never change: the wrapper uses the model's scope (``nn.share_scope``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+
+import flax.core.lift as lift
+import flax.linen as nn
+import jax
+import numpy as np
+from flax.linen import transforms as nn_transforms
+
+from jmem.ops import inplace_abn as abn_lib
+from jmem.parallel import sync_bn
+from jmem.surgery import _common as c
+from jmem.surgery.techniques import ActNN, InPlaceABN, Remat, SyncBN
+
+
+RECORD: contextvars.ContextVar = contextvars.ContextVar("jmem_site_record", default=None)
+
+
+def _lift(transform):
+  """A lifted transform from ``transform(pure) -> g``, ``g(variable_groups, rng_groups,
+  *arrays)``: array arguments (positional or keyword, at any depth) go through ``g``,
+  everything else (``train=True``) is closed over."""
+
+  def lifted(fn):
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+      leaves, treedef = jax.tree.flatten((args, kwargs))
+      is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+      arrays = [leaf for leaf, k in zip(leaves, is_array) if k]
+
+      def pure(variable_groups, rng_groups, *arrays):
+        it = iter(arrays)
+        full = [next(it) if k else leaf for leaf, k in zip(leaves, is_array)]
+        a, kw = jax.tree.unflatten(treedef, full)
+        scope = scope_fn(variable_groups, rng_groups)
+        y = fn(scope, *a, **kw)
+        return y, repack_fn(scope)
+      return transform(pure)(variable_groups, rng_groups, *arrays)
+
+    return lift.pack(inner, (True,), (True,), (True,), name="jmem", enable_kwargs=True)
+  return lifted
+
+
+def _path(module, root: tuple) -> str:
+  path = tuple(module.scope.path)
+  return "/".join(path[len(root):])
+
+
+@dataclasses.dataclass
+class _Trace:
+  """The state of one trace of a converted model (init or apply)."""
+
+  techniques: tuple
+  root: tuple
+  hits: dict = dataclasses.field(default_factory=dict)       # technique index -> paths
+  in_site: set = dataclasses.field(default_factory=set)      # ids of modules under a transform
+  active: list = dataclasses.field(default_factory=list)     # (kind, path) of enclosing sites
+  pairs: dict = dataclasses.field(default_factory=dict)      # id(bn) -> activation pair
+  seen: list = dataclasses.field(default_factory=list)
+
+  # ------------------------------------------------------------------ classification
+  def _bn_techniques(self):
+    return [(i, t) for i, t in enumerate(self.techniques) if isinstance(t, (SyncBN, InPlaceABN))]
+
+  def bn_site(self, mod, path):
+    """``[(index, technique)]`` of the BN techniques that take this module (raises for one
+    they cannot handle)."""
+    status = c.linen_bn_status(mod)
+    found = []
+    for i, t in self._bn_techniques():
+      if t.where is None:
+        if status == "bn":
+          found.append((i, t))
+        elif status == "override":
+          raise ValueError(
+              f"{type(t).__name__}: {c.describe(mod)} at {path or '<top>'!r} is a BatchNorm "
+              "subclass with its own __call__, so jmem cannot know what it computes. Name it "
+              f"in where= (its class or path) to have its call replaced by {type(t).__name__}'s "
+              "computation with its fields and variables, or leave it out with a where= that "
+              "does not match it.")
+      elif t.matches_user(mod, path) and (
+          status is not None or all(hasattr(mod, f) for f in c.LINEN_BN_FIELDS)):
+        # where= filters BatchNorm-like modules (the others it matches are not its business)
+        if status != "bn" and not t.names(type(mod), path):
+          raise ValueError(
+              f"{type(t).__name__}: where= matches {c.describe(mod)} at {path or '<top>'!r} "
+              "only through a base class, and it overrides BatchNorm's __call__; name its "
+              "own class or path in where= to have it replaced.")
+        missing = [f for f in c.LINEN_BN_FIELDS if not hasattr(mod, f)]
+        if missing:
+          raise ValueError(
+              f"{type(t).__name__}: {c.describe(mod)} at {path or '<top>'!r} lacks BatchNorm's "
+              f"fields {missing}; jmem replaces a BatchNorm-like module's call using "
+              "flax.linen.BatchNorm's fields and variable names.")
+        found.append((i, t))
+    if len(found) > 1:
+      kinds = {type(t) for _, t in found}
+      if kinds != {SyncBN, InPlaceABN} or len(found) > 2:
+        raise ValueError(f"Several BatchNorm techniques take the module at {path!r}: "
+                         f"{[t for _, t in found]}; give them disjoint where=.")
+    return found
+
+  def block_site(self, mod, path):
+    """``(index, technique, transform_kind)`` of the block technique taking this call."""
+    found = []
+    for i, t in enumerate(self.techniques):
+      if isinstance(t, Remat):
+        if self._block_match(t, mod, path):
+          found.append((i, t, "remat"))
+      elif isinstance(t, ActNN):
+        lv = t.resolved_level()
+        if lv.block_bits is not None and self._block_match(t, mod, path):
+          found.append((i, t, "block"))
+        elif t.where is None and lv.conv_bits is not None and isinstance(mod, nn.Conv):
+          found.append((i, t, "conv"))
+        elif t.where is None and lv.norm_bits is not None and c.linen_bn_status(mod) == "bn":
+          found.append((i, t, "norm"))
+        elif (t.where is not None and lv.block_bits is None and
+              (lv.conv_bits is not None or lv.norm_bits is not None) and
+              t.matches_user(mod, path)):
+          found.append((i, t, "conv" if lv.norm_bits is None or
+                        c.linen_bn_status(mod) is None else "norm"))
+    if len(found) > 1:
+      raise ValueError(
+          f"Both {found[0][1]!r} and {found[1][1]!r} select the module at {path or '<top>'!r}. "
+          "Stacking recomputation and compression on one site (recompute from a compressed "
+          "input) is not implemented yet; give the techniques disjoint where=.")
+    return found[0] if found else None
+
+  def _block_match(self, t, mod, path):
+    if t.where is None:
+      return path != "" and "/" not in path and not c.is_head(mod)
+    return t.matches_user(mod, path)
+
+  # ------------------------------------------------------------------ interception
+  def intercept(self, next_fun, args, kwargs, context):
+    mod = context.module
+    if context.method_name != "__call__" or mod.scope is None:
+      return next_fun(*args, **kwargs)
+    path = _path(mod, self.root)
+    if id(mod) not in self.in_site:
+      site = self.block_site(mod, path)
+      if site is not None and not self._nested(site, path):
+        if not mod.is_initializing():
+          return self._call_block(mod, path, site, args, kwargs)
+        self._hit(site[0], path)     # init: the forward pass only, nothing to save
+    if isinstance(mod, nn.Sequential) and any(isinstance(t, InPlaceABN) for t in self.techniques):
+      return self._call_sequential(mod, args, kwargs)
+    bn = self.bn_site(mod, path)
+    if bn:
+      return self._call_bn(mod, path, bn, args, kwargs)
+    y = next_fun(*args, **kwargs)
+    if (self._bn_techniques() or c.active_mask() is not None) and c.linen_has_bn_variables(mod):
+      self._unhandled_bn(mod, path)
+    return y
+
+  def _unhandled_bn(self, mod, path):
+    defaults = [t for _, t in self._bn_techniques() if t.where is None]
+    if defaults:
+      raise ValueError(
+          f"{type(defaults[0]).__name__}: {c.describe(mod)} at {path or '<top>'!r} keeps "
+          "BatchNorm statistics (batch_stats mean/var) but is not a flax.linen.BatchNorm, so "
+          "jmem does not know its computation. Name it in where= (its class or path) if it "
+          "has BatchNorm's fields and computes BatchNorm, or replace it by nn.BatchNorm.")
+    if c.active_mask() is not None and not self._bn_techniques():
+      raise ValueError(
+          f"jmem.surgery.batch_mask is active but the BatchNorm at {path or '<top>'!r} is not a "
+          "jmem site, so it would ignore the mask: convert the model with jmem.SyncBN() "
+          "(axis_name=None for local statistics) or jmem.InPlaceABN().")
+
+  def _hit(self, index, path):
+    self.hits.setdefault(index, []).append(path)
+    record = RECORD.get()
+    if record is not None:
+      record.setdefault(index, []).append(path)
+
+  def _nested(self, site, path) -> bool:
+    """Whether the site is inside another site (of its own kind: then it is not one)."""
+    kind = site[2]
+    for other_kind, other_path in self.active:
+      if (other_kind == "remat") != (kind == "remat"):
+        raise ValueError(
+            f"The {kind} site {path!r} is inside the "
+            f"{'recomputed' if other_kind == 'remat' else 'compressed'} site "
+            f"{other_path or '<top>'!r}: recomputation and compression nested (recompute from "
+            "a compressed input) is not implemented yet; give the techniques disjoint where=.")
+      return True
+    return False
+
+  def _call_block(self, mod, path, site, args, kwargs):
+    index, t, kind = site
+    self._hit(index, path)
+    if kind == "remat":
+      transform = c.remat_transform(t.policy)
+    else:
+      lv = t.resolved_level()
+      bits = {"block": dict(lv.layer_bits).get(path, lv.block_bits), "conv": lv.conv_bits,
+              "norm": lv.norm_bits}[kind]
+      if mod.scope.has_rng("actnn"):
+        key = mod.make_rng("actnn")
+      else:
+        key = c.context_key("actnn", path)
+        if key is None:
+          c.no_key_warning()
+      transform = c.compress_transform(bits, lv, key, t.implementation)
+
+    def fn(cloned, *a, **kw):
+      self.in_site.add(id(cloned))
+      self.active.append((kind, path))
+      try:
+        return cloned(*a, **kw)
+      finally:
+        self.active.pop()
+        self.in_site.discard(id(cloned))
+
+    return nn_transforms.lift_transform(_lift(transform), fn)(mod, *args, **kwargs)
+
+  def _call_sequential(self, seq, args, kwargs):
+    layers = list(seq.layers)
+    if not layers:
+      raise ValueError(f"Empty Sequential module {seq.name}.")
+    skip = set()
+    for i in range(len(layers) - 1):
+      if isinstance(layers[i], nn.Module) and isinstance(layers[i], nn.BatchNorm):
+        pair = c.activation_of(layers[i + 1])
+        if pair is not None:
+          self.pairs[id(layers[i])] = pair
+          if pair[0] != "other":
+            skip.add(i + 1)
+    outputs = layers[0](*args, **kwargs)
+    for i, layer in enumerate(layers[1:], start=1):
+      if i in skip and self.pairs.pop(("done", id(layers[i - 1])), False):
+        continue
+      if isinstance(outputs, tuple):
+        outputs = layer(*outputs)
+      elif isinstance(outputs, dict):
+        outputs = layer(**outputs)
+      else:
+        outputs = layer(outputs)
+    return outputs
+
+  def _call_bn(self, mod, path, found, args, kwargs):
+    x, *rest = args
+    use_ra = rest[0] if rest else kwargs.get("use_running_average")
+    mask = kwargs.get("mask")
+    if mask is None:
+      mask = c.mask_for(x, c.active_mask(), path)
+    kinds = {type(t): (i, t) for i, t in found}
+    initializing = mod.is_initializing()
+    if InPlaceABN in kinds:
+      i, t = kinds[InPlaceABN]
+      sync = kinds.get(SyncBN, (None, None))[1]
+      pair = self.pairs.get(id(mod))
+      name = t.axis_name if t.axis_name is not None else (
+          sync.axis_name if sync is not None and sync.axis_name is not None
+          else getattr(mod, "axis_name", None))
+      groups = t.axis_index_groups if t.axis_index_groups is not None else (
+          sync.axis_index_groups if sync is not None else getattr(mod, "axis_index_groups", None))
+      if not (mod.use_scale and mod.use_bias):
+        raise ValueError(f"InPlaceABN: the BatchNorm at {path!r} has use_scale/use_bias False; "
+                         "InPlace-ABN inverts its affine step and needs both.")
+      cfg = c.abn_config(t, pair, path, mod.epsilon, None if initializing else name, groups)
+      train_fn, eval_fn = abn_lib._abn_fns(cfg, t.implementation)  # pylint: disable=protected-access
+      unbiased = t.unbiased_running_var
+      for j, _ in found:
+        self._hit(j, path)
+      if pair is not None:
+        self.pairs[("done", id(mod))] = True
+    else:
+      i, t = found[0]
+      name = t.axis_name if t.axis_name is not None else getattr(mod, "axis_name", None)
+      groups = (t.axis_index_groups if t.axis_index_groups is not None
+                else getattr(mod, "axis_index_groups", None))
+      train_fn = sync_bn._sync_train_fn(None if initializing else name, groups, mod.epsilon)  # pylint: disable=protected-access
+      eval_fn = sync_bn._bn_eval_fn(mod.epsilon)  # pylint: disable=protected-access
+      unbiased = t.unbiased_running_var
+      self._hit(i, path)
+    try:
+      return sync_bn.linen_norm_call(mod, x, use_ra, mask, train_fn=train_fn, eval_fn=eval_fn,
+                                     use_scale=mod.use_scale, use_bias=mod.use_bias,
+                                     unbiased_running_var=unbiased)
+    except NameError as e:
+      raise NameError(
+          f"{e} (BatchNorm site {path!r}). Synchronised statistics are per-device code: run "
+          "the step under jax.shard_map with this axis in the mesh. Under plain jit over "
+          "sharded arrays, leave SyncBN out: XLA already computes BatchNorm statistics over "
+          "the whole global batch.") from None
+
+  # ------------------------------------------------------------------ after the trace
+  def finish(self, seen_paths):
+    for i, t in enumerate(self.techniques):
+      if i in self.hits:
+        continue
+      if isinstance(t, ActNN) and t.resolved_level().name == "L0":
+        continue
+      what = "where=" + repr(t.where) if t.where is not None else "its default sites"
+      raise ValueError(
+          f"{type(t).__name__}: {what} matched no module call of this model, so it would do "
+          f"nothing. Module paths seen: {', '.join(p or '<top>' for p in seen_paths[:12])}"
+          f"{' ...' if len(seen_paths) > 12 else ''}. Give where= a module class or a regular "
+          "expression over these paths.")
+
+
+class Converted(nn.Module):
+  """A linen model with `jmem.convert` techniques: same variables, same ``init``/``apply``.
+
+  ``model`` is the original (unconverted) module, ``techniques`` what was applied.
+  """
+
+  model: nn.Module
+  techniques: tuple
+
+  def setup(self):
+    nn.share_scope(self, self.model)
+
+  def __call__(self, *args, **kwargs):
+    trace = _Trace(self.techniques, tuple(self.scope.path))
+    seen = []
+
+    def record(next_fun, a, kw, context):
+      if context.method_name == "__call__" and context.module.scope is not None:
+        p = _path(context.module, trace.root)
+        if p not in seen:
+          seen.append(p)
+      return next_fun(*a, **kw)
+
+    with nn.intercept_methods(record), nn.intercept_methods(trace.intercept):
+      y = self.model(*args, **kwargs)
+    trace.finish(seen)
+    return y
+
+
+def convert_linen(model: nn.Module, techniques: tuple) -> nn.Module:
+  if isinstance(model, Converted):
+    return Converted(model.model, model.techniques + techniques)
+  if model.scope is not None:
+    raise ValueError("jmem.convert takes an unbound linen module (the one whose init/apply you "
+                     "call), not one bound to variables.")
+  return Converted(model, techniques)

@@ -1,0 +1,270 @@
+"""`jmem.convert` for NNX: the model is changed in place by giving each site module a
+subclass of its own class (same name, same attributes, so ``nnx.state`` paths do not change)
+whose ``__call__`` applies the technique around, or instead of, the original one."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jmem.ops import inplace_abn as abn_lib
+from jmem.parallel import sync_bn
+from jmem.surgery import _common as c
+from jmem.surgery.techniques import ActNN, InPlaceABN, Remat, SyncBN
+
+_CLASSES: dict = {}
+
+
+def _subclass(base: type, kind: str, cfg, call) -> type:
+  key = (base, kind, cfg)
+  if key not in _CLASSES:
+    cls = type(base.__name__, (base,), {"__call__": call(base, cfg), "__module__":
+                                        base.__module__, "__qualname__": base.__qualname__,
+                                        "_jmem_site": (kind, cfg)})
+    _CLASSES[key] = cls
+  return _CLASSES[key]
+
+
+def _block_call(base, cfg):
+  kind, path, opts = cfg
+
+  def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
+    graphdef, state = nnx.split(self)
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+    arrays = [leaf for leaf, k in zip(leaves, is_array) if k]
+
+    def pure(state, unused, *arrays):
+      del unused
+      it = iter(arrays)
+      a, kw = jax.tree.unflatten(treedef, [next(it) if k else leaf
+                                           for leaf, k in zip(leaves, is_array)])
+      module = nnx.merge(graphdef, state)
+      y = base.__call__(module, *a, **kw)
+      return y, nnx.state(module)
+
+    if kind == "remat":
+      transform = c.remat_transform(opts)
+    else:
+      bits, level, implementation = opts
+      key = c.context_key("actnn", path)
+      if key is None:
+        c.no_key_warning()
+      transform = c.compress_transform(bits, level, key, implementation)
+    y, new_state = transform(pure)(state, None, *arrays)
+    nnx.update(self, new_state)
+    return y
+
+  return __call__
+
+
+def _bn_call(base, cfg):
+  kind, path, opts = cfg
+  del base
+
+  def __call__(self, x, use_running_average=None, *, mask=None):  # pylint: disable=invalid-name
+    use_ra = self.use_running_average if use_running_average is None else use_running_average
+    if mask is None:
+      mask = c.mask_for(x, c.active_mask(), path)
+    if kind == "abn":
+      abn_cfg, implementation, unbiased = opts
+      train_fn, eval_fn = abn_lib._abn_fns(abn_cfg, implementation)  # pylint: disable=protected-access
+    else:
+      axis_name, groups, unbiased = opts
+      train_fn = sync_bn._sync_train_fn(axis_name, groups, self.epsilon)  # pylint: disable=protected-access
+      eval_fn = sync_bn._bn_eval_fn(self.epsilon)  # pylint: disable=protected-access
+    scale = None if self.scale is None else self.scale[...]
+    bias = None if self.bias is None else self.bias[...]
+    try:
+      y, mean, var = sync_bn.normalize_with_state(
+          x, axis=self.axis, scale=scale, bias=bias, running_mean=self.mean[...],
+          running_var=self.var[...], use_running_average=use_ra, mask=mask, train_fn=train_fn,
+          eval_fn=eval_fn, momentum=self.momentum, unbiased_running_var=unbiased,
+          op=type(self).__name__)
+    except NameError as e:
+      raise NameError(
+          f"{e} (BatchNorm site {path!r}). Synchronised statistics are per-device code: run "
+          "the step under jax.shard_map with this axis in the mesh. Under plain jit over "
+          "sharded arrays, leave SyncBN out: XLA already computes BatchNorm statistics over "
+          "the whole global batch.") from None
+    if not use_ra:
+      self.mean[...], self.var[...] = mean, var
+    return y.astype(getattr(self, "dtype", None) or x.dtype)
+
+  return __call__
+
+
+def _identity(x):
+  """Stands where InPlace-ABN took over an activation (the BatchNorm site applies it)."""
+  return x
+
+
+def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
+  nodes = list(nnx.iter_graph(model))
+  by_path = {tuple(p): n for p, n in nodes}
+  # Containers (nnx.List, nnx.Dict) have no __call__: never sites, transparent for the
+  # "direct children of the top module" default.
+  modules = [(tuple(p), n) for p, n in nodes if isinstance(n, nnx.Module) and _callable(n)]
+  name = lambda p: "/".join(str(k) for k in p)
+  seen = [name(p) for p, _ in modules]
+
+  def top_child(p):
+    return p != () and not any(isinstance(by_path.get(p[:k]), nnx.Module) and
+                               _callable(by_path[p[:k]]) for k in range(1, len(p)))
+
+  # BatchNorm + activation pairs in Sequential modules.
+  pairs = {}
+  for _, m in modules:
+    if isinstance(m, nnx.Sequential):
+      layers = list(m.layers)
+      for i in range(len(layers) - 1):
+        if c.nnx_bn_status(layers[i]) is not None:
+          pair = c.activation_of(layers[i + 1])
+          if pair is not None:
+            pairs[id(layers[i])] = (pair, m, i + 1)
+
+  hits = {i: [] for i in range(len(techniques))}
+  bn_plan, block_plan = {}, {}
+  for p, m in modules:
+    path = name(p)
+    status = c.nnx_bn_status(m)
+    for i, t in enumerate(techniques):
+      if isinstance(t, (SyncBN, InPlaceABN)):
+        if t.where is None:
+          if status in ("override", "lookalike"):
+            raise ValueError(
+                f"{type(t).__name__}: {c.describe(m)} at {path!r} "
+                f"{'overrides nnx.BatchNorm.__call__' if status == 'override' else 'keeps BatchStat mean/var but is not an nnx.BatchNorm'}"
+                ", so jmem cannot know what it computes. Name it in where= (its class or path) "
+                f"to have its call replaced by {type(t).__name__}'s computation with its "
+                "attributes and variables, or leave it out with a where= that does not match it.")
+          take = status == "bn"
+        else:
+          take = t.matches_user(m, path) and status is not None   # a filter over BNs
+          if take and status != "bn" and not t.names(type(m), path):
+            raise ValueError(f"{type(t).__name__}: where= matches {c.describe(m)} at {path!r} "
+                             "only through a base class, and it is not a plain nnx.BatchNorm; "
+                             "name its own class or path in where=.")
+          if take:
+            missing = [a for a in c.NNX_BN_ATTRS if not hasattr(m, a)]
+            if missing:
+              raise ValueError(f"{type(t).__name__}: {c.describe(m)} at {path!r} lacks "
+                               f"nnx.BatchNorm's attributes {missing}.")
+        if take:
+          bn_plan.setdefault(id(m), (p, m, []))[2].append((i, t))
+      else:
+        kind = _block_kind(t, m, path, status, top_child(p))
+        if kind is not None:
+          block_plan.setdefault(id(m), (p, m, []))[2].append((i, t, kind))
+
+  # Block sites: one technique per module, none nested in a site of the other kind.
+  for p, m, found in block_plan.values():
+    if len(found) > 1:
+      raise ValueError(f"Both {found[0][1]!r} and {found[1][1]!r} select the module at "
+                       f"{name(p)!r}. Stacking recomputation and compression on one site is not "
+                       "implemented yet; give the techniques disjoint where=.")
+  block_paths = {p: found[0] for p, _, found in block_plan.values()}
+  outer = {}
+  for p, (i, t, kind) in block_paths.items():
+    enclosing = [q for q in block_paths if q != p and p[:len(q)] == q]
+    for q in enclosing:
+      if (block_paths[q][2] == "remat") != (kind == "remat"):
+        raise ValueError(
+            f"The {kind} site {name(p)!r} is inside the site {name(q)!r} of the other technique: "
+            "recomputation and compression nested (recompute from a compressed input) is not "
+            "implemented yet; give the techniques disjoint where=.")
+    if not enclosing:
+      outer[p] = (i, t, kind)
+
+  for p, m, found in bn_plan.values():
+    path = name(p)
+    kinds = {type(t): (i, t) for i, t in found}
+    if len(found) > 2 or (len(found) == 2 and set(kinds) != {SyncBN, InPlaceABN}):
+      raise ValueError(f"Several BatchNorm techniques take the module at {path!r}: "
+                       f"{[t for _, t in found]}; give them disjoint where=.")
+    sync = kinds.get(SyncBN, (None, None))[1]
+    if InPlaceABN in kinds:
+      _, t = kinds[InPlaceABN]
+      entry = pairs.get(id(m))
+      if m.scale is None or m.bias is None:
+        raise ValueError(f"InPlaceABN: the BatchNorm at {path!r} has no scale or bias; "
+                         "InPlace-ABN inverts its affine step and needs both.")
+      axis_name = t.axis_name if t.axis_name is not None else (
+          sync.axis_name if sync is not None and sync.axis_name is not None
+          else getattr(m, "axis_name", None))
+      groups = t.axis_index_groups if t.axis_index_groups is not None else (
+          sync.axis_index_groups if sync is not None else getattr(m, "axis_index_groups", None))
+      cfg = c.abn_config(t, None if entry is None else entry[0], path, m.epsilon, axis_name,
+                         groups)
+      if entry is not None and entry[0][0] != "other":
+        entry[1].layers[entry[2]] = _identity
+      m.__class__ = _subclass(type(m), "bn", ("abn", path, (cfg, t.implementation,
+                                                           t.unbiased_running_var)), _bn_call)
+    else:
+      _, t = found[0]
+      axis_name = t.axis_name if t.axis_name is not None else getattr(m, "axis_name", None)
+      groups = (t.axis_index_groups if t.axis_index_groups is not None
+                else getattr(m, "axis_index_groups", None))
+      if groups is not None:
+        groups = tuple(tuple(int(j) for j in g) for g in groups)
+      if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+      m.__class__ = _subclass(type(m), "bn", ("sync", path, (axis_name, groups,
+                                                            t.unbiased_running_var)), _bn_call)
+    for i, _ in found:
+      hits[i].append(path)
+
+  for p, (i, t, kind) in outer.items():
+    m = by_path[p]
+    path = name(p)
+    if kind == "remat":
+      cfg = ("remat", path, t.policy)
+    else:
+      lv = t.resolved_level()
+      bits = {"block": dict(lv.layer_bits).get(path, lv.block_bits), "conv": lv.conv_bits,
+              "norm": lv.norm_bits}[kind]
+      cfg = ("compress", path, (bits, lv, t.implementation))
+    m.__class__ = _subclass(type(m), "block", cfg, _block_call)
+    hits[i].append(path)
+  for p in block_paths:
+    if p not in outer:
+      hits[block_paths[p][0]].append(name(p))
+
+  for i, t in enumerate(techniques):
+    if hits[i] or (isinstance(t, ActNN) and t.resolved_level().name == "L0"):
+      continue
+    what = "where=" + repr(t.where) if t.where is not None else "its default sites"
+    raise ValueError(
+        f"{type(t).__name__}: {what} matched no module of this model, so it would do nothing. "
+        f"Module paths: {', '.join(p or '<top>' for p in seen[:12])}"
+        f"{' ...' if len(seen) > 12 else ''}. Give where= a module class or a regular "
+        "expression over these paths.")
+  return model
+
+
+def _callable(m) -> bool:
+  return any("__call__" in k.__dict__ for k in type(m).__mro__[:-1])
+
+
+def _block_kind(t, m, path, status, top_child):
+  if isinstance(t, Remat):
+    take = (top_child and not c.is_head(m)) if t.where is None else t.matches_user(m, path)
+    return "remat" if take else None
+  lv = t.resolved_level()
+  if t.where is None:
+    if lv.block_bits is not None:
+      return "block" if top_child and not c.is_head(m) else None
+    if lv.conv_bits is not None and isinstance(m, nnx.Conv):
+      return "conv"
+    if lv.norm_bits is not None and status == "bn":
+      return "norm"
+    return None
+  if not t.matches_user(m, path):
+    return None
+  if lv.block_bits is not None:
+    return "block"
+  if lv.norm_bits is not None and status is not None:
+    return "norm"
+  return "conv" if lv.conv_bits is not None else None
+
