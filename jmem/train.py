@@ -63,7 +63,8 @@ def _from_linen(module: nn.Module) -> ModelFns:
 
   def apply(params, model_state, x, *, train, rng=None):
     variables = {"params": params, **model_state}
-    rngs = {"dropout": rng} if rng is not None else {}
+    # "actnn": the stochastic-rounding stream of jmem.convert's ActNN sites.
+    rngs = {"dropout": rng, "actnn": jax.random.fold_in(rng, 0x61)} if rng is not None else {}
     if train and model_state:
       logits, new_state = module.apply(variables, x, train=True, rngs=rngs,
                                        mutable=list(model_state))
@@ -97,7 +98,12 @@ def _from_nnx(model: nnx.Module) -> ModelFns:
       m.train()
     else:
       m.eval()
-    logits = m(x)
+    if rng is None:
+      logits = m(x)
+    else:
+      from jmem import surgery  # pylint: disable=g-import-not-at-top
+      with surgery.rngs(actnn=jax.random.fold_in(rng, 0x61)):   # jmem.convert's ActNN sites
+        logits = m(x)
     _, _, new_state = nnx.split(m, nnx.Param, ...)
     return logits, new_state
 

@@ -1,0 +1,410 @@
+"""`jmem.convert` on models jmem did not write (tests/third_party_models.py: plain Flax).
+
+Exact techniques (Remat, SyncBN, InPlace-ABN with its scale mapping, ActNN L0) match the
+unconverted model's loss, every gradient and the BatchNorm statistics to 1e-5; ActNN is
+unbiased and its error falls with bits; the variable tree never changes; what jmem cannot
+handle raises, naming the module path.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.flatten_util import ravel_pytree
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmem
+import third_party_models as tp
+from jmem import bench, surgery, train
+from jmem.ops import actnn
+from jmem.parallel import sync_bn
+
+X = jax.random.normal(jax.random.key(0), (16, 16, 16, 3))
+Y = jnp.arange(16) % 10
+
+
+def xent(logits, y, weights=None):
+  nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1)[:, 0]
+  if weights is None:
+    return jnp.mean(nll)
+  return jnp.sum(nll * weights) / jnp.sum(weights)
+
+
+def linen_loss(model, variables, x=X, y=Y, **kw):
+  state = {k: v for k, v in variables.items() if k != "params"}
+
+  def f(params):
+    logits, upd = model.apply({"params": params, **state}, x, mutable=list(state),
+                              rngs={"actnn": jax.random.key(7)}, **kw)
+    return xent(logits, y), upd
+  (loss, upd), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(variables["params"])
+  return loss, grads, upd
+
+
+def nnx_loss(model, x=X, y=Y):
+  def f(m):
+    with surgery.rngs(actnn=jax.random.key(7)):
+      return xent(m(x), y)
+  loss, grads = nnx.value_and_grad(f)(model)
+  return loss, grads, nnx.state(model, nnx.BatchStat)
+
+
+def assert_same(got, want, tol=1e-5):
+  """Same tree; every leaf within ``tol`` of ``want`` relative to the largest |want|."""
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  if not jax.tree.leaves(want):
+    return
+  a, b = ravel_pytree(got)[0], ravel_pytree(want)[0]
+  scale = max(1.0, float(jnp.max(jnp.abs(b))))
+  np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, rtol=0, atol=tol)
+
+
+# ------------------------------------------------------------------ exact techniques, linen
+
+LINEN_CASES = [
+    ("resnet", tp.ThirdPartyResNet, jmem.Remat()),
+    ("resnet", tp.ThirdPartyResNet, jmem.SyncBN()),
+    ("resnet", tp.ThirdPartyResNet, jmem.ActNN("L0")),
+    ("functional", tp.FunctionalCNN, jmem.Remat()),
+    ("functional", tp.FunctionalCNN, jmem.SyncBN()),
+    ("vit", tp.LinenViT, jmem.Remat(where=r"block\d")),
+    ("abn", tp.SequentialABNCNN, jmem.InPlaceABN()),
+    ("abn", tp.SequentialABNCNN, jmem.Remat(where="features")),
+]
+
+
+@pytest.mark.parametrize("name,make,technique", LINEN_CASES,
+                         ids=[f"{n}-{type(t).__name__}" for n, make, t in LINEN_CASES])
+def test_linen_exact(name, make, technique):
+  model = make()
+  variables = model.init(jax.random.key(1), X)
+  converted = jmem.convert(model, technique)
+  assert isinstance(converted, nn.Module)
+  # The variable tree does not change: the converted model initialises to the same values.
+  assert_same(converted.init(jax.random.key(1), X), variables, tol=0)
+  loss0, g0, upd0 = linen_loss(model, variables)
+  given = variables
+  if isinstance(technique, jmem.InPlaceABN):
+    paths = next(iter(surgery.sites(converted, X).values()))
+    assert paths == ["BatchNorm_0", "BatchNorm_1"]
+    given = {**variables, "params": surgery.inplace_abn_params(variables["params"], paths)}
+  loss1, g1, upd1 = linen_loss(converted, given)
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+  assert_same(g1, g0)          # InPlace-ABN: d/dγ = d/ds, the scale being s = |γ| + ε
+  assert_same(upd1, upd0)
+  del name
+
+
+# ------------------------------------------------------------------ exact techniques, NNX
+
+NNX_CASES = [
+    (tp.NNXCNN, jmem.Remat()), (tp.NNXCNN, jmem.SyncBN()),
+    (tp.NNXCNN, jmem.InPlaceABN(where="stem/.*")), (tp.NNXViT, jmem.Remat()),
+    (tp.NNXViT, jmem.ActNN("L0")),
+]
+
+
+@pytest.mark.parametrize("make,technique", NNX_CASES,
+                         ids=[f"{m.__name__}-{type(t).__name__}" for m, t in NNX_CASES])
+def test_nnx_exact(make, technique):
+  plain, model = make(rngs=nnx.Rngs(0)), make(rngs=nnx.Rngs(0))
+  before = nnx.state(model)
+  assert jmem.convert(model, technique) is model
+  assert_same(nnx.state(model), before, tol=0)
+  assert type(model.head).__name__ == "Linear"
+  if isinstance(technique, jmem.InPlaceABN):
+    assert surgery.sites(model) == {"abn": ["stem/layers/1"]}
+    assert model.stem.layers[2] is not plain.stem.layers[2]     # the activation moved in
+    nnx.update(model, surgery.inplace_abn_params(nnx.state(model, nnx.Param),
+                                                 ["stem/layers/1"]))
+  loss0, g0, s0 = nnx_loss(plain)
+  loss1, g1, s1 = nnx_loss(model)
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+  assert_same(g1, g0)
+  assert_same(s1, s0)
+
+
+# ------------------------------------------------------------------ 8 devices
+
+def _mesh():
+  return jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def test_sync_bn_eight_devices_masked_unbalanced():
+  """SyncBN over 8 shard_map devices with unbalanced valid rows (two devices have none),
+  the mask given by batch_mask: equals the plain model on the valid rows alone."""
+  model = tp.ThirdPartyResNet()
+  x = jax.random.normal(jax.random.key(2), (32, 16, 16, 3))
+  y = jnp.arange(32) % 10
+  counts = (4, 0, 1, 3, 4, 2, 0, 2)
+  valid = np.concatenate([np.arange(4) < c for c in counts])
+  variables = model.init(jax.random.key(1), x)
+  loss0, g0, upd0 = linen_loss(model, variables, x[valid], y[valid])
+
+  converted = jmem.convert(model, jmem.SyncBN(axis_name="batch"))
+  mesh = _mesh()
+
+  def local(params, x, y, valid):
+    def f(params):
+      with jmem.batch_mask(valid):
+        logits, upd = converted.apply({"params": params, "batch_stats": variables["batch_stats"]},
+                                      x, mutable=["batch_stats"])
+      nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1)[:, 0]
+      total = jax.lax.psum(jnp.sum(valid), "batch")
+      return jnp.sum(jnp.where(valid, nll, 0.0)) / total, upd     # this device's share
+    (loss, upd), g = jax.value_and_grad(f, has_aux=True)(params)
+    return jax.lax.psum(loss, "batch"), upd, jax.lax.psum(g, "batch")
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("batch"), P("batch"), P("batch")),
+                               out_specs=(P(), P(), P()), check_vma=False))
+  put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+  loss1, upd1, g1 = step(put(variables["params"], P()), put(x, P("batch")), put(y, P("batch")),
+                         put(jnp.asarray(valid), P("batch")))
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+  assert_same(g1, g0)
+  assert_same(upd1, upd0)
+  text = step.lower(put(variables["params"], P()), put(x, P("batch")), put(y, P("batch")),
+                    put(jnp.asarray(valid), P("batch"))).compile().as_text()
+  assert jmem.collective_counts(text)["all-gather"] >= 1
+
+
+def test_remat_and_actnn_under_jit_over_sharded_batch():
+  """The jit execution model: global arrays sharded over 8 devices, XLA partitions the
+  step; Remat is exact there and ActNN L0 too (no shard_map needed)."""
+  model = tp.ThirdPartyResNet()
+  variables = model.init(jax.random.key(1), X)
+  loss0, g0, upd0 = linen_loss(model, variables)
+  # Auto axes: XLA propagates the batch sharding (Flax's layers take no out_sharding, which
+  # Explicit axes would require of every convolution under jit).
+  mesh = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+  xs = jax.device_put(X, NamedSharding(mesh, P("batch")))
+  assert len(xs.sharding.device_set) == 8
+  for technique in (jmem.Remat(), jmem.ActNN("L0")):
+    loss1, g1, upd1 = linen_loss(jmem.convert(model, technique), variables, xs)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+    assert_same(g1, g0)
+    assert_same(upd1, upd0)
+
+
+def test_sync_bn_under_plain_jit_says_what_to_do():
+  model = jmem.convert(tp.FunctionalCNN(), jmem.SyncBN(axis_name="batch"))
+  variables = model.init(jax.random.key(1), X)
+  with pytest.raises(NameError, match=r"shard_map.*BatchNorm_0|BatchNorm_0.*shard_map"):
+    linen_loss(model, variables)
+
+
+# ------------------------------------------------------------------ ActNN statistics
+
+def _actnn_grad_fn(bits):
+  model = tp.FunctionalCNN()
+  variables = model.init(jax.random.key(1), X)
+  converted = jmem.convert(model, jmem.ActNN(bits=bits, where="Conv_1|BatchNorm_1"))
+
+  @jax.jit
+  def grads(key):
+    def f(params):
+      logits, _ = converted.apply({**variables, "params": params}, X, mutable=["batch_stats"],
+                                  rngs={"actnn": key})
+      return xent(logits, Y)
+    return ravel_pytree(jax.grad(f)(variables["params"]))[0]
+  exact = ravel_pytree(linen_loss(model, variables)[1])[0]
+  return grads, exact
+
+
+def test_actnn_unbiased_and_error_falls_with_bits():
+  grads, exact = _actnn_grad_fn(2)
+  draws = jnp.stack([grads(jax.random.key(k)) for k in range(16)])
+  one = float(jnp.mean(jnp.linalg.norm(draws - exact, axis=1)))
+  mean = float(jnp.linalg.norm(jnp.mean(draws, 0) - exact))
+  assert one > 1e-4 * float(jnp.linalg.norm(exact))      # it does compress
+  assert mean < 0.5 * one, (mean, one)                     # 1/sqrt(16) = 0.25 if unbiased
+  errors = []
+  for bits in (1, 2, 4, 8):
+    g, _ = _actnn_grad_fn(bits)
+    errors.append(float(jnp.mean(jnp.stack([jnp.linalg.norm(g(jax.random.key(k)) - exact)
+                                            for k in range(4)]))))
+  assert errors == sorted(errors, reverse=True), errors
+  assert errors[-1] < 0.05 * errors[0], errors
+
+
+def test_actnn_key_from_the_rng_stream():
+  grads, _ = _actnn_grad_fn(2)
+  a, b, c = grads(jax.random.key(0)), grads(jax.random.key(0)), grads(jax.random.key(1))
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+
+
+def test_actnn_memory_on_third_party_resnet():
+  """Compile-only, whole train step: L3 (blocks) shrinks what the step saves and its temp."""
+  model = tp.ThirdPartyResNet(stage_sizes=(1, 1, 1), num_filters=8)
+  x = jax.ShapeDtypeStruct((8, 64, 64, 3), jnp.float32)
+  y = jax.ShapeDtypeStruct((8,), jnp.int32)
+  opt = optax.sgd(0.1)
+  saved0, temp0 = bench.step_memory(train.model_fns(model), opt, x, y)
+  saved1, temp1 = bench.step_memory(train.model_fns(jmem.convert(model, jmem.ActNN("L3"))),
+                                    opt, x, y)
+  assert saved1 < 0.35 * saved0, (saved1, saved0)
+  assert temp1 < 0.75 * temp0, (temp1, temp0)
+
+
+# ------------------------------------------------------------------ no silent no-op
+
+class OwnCallBN(nn.BatchNorm):
+  @nn.compact
+  def __call__(self, x, use_running_average=None):
+    return super().__call__(x, use_running_average) * 2.0
+
+
+class LookAlikeBN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    mean = self.variable("batch_stats", "mean", jnp.zeros, (x.shape[-1],))
+    self.variable("batch_stats", "var", jnp.ones, (x.shape[-1],))
+    return x - mean.value
+
+
+def _net(norm):
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+      x = nn.Conv(4, (3, 3))(x)
+      x = (norm(name="norm")(x) if norm is LookAlikeBN else
+           norm(use_running_average=not train, name="norm")(x))
+      return nn.Dense(3)(x.mean((1, 2)))
+  return Net()
+
+
+@pytest.mark.parametrize("norm,match", [
+    (OwnCallBN, r"OwnCallBN.*'norm'.*own __call__"),
+    (LookAlikeBN, r"LookAlikeBN.*'norm'.*batch_stats"),
+])
+def test_unrecognised_batch_norm_raises(norm, match):
+  with pytest.raises(ValueError, match=match):
+    jmem.convert(_net(norm), jmem.SyncBN()).init(jax.random.key(0), X)
+  # The old interceptor silently left such modules local; now it raises too.
+  with pytest.raises(ValueError, match="sync_batch_norm_interceptor"):
+    with sync_bn.sync_batch_norm_interceptor():
+      _net(norm).init(jax.random.key(0), X)
+
+
+def test_named_subclass_is_replaced():
+  model = _net(OwnCallBN)
+  variables = model.init(jax.random.key(0), X)
+  converted = jmem.convert(model, jmem.SyncBN(where=OwnCallBN))
+  y = converted.apply(variables, X, mutable=["batch_stats"])[0]
+  ref = _net(nn.BatchNorm).apply(variables, X, mutable=["batch_stats"])[0]
+  np.testing.assert_allclose(y, ref, atol=1e-5)          # BatchNorm's math, not "* 2"
+
+
+def test_interceptor_handles_plain_subclass():
+  model = tp.ThirdPartyResNet()
+  variables = model.init(jax.random.key(1), X)
+  want = jmem.convert(model, jmem.SyncBN()).apply(variables, X, mutable=["batch_stats"])
+  with sync_bn.sync_batch_norm_interceptor(unbiased_running_var=True):
+    got = model.apply(variables, X, mutable=["batch_stats"])
+  # unbiased running variance: proof that jmem's BN (not flax's) ran on MyBatchNorm
+  assert not np.allclose(got[1]["batch_stats"]["bn_init"]["var"],
+                         want[1]["batch_stats"]["bn_init"]["var"])
+
+
+def test_nnx_unrecognised_batch_norm_raises():
+  class OwnNNXBN(nnx.BatchNorm):
+    def __call__(self, x, use_running_average=None, *, mask=None):
+      return super().__call__(x, use_running_average, mask=mask) + 1.0
+
+  class Net(nnx.Module):
+    def __init__(self):
+      self.bn = OwnNNXBN(4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+      return self.bn(x)
+  with pytest.raises(ValueError, match=r"OwnNNXBN.*'bn'.*overrides"):
+    jmem.convert(Net(), jmem.SyncBN())
+  net = jmem.convert(Net(), jmem.SyncBN(where="bn"))
+  assert float(jnp.abs(net(jnp.ones((2, 4))).mean())) < 1e-5
+
+
+class ReluSequential(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Sequential([nn.Conv(4, (3, 3)), nn.BatchNorm(use_running_average=False), nn.relu])(x)
+    return nn.BatchNorm(use_running_average=False, name="inline")(x)
+
+
+@pytest.mark.parametrize("technique,match", [
+    (jmem.InPlaceABN(where="BatchNorm_0"), r"'BatchNorm_0' is followed by relu.*not invertible"),
+    (jmem.InPlaceABN(where="inline"), r"'inline' is not followed by an activation.*InPlaceABN"),
+    (jmem.InPlaceABN(activation="elu", where="BatchNorm_0"), "relu"),
+    (jmem.Remat(where="nothing_here"), r"where='nothing_here' matched no module.*BatchNorm_0"),
+    (jmem.SyncBN(where=nn.LayerNorm), "matched no module"),
+])
+def test_errors_name_the_module(technique, match):
+  with pytest.raises(ValueError, match=match):
+    jmem.convert(ReluSequential(), technique).init(jax.random.key(0), X)
+
+
+def test_identity_abn_on_any_batch_norm():
+  model = ReluSequential()
+  variables = model.init(jax.random.key(0), X)
+  converted = jmem.convert(model, jmem.InPlaceABN(activation="identity", where="inline"))
+  params = surgery.inplace_abn_params(variables["params"], ["inline"])
+  got = converted.apply({**variables, "params": params}, X, mutable=["batch_stats"])[0]
+  want = model.apply(variables, X, mutable=["batch_stats"])[0]
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_stacking():
+  model = tp.ThirdPartyResNet()
+  with pytest.raises(ValueError, match="not implemented yet"):
+    jmem.convert(model, jmem.Remat(), jmem.ActNN(bits=2)).init(jax.random.key(0), X)
+  variables = model.init(jax.random.key(1), X)
+  both = jmem.convert(model, jmem.Remat(where="BottleneckBlock_0"),
+                      jmem.ActNN("L3", where="BottleneckBlock_1"), jmem.SyncBN())
+  sites = surgery.sites(both, X)
+  assert sorted(map(len, sites.values())) == [1, 1, 9]          # 9 BatchNorms
+  loss0, _, _ = linen_loss(model, variables)
+  loss1, _, _ = linen_loss(both, variables)
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+  with pytest.raises(ValueError, match="inside the"):
+    jmem.convert(model, jmem.Remat(where="BottleneckBlock_0"),
+                 jmem.ActNN("L1", where="BottleneckBlock_0/Conv_0")).apply(variables, X,
+                                                                           mutable=True)
+
+
+def test_registry_and_names():
+  assert jmem.technique("actnn-L3:pallas") == jmem.ActNN("L3", implementation="pallas")
+  assert jmem.technique("remat", where="x") == jmem.Remat(where="x")
+  assert jmem.technique("exact") is None
+  with pytest.raises(ValueError, match="not a jmem.convert technique yet"):
+    jmem.technique("sbp-0.25")
+  with pytest.raises(ValueError, match="Unknown technique"):
+    jmem.technique("actnn-L9")
+  assert set(surgery.technique_names()) >= {"exact", "remat", "actnn-L3", "inplace-abn"}
+  model = jmem.convert(tp.FunctionalCNN(), "remat")
+  assert model.techniques == (jmem.Remat(),)
+  with pytest.raises(TypeError, match="technique objects"):
+    jmem.convert(tp.FunctionalCNN(), 3)
+  with pytest.raises(TypeError, match="where="):
+    jmem.Remat(where=3)
+  with pytest.raises(ValueError, match="relu"):
+    jmem.InPlaceABN(activation="relu")
+  with pytest.raises(TypeError, match="boolean"):
+    with jmem.batch_mask(jnp.ones(4)):
+      pass
+
+
+def test_compressed_and_convert_nnx_keep_variable_paths():
+  block = functools.partial(tp.BottleneckBlock, 4)
+  plain = block().init(jax.random.key(0), X)
+  lifted = actnn.compressed(tp.BottleneckBlock)(4).init(jax.random.key(0), X)
+  assert jax.tree.structure(lifted) == jax.tree.structure(plain)
+  assert actnn.compressed(tp.BottleneckBlock).__name__ == "BottleneckBlock"
+  model = tp.NNXCNN(rngs=nnx.Rngs(0))
+  paths = jax.tree.structure(nnx.state(model))
+  actnn.convert_nnx(model, "L2")
+  assert jax.tree.structure(nnx.state(model)) == paths
