@@ -94,7 +94,11 @@ def _moments_kernel(x_ref, m0_ref, corr_ref, m2_ref, *, dims: _Dims):
   x = _load(x_ref, tile)
   n = jnp.minimum(dims.rows - pl.program_id(0) * dims.block_rows,
                   dims.block_rows).astype(jnp.float32)
-  m0 = jnp.sum(x, axis=0) / n
+  # The pivot through an integer op, so that x - m0 and the stored m0 are the same float
+  # (jmem.parallel.sync_bn.pin: a fused multiply-add would subtract the unrounded one).
+  m0 = lax.bitcast_convert_type(
+      lax.bitcast_convert_type(jnp.sum(x, axis=0) / n, jnp.uint32) & jnp.uint32(0xFFFFFFFE),
+      jnp.float32)
   d = jnp.where(tile, x - m0, 0.0)
   s1 = jnp.sum(d, axis=0)
   pl_triton.store(m0_ref, m0, mask=cvalid)

@@ -226,6 +226,23 @@ def check_mask(x, mask):
   return mask
 
 
+def pin(v: jax.Array) -> jax.Array:
+  """``v`` (float32) with its last mantissa bit cleared: a value XLA cannot recompute.
+
+  A pivot such as ``m0 = Σx / n`` is used twice: stored (the mean is ``m0 + corr``) and
+  subtracted from the data (``x - m0``). XLA rewrites the division into ``Σx * (1/n)`` and
+  may contract ``x - Σx * (1/n)`` into one fused multiply-add, which subtracts the exact
+  product instead of the stored, rounded ``m0``: half a unit in the last place of the mean
+  (0.03 at 1e6) goes missing between the two uses, and Chan's between-device term turns it
+  into a variance error of up to ~0.4 for data of std 0.01. Passing the pivot through an
+  integer operation that cannot be simplified away makes both uses read the same rounded
+  float; the cleared bit moves it by at most one more unit, which the corrected two-pass
+  sums absorb. (``lax.optimization_barrier`` is not kept by every jit path.)
+  """
+  bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
+  return lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFFFFE), jnp.float32)
+
+
 def _local_moments(xf, mask, reduce_axes) -> Moments:
   """Valid count, mean and centred sum of squares of one device (float32).
 
@@ -236,12 +253,12 @@ def _local_moments(xf, mask, reduce_axes) -> Moments:
   """
   if mask is None:
     n = jnp.full(xf.shape[-1:], float(xf.size // xf.shape[-1]), jnp.float32)
-    m0 = jnp.mean(xf, axis=reduce_axes)
+    m0 = pin(jnp.mean(xf, axis=reduce_axes))
     d = xf - m0
   else:
     mb = jnp.broadcast_to(mask, xf.shape)
     n = jnp.sum(mb, axis=reduce_axes, dtype=jnp.float32)
-    m0 = jnp.sum(jnp.where(mb, xf, 0.0), axis=reduce_axes) / jnp.maximum(n, 1.0)
+    m0 = pin(jnp.sum(jnp.where(mb, xf, 0.0), axis=reduce_axes) / jnp.maximum(n, 1.0))
     d = jnp.where(mb, xf - m0, 0.0)
   s1, s2 = jnp.sum(d, axis=reduce_axes), jnp.sum(d * d, axis=reduce_axes)
   safe = jnp.maximum(n, 1.0)
@@ -263,7 +280,7 @@ def merge_moments(parts: Moments, axis: int = 0) -> Moments:
   total = jnp.sum(n, axis=axis)
   safe = jnp.maximum(total, 1.0)
   has = n > 0
-  pivot = jnp.sum(jnp.where(has, n * parts.m0, 0.0), axis=axis) / safe
+  pivot = pin(jnp.sum(jnp.where(has, n * parts.m0, 0.0), axis=axis) / safe)   # see `pin`
   d = jnp.where(has, (parts.m0 - jnp.expand_dims(pivot, axis)) + parts.corr, 0.0)
   corr = jnp.sum(n * d, axis=axis) / safe
   between = jnp.where(has, n * jnp.square(d - jnp.expand_dims(corr, axis)), 0.0)
