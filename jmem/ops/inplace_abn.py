@@ -106,7 +106,7 @@ def _abn_train(x, scale, bias, mask, shift, cfg: ABNConfig):
   moments = sync_bn.batch_moments(x, axis_name=cfg.axis_name,
                                   axis_index_groups=cfg.axis_index_groups, mask=mask)
   stats = moments.stats()
-  invstd = lax.rsqrt(stats.var + cfg.epsilon)
+  invstd = moments.inverse_std(stats, cfg.epsilon)
   y = moments.centre(x.astype(jnp.float32)) * (invstd * _gamma(scale, cfg.epsilon)) + bias
   return apply_activation(y, cfg).astype(x.dtype), stats
 
@@ -114,7 +114,8 @@ def _abn_train(x, scale, bias, mask, shift, cfg: ABNConfig):
 def _abn_train_fwd(x, scale, bias, mask, shift, cfg):
   z, stats = _abn_train(x, scale, bias, mask, shift, cfg)
   # Saved: the OUTPUT z and per-channel vectors; neither x nor the mean.
-  return (z, stats), (z, scale, bias, mask, lax.rsqrt(stats.var + cfg.epsilon), stats.count)
+  invstd = jnp.where(stats.count > 0, lax.rsqrt(stats.var + cfg.epsilon), 0.0)
+  return (z, stats), (z, scale, bias, mask, invstd, stats.count)
 
 
 def _abn_train_bwd(cfg, res, cts):
@@ -204,7 +205,7 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
     mask: optional boolean array (other dtypes raise TypeError), broadcastable to ``x``
       with the same rank; True = valid. As in `jmem.parallel.sync_bn.sync_batch_norm`:
       padding is selected away (NaN/Inf there is inert) and a channel with no valid entry
-      is normalised with mean 0 / variance 1.
+      is normalised to 0 (``z = act(β)``).
     shift: ignored; accepted for compatibility (the statistics are exact without one).
     use_running_average: eval mode: normalise with ``running_mean`` / ``running_var``, no
       collective in the forward pass.
@@ -281,7 +282,10 @@ def inplace_abn_reference(x, scale, bias, *, activation="leaky_relu", slope=0.01
                                     axis_index_groups=cfg.axis_index_groups, mask=mask)
     stats = moments.stats()
     xc, var = moments.centre(x.astype(jnp.float32)), stats.var
-  y = xc * lax.rsqrt(var + epsilon) * g + bias
+  invstd = lax.rsqrt(var + epsilon)
+  if stats is not None:
+    invstd = jnp.where(stats.count > 0, invstd, 0.0)
+  y = xc * invstd * g + bias
   return apply_activation(y, cfg).astype(x.dtype), stats
 
 

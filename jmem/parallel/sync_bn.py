@@ -90,10 +90,17 @@ class Moments(NamedTuple):
   m2: jax.Array
 
   def stats(self) -> BatchStats:
-    """`BatchStats`; a channel with no value gets mean 0, variance 1 (see `sync_batch_norm`)."""
+    """`BatchStats`; a channel with no value gets mean 0, variance 1, count 0 (and is
+    normalised to 0, see `inverse_std`)."""
     seen = self.count > 0
     var = jnp.where(seen, self.m2 / jnp.maximum(self.count, 1.0), 1.0)
     return BatchStats(jnp.where(seen, self.m0 + self.corr, 0.0), var, self.count)
+
+  def inverse_std(self, stats: "BatchStats", epsilon: float) -> jax.Array:
+    """``1 / sqrt(var + ε)``, and 0 for a channel with no value: its every entry is
+    padding, normalised to 0 (``y = β``) rather than amplified by ``1 / sqrt(ε)``."""
+    del self
+    return jnp.where(stats.count > 0, lax.rsqrt(stats.var + epsilon), 0.0)
 
   def centre(self, xf: jax.Array) -> jax.Array:
     """``x - mean`` as ``(x - m0) - corr``: exact to float32 rounding of the result."""
@@ -455,7 +462,7 @@ def _sync_bn_fwd(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsi
   moments = batch_moments(x, axis_name=axis_name, axis_index_groups=axis_index_groups,
                           mask=mask)
   stats = moments.stats()
-  invstd = lax.rsqrt(stats.var + epsilon)
+  invstd = moments.inverse_std(stats, epsilon)
   y = moments.centre(x.astype(jnp.float32)) * (invstd * scale) + bias
   return (y.astype(x.dtype), stats), (x, scale, mask, moments.m0, moments.corr, invstd,
                                       stats.count)
@@ -511,8 +518,8 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
       with the same rank; True = valid. Statistics use valid entries only, selected with
       ``where``: a NaN or Inf in padding changes neither the statistics nor any valid
       output or gradient. Every entry is normalised (padding outputs follow their inputs).
-      A channel with no valid entry on any device (all padding) is normalised with mean 0
-      and variance 1, ``y = γ x / sqrt(1 + ε) + β``, its ``stats.count`` is 0 and the
+      A channel with no valid entry on any device (all padding) is normalised to zeros,
+      ``y = β`` (gradient 0), its ``stats`` are mean 0, variance 1, count 0, and the
       modules keep its running statistics.
     shift: ignored; accepted for compatibility (it was the pivot of an earlier one-pass
       merge whose precision depended on it; the statistics are now exact without one).
@@ -554,7 +561,7 @@ def sync_batch_norm_reference(x, scale=None, bias=None, *, axis_name: AxisName =
   scale, bias, mask, _ = _prepare(x, scale, bias, mask, shift)
   moments = batch_moments(x, axis_name=axis_name, axis_index_groups=axis_index_groups, mask=mask)
   stats = moments.stats()
-  y = moments.centre(x.astype(jnp.float32)) * lax.rsqrt(stats.var + epsilon) * scale + bias
+  y = moments.centre(x.astype(jnp.float32)) * moments.inverse_std(stats, epsilon) * scale + bias
   return y.astype(x.dtype), jax.tree.map(lax.stop_gradient, stats)
 
 
@@ -654,7 +661,7 @@ class SyncBatchNorm(nn.Module):
   mode. ``use_fast_variance`` and ``force_float32_reductions`` are accepted for
   compatibility: reductions are always float32 and always the exact two-pass form, whatever
   the running mean (see `sync_batch_norm`). ``mask`` (call argument) must be boolean; a
-  channel with no valid entry in the batch is normalised with mean 0 / variance 1 and keeps
+  channel with no valid entry in the batch is normalised to 0 (output = bias) and keeps
   its running statistics. Inputs must be floating point (TypeError otherwise).
 
   Conventions (see `update_running_stats`), ``N`` the global number of valid values of a
@@ -771,7 +778,7 @@ class NNXSyncBatchNorm(nnx.Module):
   """Drop-in for `flax.nnx.BatchNorm` (same arguments and variable names), exact when synced.
 
   Behaves as `SyncBatchNorm`: boolean ``mask`` only; floating-point inputs only; a channel
-  with no valid entry is normalised with mean 0 / variance 1 and keeps its running
+  with no valid entry is normalised to 0 (output = bias) and keeps its running
   statistics. Same conventions: ``momentum`` is Flax's decay (``running = momentum *
   running + (1 - momentum) * batch``; PyTorch's 0.1 is 0.9 here); the running variance is
   biased (Flax's) unless ``unbiased_running_var=True`` (PyTorch's ``var * N / (N - 1)``,
