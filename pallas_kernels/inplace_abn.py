@@ -6,11 +6,11 @@ over a 2-D grid, so every kernel has ``ceil(M/bm) * ceil(C/bc)`` independent pro
 Forward:
   1. ``_moments_kernel``: per tile, valid count, mean ``m0`` and the corrected two-pass
      ``(Σd/n, Σd² - (Σd)²/n)`` with ``d = x - m0``; the tiles (a few per channel) are merged
-     exactly in XLA by `jmem.parallel.sync_bn.merge_moments` (Chan's formula) and, with
+     exactly in XLA by `jmem._bn_core.merge_moments` (Chan's formula) and, with
      ``axis_name``, across devices by the one all-gather of
-     `jmem.parallel.sync_bn.gather_moments`.
+     `jmem._bn_core.gather_moments`.
   2. ``_forward_kernel``: ``z = act(((x - m0) - corr) · γ'/σ + β)`` in one read of ``x`` and
-     one write; the mean is ``m0 + corr`` (two float32s, see `jmem.parallel.sync_bn.Moments`).
+     one write; the mean is ``m0 + corr`` (two float32s, see `jmem._bn_core.Moments`).
 
 Backward (saves only ``z``):
   3. ``_backward_sums_kernel``: inverts the activation and the affine step tile by tile and
@@ -35,8 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jmem.ops.inplace_abn import ABNConfig, apply_activation, invert_activation
-from jmem.parallel import sync_bn
+from jmem import _bn_core as bn_core
+from jmem._elementwise import ABNConfig, apply_activation, invert_activation
 from pallas_kernels._interpret import resolve_interpret
 
 __all__ = ["Tiles", "inplace_abn_pallas"]
@@ -94,11 +94,9 @@ def _moments_kernel(x_ref, m0_ref, corr_ref, m2_ref, *, dims: _Dims):
   x = _load(x_ref, tile)
   n = jnp.minimum(dims.rows - pl.program_id(0) * dims.block_rows,
                   dims.block_rows).astype(jnp.float32)
-  # The pivot through an integer op, so that x - m0 and the stored m0 are the same float
-  # (jmem.parallel.sync_bn.pin: a fused multiply-add would subtract the unrounded one).
-  m0 = lax.bitcast_convert_type(
-      lax.bitcast_convert_type(jnp.sum(x, axis=0) / n, jnp.uint32) & jnp.uint32(0xFFFFFFFE),
-      jnp.float32)
+  # The pivot through an integer op (`jmem._bn_core.pin`), so that x - m0 and the stored
+  # m0 are the same float: a fused multiply-add would subtract the unrounded one.
+  m0 = bn_core.pin(jnp.sum(x, axis=0) / n)
   d = jnp.where(tile, x - m0, 0.0)
   s1 = jnp.sum(d, axis=0)
   pl_triton.store(m0_ref, m0, mask=cvalid)
@@ -139,7 +137,7 @@ def _backward_dx_kernel(z_ref, dz_ref, g_ref, b_ref, k_ref, c1_ref, c2_ref, dx_r
 
 def _same_varying(args):
   """Casts every operand to vary over the union of the operands' manual axes (shard_map)."""
-  varying = [sync_bn.varying_axes(a) for a in args]
+  varying = [bn_core.varying_axes(a) for a in args]
   names = frozenset().union(*varying)
   if not names:
     return args
@@ -184,20 +182,20 @@ class _Launch:
     return counts.at[-1].set(float(self.rows - (self.grid[0] - 1) * self.bm))[:, None]
 
 
-def _local_moments(x2, launch: _Launch) -> sync_bn.Moments:
+def _local_moments(x2, launch: _Launch) -> bn_core.Moments:
   """This device's `Moments` of ``[M, C]``: per-tile moments, merged exactly in XLA."""
   kern = functools.partial(_moments_kernel, dims=launch.dims)
   shape = launch.partial_shape()
   m0_t, corr_t, m2_t = launch.call(kern, [launch.tile], [launch.partial] * 3, [shape] * 3, x2)
   n_t = jnp.broadcast_to(launch.tile_counts(), m0_t.shape)
-  return sync_bn.merge_moments(sync_bn.Moments(n_t, m0_t, corr_t, m2_t), axis=0)
+  return bn_core.merge_moments(bn_core.Moments(n_t, m0_t, corr_t, m2_t), axis=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _abn(x2, scale, bias, shift, cfg: ABNConfig, tiles: Tiles, interpret: bool):
   del shift   # ignored: the statistics are exact without one
   launch = _Launch(x2, tiles, interpret)
-  moments = sync_bn.gather_moments(_local_moments(x2, launch), axis_name=cfg.axis_name,
+  moments = bn_core.gather_moments(_local_moments(x2, launch), axis_name=cfg.axis_name,
                                    axis_index_groups=cfg.axis_index_groups)
   stats = moments.stats()
   a = lax.rsqrt(stats.var + cfg.epsilon) * (jnp.abs(scale) + cfg.epsilon)
@@ -213,9 +211,9 @@ def _abn_fwd(x2, scale, bias, shift, cfg, tiles, interpret):
 
 
 def _abn_bwd(cfg, tiles, interpret, res, cts):
-  param_varying = sync_bn.params_stay_local(cfg.axis_name, cts[0], res[1])
+  param_varying = bn_core.params_stay_local(cfg.axis_name, cts[0], res[1])
   sign = jnp.sign(res[1])
-  res, cts = sync_bn.tie_to_cotangent(res, cts)
+  res, cts = bn_core.tie_to_cotangent(res, cts)
   z, scale, bias, invstd, count = res
   dz = cts[0]
   launch = _Launch(z, tiles, interpret)

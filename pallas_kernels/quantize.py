@@ -29,9 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jmem.ops.quantize import group_span
-from jmem.ops.quantize import hash_uniform
-from jmem.ops.quantize import truncate_to_bfloat16
+from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16
 from pallas_kernels._interpret import resolve_interpret
 
 __all__ = ["Tiles", "quantize_pack", "unpack_dequantize", "supports"]

@@ -35,66 +35,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jmem.parallel import sync_bn
+from jmem import _bn_core as bn_core
+from jmem._elementwise import (  # pylint: disable=unused-import
+    ACTIVATIONS, ABNConfig, apply_activation, invert_activation)
 
 __all__ = [
     "ACTIVATIONS", "ABNConfig", "inplace_abn", "inplace_abn_reference",
     "to_batch_norm_scale", "from_batch_norm_scale",
 ]
-
-ACTIVATIONS = ("leaky_relu", "elu", "identity")
-
-
-class ABNConfig(NamedTuple):
-  """Static options of `inplace_abn` (hashable)."""
-
-  activation: str = "leaky_relu"
-  slope: float = 0.01       # leaky_relu negative slope, > 0
-  alpha: float = 1.0        # elu alpha, > 0
-  epsilon: float = 1e-5
-  axis_name: str | tuple[str, ...] | None = None
-  axis_index_groups: tuple[tuple[int, ...], ...] | None = None
-
-  def validate(self) -> "ABNConfig":
-    if self.activation == "relu":
-      raise ValueError(
-          "InPlace-ABN cannot use relu: it is not invertible (slope 0), so the input cannot "
-          "be recovered from the output. Use activation='leaky_relu' with slope > 0 (e.g. "
-          "0.01), 'elu' or 'identity'.")
-    if self.activation not in ACTIVATIONS:
-      raise ValueError(f"Unknown activation {self.activation!r}; InPlace-ABN supports "
-                       f"{ACTIVATIONS}.")
-    if self.activation == "leaky_relu" and not self.slope > 0:
-      raise ValueError(f"leaky_relu slope must be > 0 to be invertible, got {self.slope}.")
-    if self.activation == "elu" and not self.alpha > 0:
-      raise ValueError(f"elu alpha must be > 0, got {self.alpha}.")
-    if not self.epsilon > 0:
-      raise ValueError(f"epsilon must be > 0, got {self.epsilon}.")
-    return self
-
-
-def apply_activation(y, cfg: ABNConfig):
-  """``act(y)`` for an `ABNConfig` (pure jnp: also used inside the Pallas kernels)."""
-  if cfg.activation == "leaky_relu":
-    return jnp.where(y >= 0, y, y * cfg.slope)
-  if cfg.activation == "elu":
-    return jnp.where(y >= 0, y, cfg.alpha * jnp.expm1(jnp.minimum(y, 0.0)))
-  return y
-
-
-def invert_activation(z, dz, cfg: ABNConfig):
-  """``(y, dy)`` from the activation output ``z`` and its cotangent ``dz`` (float32)."""
-  if cfg.activation == "leaky_relu":
-    neg = z < 0
-    return jnp.where(neg, z / cfg.slope, z), jnp.where(neg, dz * cfg.slope, dz)
-  if cfg.activation == "elu":
-    neg = z < 0
-    # z > -alpha in exact arithmetic; rounding can reach it, so keep log1p finite.
-    ratio = jnp.maximum(z / cfg.alpha, -1.0 + 1e-7)
-    y = jnp.where(neg, jnp.log1p(jnp.minimum(ratio, 0.0)), z)
-    return y, jnp.where(neg, dz * (z + cfg.alpha), dz)
-  return z, dz
-
 
 def _gamma(scale, epsilon):
   return jnp.abs(scale) + epsilon
@@ -103,7 +51,7 @@ def _gamma(scale, epsilon):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _abn_train(x, scale, bias, mask, shift, cfg: ABNConfig):
   del shift   # ignored: the statistics are exact without one
-  moments = sync_bn.batch_moments(x, axis_name=cfg.axis_name,
+  moments = bn_core.batch_moments(x, axis_name=cfg.axis_name,
                                   axis_index_groups=cfg.axis_index_groups, mask=mask)
   stats = moments.stats()
   invstd = moments.inverse_std(stats, cfg.epsilon)
@@ -119,14 +67,14 @@ def _abn_train_fwd(x, scale, bias, mask, shift, cfg):
 
 
 def _abn_train_bwd(cfg, res, cts):
-  param_varying = sync_bn.params_stay_local(cfg.axis_name, cts[0], res[1])
+  param_varying = bn_core.params_stay_local(cfg.axis_name, cts[0], res[1])
   sign = jnp.sign(res[1])   # before the barrier, which makes everything device-varying
-  res, cts = sync_bn.tie_to_cotangent(res, cts)
+  res, cts = bn_core.tie_to_cotangent(res, cts)
   z, scale, bias, mask, invstd, count = res
   y, dy = invert_activation(z.astype(jnp.float32), cts[0].astype(jnp.float32), cfg)
   g = _gamma(scale, cfg.epsilon)
   xhat = (y - bias) / g
-  dx, dg, db = sync_bn.bn_backward(
+  dx, dg, db = bn_core.bn_backward(
       dy, xhat, mask, g * invstd, count, axis_name=cfg.axis_name,
       axis_index_groups=cfg.axis_index_groups, param_varying=param_varying)
   return dx.astype(z.dtype), (sign * dg).astype(scale.dtype), db.astype(bias.dtype), None, None
@@ -148,9 +96,9 @@ def _abn_eval_fwd(x, scale, bias, mean, var, cfg):
 
 
 def _abn_eval_bwd(cfg, res, dz):
-  param_varying = sync_bn.params_stay_local(cfg.axis_name, dz, res[1])
+  param_varying = bn_core.params_stay_local(cfg.axis_name, dz, res[1])
   sign = jnp.sign(res[1])
-  res, dz = sync_bn.tie_to_cotangent(res, dz)
+  res, dz = bn_core.tie_to_cotangent(res, dz)
   z, scale, bias, invstd = res
   y, dy = invert_activation(z.astype(jnp.float32), dz.astype(jnp.float32), cfg)
   g = _gamma(scale, cfg.epsilon)
@@ -184,7 +132,7 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
                 use_running_average: bool = False, running_mean: jax.Array | None = None,
                 running_var: jax.Array | None = None,
                 implementation: str | None = None,
-                interpret: bool | None = None) -> tuple[jax.Array, sync_bn.BatchStats | None]:
+                interpret: bool | None = None) -> tuple[jax.Array, bn_core.BatchStats | None]:
   """Batch norm + invertible activation that saves only its output for the backward pass.
 
   Args:
@@ -200,10 +148,10 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
       forward and one all-reduce backward (`jmem.parallel.sync_bn`), global counts in the
       backward; exact in float32 whatever the data's offset. An unbound name raises
       NameError; in training mode under ``jax.shard_map`` an ``x`` that varies over a mesh
-      axis this leaves out gets a `jmem.parallel.sync_bn.LocalStatisticsWarning`.
+      axis this leaves out gets a `jmem.parallel.bn_core.LocalStatisticsWarning`.
     axis_index_groups: optional groups within the axis.
     mask: optional boolean array (other dtypes raise TypeError), broadcastable to ``x``
-      with the same rank; True = valid. As in `jmem.parallel.sync_bn.sync_batch_norm`:
+      with the same rank; True = valid. As in `jmem.parallel.bn_core.sync_batch_norm`:
       padding is selected away (NaN/Inf there is inert) and a channel with no valid entry
       is normalised to 0 (``z = act(β)``).
     shift: ignored; accepted for compatibility (the statistics are exact without one).
@@ -226,8 +174,8 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
       ``scale``/``bias``/``mask`` of the wrong shape.
   """
   cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
-  sync_bn.check_floating(x, "inplace_abn")
-  sync_bn.check_axis_name(cfg.axis_name)
+  bn_core.check_floating(x, "inplace_abn")
+  bn_core.check_axis_name(cfg.axis_name)
   c = x.shape[-1]
   scale = jnp.asarray(scale, jnp.float32)
   bias = jnp.asarray(bias, jnp.float32)
@@ -243,8 +191,8 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
     z = _abn_eval(x, scale, bias, jnp.asarray(running_mean, jnp.float32),
                   jnp.asarray(running_var, jnp.float32), cfg)
     return z, None
-  mask = sync_bn.check_mask(x, mask)
-  sync_bn.warn_if_unsynchronised(x, cfg.axis_name, "inplace_abn")
+  mask = bn_core.check_mask(x, mask)
+  bn_core.warn_if_unsynchronised(x, cfg.axis_name, "inplace_abn")
   shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
   if implementation is None:
     from pallas_kernels import targets_gpu  # pylint: disable=g-import-not-at-top
@@ -269,16 +217,16 @@ def inplace_abn_reference(x, scale, bias, *, activation="leaky_relu", slope=0.01
                           running_var=None):
   """BN then activation by plain autodiff (saves x): the oracle of `inplace_abn`."""
   cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
-  sync_bn.check_floating(x, "inplace_abn_reference")
-  sync_bn.check_axis_name(cfg.axis_name)
+  bn_core.check_floating(x, "inplace_abn_reference")
+  bn_core.check_axis_name(cfg.axis_name)
   g = _gamma(jnp.asarray(scale, jnp.float32), epsilon)
   del shift
   if use_running_average:
     xc = x.astype(jnp.float32) - running_mean
     var, stats = running_var, None
   else:
-    sync_bn.warn_if_unsynchronised(x, cfg.axis_name, "inplace_abn_reference")
-    moments = sync_bn.batch_moments(x, axis_name=axis_name,
+    bn_core.warn_if_unsynchronised(x, cfg.axis_name, "inplace_abn_reference")
+    moments = bn_core.batch_moments(x, axis_name=axis_name,
                                     axis_index_groups=cfg.axis_index_groups, mask=mask)
     stats = moments.stats()
     xc, var = moments.centre(x.astype(jnp.float32)), stats.var
@@ -383,7 +331,7 @@ class InPlaceABN(nn.Module):
     cfg = _config(self.activation, self.slope, self.alpha, self.epsilon, axis_name,
                   self.axis_index_groups)
     train_fn, eval_fn = _abn_fns(cfg, self.implementation)
-    return sync_bn.linen_norm_call(self, x, use_running_average, mask, train_fn=train_fn,
+    return bn_core.linen_norm_call(self, x, use_running_average, mask, train_fn=train_fn,
                                    eval_fn=eval_fn, use_scale=True, use_bias=True,
                                    unbiased_running_var=self.unbiased_running_var)
 
@@ -430,7 +378,7 @@ class NNXInPlaceABN(nnx.Module):
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     use_ra = self.use_running_average if use_running_average is None else use_running_average
     train_fn, eval_fn = _abn_fns(self.cfg, self.implementation)
-    y, mean, var = sync_bn.normalize_with_state(
+    y, mean, var = bn_core.normalize_with_state(
         x, axis=self.axis, scale=self.scale[...], bias=self.bias[...], running_mean=self.mean[...],
         running_var=self.var[...], use_running_average=use_ra, mask=mask, train_fn=train_fn,
         eval_fn=eval_fn, momentum=self.momentum, unbiased_running_var=self.unbiased_running_var,

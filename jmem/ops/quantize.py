@@ -47,6 +47,8 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16  # pylint: disable=unused-import
+
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
            "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform",
            "check_config", "fake_quantize", "probe", "truncate_to_bfloat16", "group_span",
@@ -133,16 +135,6 @@ def _unpack_planes(packed, bits):
   return c.reshape(packed.shape[:-1] + (-1,))
 
 
-def truncate_to_bfloat16(v: jax.Array) -> jax.Array:
-  """Positive float32 ``v`` rounded DOWN to the nearest bfloat16 value (still float32).
-
-  Clearing the 16 low bits of the float32 pattern rounds toward zero, i.e. down for
-  positive numbers; the result converts to bfloat16 exactly.
-  """
-  bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
-  return jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
-
-
 def _flat(x):
   n = x.shape[0] if x.ndim else 1
   return x.reshape(n, -1), n
@@ -174,13 +166,6 @@ def _ungroup(values, shape, dtype):
   return flat.reshape(shape).astype(dtype)
 
 
-def group_span(mn: jax.Array, mx: jax.Array) -> jax.Array:
-  """``mx - mn`` widened by 2^-22 of the larger magnitude (about two float32 ulps) and by
-  1e-30: positive for a constant group, and never much wider than the range (an absolute
-  epsilon such as ActNN's 2e-6 stretches the span of groups with small ranges many times)."""
-  return (mx - mn) + (jnp.maximum(jnp.abs(mn), jnp.abs(mx)) * 2.0**-22 + 1e-30)
-
-
 def group_statistics(x: jax.Array, *, bits: int, group_size: int):
   """``(groups float32[N, G, group_size], minimum float32[N, G], scale bf16[N, G])``.
 
@@ -193,22 +178,6 @@ def group_statistics(x: jax.Array, *, bits: int, group_size: int):
   mn = jnp.min(grouped, axis=-1)
   span = group_span(mn, jnp.max(grouped, axis=-1))
   return grouped, mn, truncate_to_bfloat16(levels / span).astype(jnp.bfloat16)
-
-
-def hash_uniform(index: jax.Array, seed: jax.Array) -> jax.Array:
-  """``U[0, 1)`` from a uint32 element index and seed (lowbias32 hash; Wellons).
-
-  Elementwise, so it fuses into the quantization instead of materialising full-size
-  random-bit arrays (threefry needs two uint32 and one float32 array of the input's size);
-  the Pallas kernels compute the same values.
-  """
-  h = index * jnp.uint32(0x9E3779B1) + seed
-  h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x7FEB352D)
-  h = h ^ (h >> 15)
-  h = h * jnp.uint32(0x846CA68B)
-  h = h ^ (h >> 16)
-  return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def dither_seed(key: jax.Array) -> jax.Array:
