@@ -408,3 +408,24 @@ def test_compressed_and_convert_nnx_keep_variable_paths():
   paths = jax.tree.structure(nnx.state(model))
   actnn.convert_nnx(model, "L2")
   assert jax.tree.structure(nnx.state(model)) == paths
+
+
+def test_calibrate_any_linen_model():
+  """Per-site bits from gradient sensitivity on a model without jmem's hooks."""
+  model = tp.ThirdPartyResNet()
+  x, y = X[:8], Y[:8]
+  variables = model.init(jax.random.key(1), x)
+
+  def loss_fn(module, params, batch):
+    logits, _ = module.apply({**variables, "params": params}, batch[0], mutable=["batch_stats"],
+                             rngs={"actnn": jax.random.key(0)})
+    return xent(logits, batch[1])
+  technique = surgery.calibrate(model, loss_fn, variables["params"], (x, y), budget=3.0)
+  bits = dict(technique.level.layer_bits)
+  sites = next(iter(surgery.sites(jmem.convert(model, jmem.ActNN("L3")), x).values()))
+  assert sorted(bits) == sites
+  assert set(bits.values()) <= {1, 2, 4, 8} and len(set(bits.values())) > 1, bits
+  converted = jmem.convert(model, technique)
+  assert np.isfinite(float(jax.jit(lambda p: loss_fn(converted, p, (x, y)))(variables["params"])))
+  with pytest.raises(NotImplementedError, match="linen"):
+    surgery.calibrate(tp.NNXCNN(rngs=nnx.Rngs(0)), loss_fn, None, None)

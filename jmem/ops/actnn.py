@@ -277,17 +277,22 @@ class _Probe:
     return functools.partial(g, levels, seed)
 
 
-def _probe_grads(model, loss_fn, params, batch, lv):
+def _probe_grads(model, loss_fn, params, batch, lv, probing_model=None):
   """``(grads(levels, seed), sites, weights)``: one jitted gradient with a runtime number
   of quantization levels per site (``sites`` maps path -> index into ``levels``). The
-  parameters and batch are jit arguments, never constants (XLA would fold them)."""
+  parameters and batch are jit arguments, never constants (XLA would fold them).
+  ``probing_model(probe)``: the model whose sites call ``probe.site`` (default: ``model``'s
+  ``block_transform`` / ``stem_transform`` hooks; `jmem.surgery.calibrate` passes its own)."""
   if lv.block_bits is None:
     raise ValueError(f"Level {lv.name} compresses no blocks (block_bits is None): bit "
                      "allocation is for L3-style levels.")
   probe = _Probe()
-  wrap = lambda cls: nn_transforms.lift_transform(
-      _lift_sites(probe.site), cls, group_size=lv.group_size)
-  probing = model.clone(**_wrap_sites(model, lv, wrap))
+  if probing_model is not None:
+    probing = probing_model(probe)
+  else:
+    wrap = lambda cls: nn_transforms.lift_transform(
+        _lift_sites(probe.site), cls, group_size=lv.group_size)
+    probing = model.clone(**_wrap_sites(model, lv, wrap))
 
   def grads(levels, seed, params, batch):
     with probe.active(levels, seed):
@@ -313,7 +318,7 @@ def _sq_dist(a, b) -> float:
 
 
 def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
-                  level: str | Level = "L3", seed: int = 0
+                  level: str | Level = "L3", seed: int = 0, probing_model=None
                   ) -> tuple[dict[str, float], dict[str, int]]:
   """GACT gradient sensitivity of every site ``level`` compresses as a whole block.
 
@@ -325,12 +330,15 @@ def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
     batch: the calibration batch (any pytree of arrays, e.g. ``(x, y)``).
     level: gives the group size (and must compress blocks: L3, L4, L5 or your own).
     seed: dither seed of the two 1-bit probes.
+    probing_model: ``probing_model(probe) -> module`` whose sites call ``probe.site``
+      (`jmem.surgery.calibrate` uses it for models without jmem's hooks).
 
   Returns:
     ``(C, w)``: per site path, ``C_i`` (module docstring) and the number of values the site
     quantizes.
   """
-  grads, sites, weights = _probe_grads(model, loss_fn, params, batch, get_level(level))
+  grads, sites, weights = _probe_grads(model, loss_fn, params, batch, get_level(level),
+                                       probing_model)
   out = {}
   for path, i in sites.items():
     one_hot = jnp.zeros((len(sites),), jnp.float32).at[i].set(1.0)
@@ -342,12 +350,12 @@ def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
 
 
 def gradient_noise(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any,
-                   level: str | Level, *, num_seeds: int = 8) -> float:
+                   level: str | Level, *, num_seeds: int = 8, probing_model=None) -> float:
   """Mean ``|g_q - g|^2`` over ``num_seeds`` dithers with every site at ``level``'s bits
   (``layer_bits`` respected), ``g`` the exact gradient: what an allocation is meant to
   minimise. Uses the same probe as `sensitivities`."""
   lv = get_level(level)
-  grads, sites, _ = _probe_grads(model, loss_fn, params, batch, lv)
+  grads, sites, _ = _probe_grads(model, loss_fn, params, batch, lv, probing_model)
   bits = dict(lv.layer_bits)
   levels = np.zeros((len(sites),), np.float32)
   for path, i in sites.items():

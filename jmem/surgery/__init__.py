@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,7 +68,7 @@ from jmem.surgery.techniques import technique as technique
 from jmem.surgery.techniques import technique_names as technique_names
 
 __all__ = ["convert", "Technique", "Remat", "ActNN", "SyncBN", "InPlaceABN", "technique",
-           "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params"]
+           "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate"]
 
 
 def convert(model, *techniques: Technique | None):
@@ -103,6 +104,46 @@ def convert(model, *techniques: Technique | None):
     return _nnx.convert_nnx(model, tuple(resolved)) if resolved else model
   raise TypeError(f"jmem.convert takes a flax.linen or flax.nnx Module, got "
                   f"{type(model).__name__}.")
+
+
+def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
+              budget: float | None = None, seed: int = 0) -> ActNN:
+  """``technique`` (default ``ActNN("L3")``) with per-site bits from gradient sensitivity,
+  for any linen model: `jmem.ops.actnn.calibrate`'s method (GACT sensitivities, ActNN's
+  greedy allocation at ``budget`` average bits, default the level's) on the sites that
+  ``technique`` selects in ``model``.
+
+  Args:
+    model: the unconverted linen model.
+    loss_fn: ``loss_fn(module, params, batch) -> scalar``, called with a probing conversion
+      of ``model`` (same parameters).
+    params, batch: the weights and the calibration batch.
+    technique: an L3-L5 `ActNN` (its ``where=`` chooses the sites).
+    budget: average bits (default: the level's block bits).
+    seed: dither seed of the probes.
+
+  Returns:
+    An `ActNN` whose level carries the per-site bits: ``jmem.convert(model, result)``.
+  """
+  from jmem.ops import actnn as actnn_lib  # pylint: disable=g-import-not-at-top
+  technique = ActNN("L3") if technique is None else technique
+  if not isinstance(technique, ActNN):
+    raise TypeError(f"calibrate allocates ActNN's bits; got {technique!r}.")
+  if isinstance(model, nnx.Module):
+    raise NotImplementedError(
+        "jmem.surgery.calibrate takes linen models: NNX conversion changes the model in place, "
+        "so a probing copy cannot be made without touching yours. Calibrate on an nnx.clone "
+        "of the model converted by hand, or use ActNN(bits=...) with uniform bits.")
+  lv = technique.resolved_level()
+  if lv.block_bits is None:
+    raise ValueError(f"calibrate needs an L3-L5 level (block sites); got {lv.name}.")
+  probing = lambda probe: convert(model, dataclasses.replace(technique, probe=probe))
+  sens, weights = actnn_lib.sensitivities(model, loss_fn, params, batch, level=lv, seed=seed,
+                                          probing_model=probing)
+  bits = actnn_lib.allocate_bits(sens, weights, budget=float(
+      lv.block_bits if budget is None else budget))
+  level = dataclasses.replace(lv, name=f"{lv.name}-calibrated", layer_bits=tuple(bits.items()))
+  return dataclasses.replace(technique, level=level, bits=None)
 
 
 _SITES: contextvars.ContextVar = contextvars.ContextVar("jmem_sites", default=None)

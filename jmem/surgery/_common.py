@@ -214,6 +214,13 @@ def abn_config(technique, pair: tuple[str, dict] | None, path: str, epsilon: flo
 
 # ---------------------------------------------------------------- per-site transforms
 
+def actnn_transform(technique, bits: int, level, key, path: str):
+  """The transform of an ActNN site: compression, or the calibration probe."""
+  if technique.probe is not None:
+    return lambda pure: technique.probe.site(pure, path, group_size=level.group_size)
+  return compress_transform(bits, level, key, technique.implementation)
+
+
 def compress_transform(bits: int, level, key, implementation):
   """``pure -> g`` compressing every floating residual of a site at ``bits`` (the site's
   variables and RNG keys, arguments 0 and 1 of ``pure``, never)."""

@@ -207,13 +207,16 @@ class _Trace:
       lv = t.resolved_level()
       bits = {"block": dict(lv.layer_bits).get(path, lv.block_bits), "conv": lv.conv_bits,
               "norm": lv.norm_bits}[kind]
-      if mod.scope.has_rng("actnn"):
+      key = None
+      if t.probe is not None:
+        pass                                   # calibration: the probe draws its own dither
+      elif mod.scope.has_rng("actnn"):
         key = mod.make_rng("actnn")
       else:
         key = c.context_key("actnn", path)
         if key is None:
           c.no_key_warning()
-      transform = c.compress_transform(bits, lv, key, t.implementation)
+      transform = c.actnn_transform(t, bits, lv, key, path)
 
     def fn(cloned, *a, **kw):
       self.in_site.add(id(cloned))

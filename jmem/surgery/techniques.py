@@ -100,6 +100,8 @@ class ActNN(Technique):
   level: Any = "L3"
   bits: int | None = None
   implementation: str | None = None
+  # Set by `jmem.surgery.calibrate` only: the sites then probe gradient sensitivity.
+  probe: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   def __post_init__(self):
     super().__post_init__()
