@@ -39,3 +39,26 @@ def test_technique_implementation_suffix():
   for bad in ("actnn-L3:triton", "actnn-L3:"):
     with pytest.raises(ValueError, match="Unknown implementation"):
       bench.get_technique(bad)
+
+
+@pytest.mark.parametrize("name", ["actnn-L3:pallas", "inplace-abn:pallas"])
+def test_converted_third_party_step_lowers_for_cuda_with_its_kernels(name):
+  """``implementation=`` through jmem.convert's technique objects, on a model jmem did not
+  write: the whole train step lowers for CUDA with the Pallas kernels in it."""
+  import jmem  # pylint: disable=g-import-not-at-top
+  import third_party_models as tp  # pylint: disable=g-import-not-at-top
+  make, shape = ((tp.ThirdPartyResNet, (8, 16, 16, 3)) if name.startswith("actnn")
+                 else (tp.SequentialABNCNN, (8, 8, 8, 3)))
+  # The bench's inplace-abn fixes leaky_relu 0.01; this model's own pairs say what they are.
+  overrides = {} if name.startswith("actnn") else dict(activation=None, slope=None)
+  model = jmem.convert(make(), jmem.technique(name, **overrides))
+  fns = train.model_fns(model)
+  opt = train.default_optimizer(1e-3, 10)
+  one = jax.ShapeDtypeStruct((1,) + shape[1:], jnp.float32)
+  state = jax.eval_shape(lambda k, x: train.init_state(fns, opt, k, x), jax.random.key(0), one)
+  step = train.make_train_step(fns, opt)
+  with lowering_for_gpu():
+    text = step.trace(state, jax.ShapeDtypeStruct(shape, jnp.float32),
+                      jax.ShapeDtypeStruct((shape[0],), jnp.int32)).lower(
+                          lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") >= 8
