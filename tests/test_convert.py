@@ -429,3 +429,37 @@ def test_calibrate_any_linen_model():
   assert np.isfinite(float(jax.jit(lambda p: loss_fn(converted, p, (x, y)))(variables["params"])))
   with pytest.raises(NotImplementedError, match="linen"):
     surgery.calibrate(tp.NNXCNN(rngs=nnx.Rngs(0)), loss_fn, None, None)
+
+
+def test_review_findings_fail_loudly():
+  """Each a silent failure found by a fresh review, now an error (or correct)."""
+  # A concrete key entered outside the jitted step would be baked into it.
+  model = tp.FunctionalCNN()
+  variables = model.init(jax.random.key(1), X)
+  converted = jmem.convert(model, jmem.ActNN("L3"))
+  step = jax.jit(lambda p: converted.apply({**variables, "params": p}, X, mutable=True)[0])
+  with pytest.raises(ValueError, match="outside the jitted function"):
+    with surgery.rngs(actnn=jax.random.key(1)):
+      step(variables["params"])
+  # A failed NNX conversion leaves the model untouched; converting twice is refused.
+  net = tp.NNXCNN(rngs=nnx.Rngs(0))
+  act = net.stem.layers[2]
+  with pytest.raises(ValueError, match="typo"):
+    jmem.convert(net, jmem.InPlaceABN(where="stem/.*"), jmem.Remat(where="typo"))
+  assert net.stem.layers[2] is act and type(net.stem.layers[1]) is nnx.BatchNorm
+  jmem.convert(net, jmem.Remat())
+  with pytest.raises(ValueError, match="already converted"):
+    jmem.convert(net, jmem.ActNN("L3"))
+  # batch_mask with a BatchNorm that is not a site: linen and NNX raise.
+  valid = jnp.arange(16) < 10
+  with pytest.raises(ValueError, match="BatchNorm_1.*ignore the mask"):
+    with jmem.batch_mask(valid):
+      jmem.convert(model, jmem.SyncBN(where="BatchNorm_0")).apply(variables, X, mutable=True)
+  with pytest.raises(ValueError, match="'stem/layers/1'.*ignore the mask"):
+    with jmem.batch_mask(valid):
+      net(X)
+  # apply(method=...) runs the original model's method with the techniques on.
+  got = converted.apply(variables, X, method=tp.FunctionalCNN.__call__, mutable=True,
+                        rngs={"actnn": jax.random.key(0)})[0]
+  want = model.apply(variables, X, mutable=True)[0]
+  np.testing.assert_allclose(got, want, atol=1e-5)

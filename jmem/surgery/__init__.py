@@ -149,16 +149,20 @@ def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
 _SITES: contextvars.ContextVar = contextvars.ContextVar("jmem_sites", default=None)
 
 
-def sites(model, *args, **kwargs) -> dict[str, list[str]]:
-  """The module paths each technique of a converted ``model`` applies to: for linen, found
-  by tracing ``model.init(key, *args, **kwargs)`` (shapes only); for NNX, read from the
-  model. Keys are the techniques' reprs."""
+def sites(model, *args, rngs=None, **kwargs) -> dict[str, list[str]]:
+  """The module paths a converted ``model``'s techniques apply to.
+
+  linen: found by tracing ``model.apply`` on ``args`` (shapes only, nothing runs; ``rngs``
+  as ``apply`` takes them, e.g. ``{"dropout": key}``); keys are the techniques' reprs. NNX:
+  read from the model; keys are the site kinds (``"remat"``, ``"compress"``, ``"sync"``,
+  ``"abn"``).
+  """
   if isinstance(model, nnx.Module):
     out: dict[str, list[str]] = {}
     for p, m in nnx.iter_graph(model):
       for klass in type(m).__mro__ if isinstance(m, nnx.Module) else ():
         site = klass.__dict__.get("_jmem_site")
-        if site is not None:
+        if site is not None and site[1][0] != "guard":
           out.setdefault(site[1][0], []).append("/".join(str(k) for k in p))
     return out
   from jmem.surgery import _linen  # pylint: disable=g-import-not-at-top
@@ -167,9 +171,9 @@ def sites(model, *args, **kwargs) -> dict[str, list[str]]:
   collected: dict = {}
   token = _linen.RECORD.set(collected)
   try:
+    streams = {"params": jax.random.key(0), "actnn": jax.random.key(0), **(rngs or {})}
     jax.eval_shape(lambda: model.apply(
-        model.init(jax.random.key(0), *args, **kwargs), *args,
-        mutable=True, rngs={"actnn": jax.random.key(0)}, **kwargs))
+        model.init(streams, *args, **kwargs), *args, mutable=True, rngs=streams, **kwargs))
   finally:
     _linen.RECORD.reset(token)
   return {repr(model.techniques[i]): sorted(set(p)) for i, p in collected.items()}

@@ -76,14 +76,35 @@ def rngs(*, actnn: jax.Array | None = None):
     _RNGS.reset(token)
 
 
-def context_key(stream: str, path: str):
+def context_key(stream: str, path: str, args=()):
+  """The ``stream`` key of `rngs` for the site at ``path`` (None without one).
+
+  Raises if the key is a constant of a trace whose site arguments are traced: the context
+  was entered outside the jitted function, so every later call would reuse this one key.
+  """
   keys = _RNGS.get()
   key = None if keys is None else keys.get(stream)
   if key is None:
     return None
+  traced = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args))
+  if traced and not isinstance(key, jax.core.Tracer) and _under_jit():
+    raise ValueError(
+        f"jmem.surgery.rngs({stream}=...) holds a concrete key while the site {path!r} is being "
+        "traced: the context was entered outside the jitted function, so the compiled step "
+        "would reuse this key on every call. Pass the key into the jitted step as an argument "
+        "and enter `with jmem.surgery.rngs(...)` inside it (linen: apply(..., rngs={...}) "
+        "inside it).")
   if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
     key = jax.random.wrap_key_data(key) if key.dtype == jnp.uint32 else key
   return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+
+
+def _under_jit() -> bool:
+  """Whether the current trace is staged for compilation (JAX's own check where it has one;
+  without it, no check: a concrete key under eager grad is fine)."""
+  from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
+  check = getattr(jax_core, "unsafe_am_i_under_a_jit", None)
+  return bool(check()) if check is not None else False
 
 
 def warn_once(tag: str, message: str) -> None:

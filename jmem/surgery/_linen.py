@@ -90,7 +90,8 @@ class _Trace:
               "computation with its fields and variables, or leave it out with a where= that "
               "does not match it.")
       elif t.matches_user(mod, path) and (
-          status is not None or all(hasattr(mod, f) for f in c.LINEN_BN_FIELDS)):
+          status is not None or all(hasattr(mod, f) for f in c.LINEN_BN_FIELDS) or
+          t.names(type(mod), path)):
         # where= filters BatchNorm-like modules (the others it matches are not its business)
         if status != "bn" and not t.names(type(mod), path):
           raise ValueError(
@@ -154,7 +155,7 @@ class _Trace:
       if site is not None and not self._nested(site, path):
         if not mod.is_initializing():
           return self._call_block(mod, path, site, args, kwargs)
-        self._hit(site[0], path)     # init: the forward pass only, nothing to save
+        self._hit(site[0], path, record=False)   # init: the forward pass, nothing to save
     if isinstance(mod, nn.Sequential) and any(isinstance(t, InPlaceABN) for t in self.techniques):
       return self._call_sequential(mod, args, kwargs)
     bn = self.bn_site(mod, path)
@@ -166,6 +167,11 @@ class _Trace:
     return y
 
   def _unhandled_bn(self, mod, path):
+    if c.active_mask() is not None:
+      raise ValueError(
+          f"jmem.batch_mask is active but the BatchNorm-like module at {path or '<top>'!r} is "
+          "not a jmem site, so it would ignore the mask: include it in a jmem.SyncBN() "
+          "(axis_name=None for local statistics) or jmem.InPlaceABN() where=.")
     defaults = [t for _, t in self._bn_techniques() if t.where is None]
     if defaults:
       raise ValueError(
@@ -173,15 +179,10 @@ class _Trace:
           "BatchNorm statistics (batch_stats mean/var) but is not a flax.linen.BatchNorm, so "
           "jmem does not know its computation. Name it in where= (its class or path) if it "
           "has BatchNorm's fields and computes BatchNorm, or replace it by nn.BatchNorm.")
-    if c.active_mask() is not None and not self._bn_techniques():
-      raise ValueError(
-          f"jmem.surgery.batch_mask is active but the BatchNorm at {path or '<top>'!r} is not a "
-          "jmem site, so it would ignore the mask: convert the model with jmem.SyncBN() "
-          "(axis_name=None for local statistics) or jmem.InPlaceABN().")
 
-  def _hit(self, index, path):
+  def _hit(self, index, path, record=True):
     self.hits.setdefault(index, []).append(path)
-    record = RECORD.get()
+    record = RECORD.get() if record else None
     if record is not None:
       record.setdefault(index, []).append(path)
 
@@ -213,7 +214,7 @@ class _Trace:
       elif mod.scope.has_rng("actnn"):
         key = mod.make_rng("actnn")
       else:
-        key = c.context_key("actnn", path)
+        key = c.context_key("actnn", path, (args, kwargs, mod.variables))
         if key is None:
           c.no_key_warning()
       transform = c.actnn_transform(t, bits, lv, key, path)
@@ -328,6 +329,26 @@ class Converted(nn.Module):
     nn.share_scope(self, self.model)
 
   def __call__(self, *args, **kwargs):
+    return self._run(lambda: self.model(*args, **kwargs))
+
+  def _method(self, method, *args, **kwargs):
+    if isinstance(method, str):
+      return self._run(lambda: getattr(self.model, method)(*args, **kwargs))
+    return self._run(lambda: method(self.model, *args, **kwargs))
+
+  def apply(self, variables, *args, method=None, **kwargs):  # pylint: disable=arguments-differ
+    """``Module.apply``; ``method`` (a name, or a function of the ORIGINAL model's class such
+    as ``Net.encode``) runs on the original model with the techniques on."""
+    if method is None or method == "__call__":
+      return super().apply(variables, *args, **kwargs)
+    return super().apply(variables, *args, method=_MethodOf(method), **kwargs)
+
+  def init(self, rngs, *args, method=None, **kwargs):  # pylint: disable=arguments-differ
+    if method is None or method == "__call__":
+      return super().init(rngs, *args, **kwargs)
+    return super().init(rngs, *args, method=_MethodOf(method), **kwargs)
+
+  def _run(self, call):
     trace = _Trace(self.techniques, tuple(self.scope.path))
     seen = []
 
@@ -339,9 +360,21 @@ class Converted(nn.Module):
       return next_fun(*a, **kw)
 
     with nn.intercept_methods(record), nn.intercept_methods(trace.intercept):
-      y = self.model(*args, **kwargs)
+      y = call()
     trace.finish(seen)
     return y
+
+
+class _MethodOf:
+  """``apply(method=...)`` of a converted model: the original model's method, by name or
+  function, run through `Converted._method`."""
+
+  def __init__(self, method):
+    self.method = method
+    self.__name__ = getattr(method, "__name__", str(method))
+
+  def __call__(self, converted, *args, **kwargs):
+    return converted._method(self.method, *args, **kwargs)  # pylint: disable=protected-access
 
 
 def convert_linen(model: nn.Module, techniques: tuple) -> nn.Module:

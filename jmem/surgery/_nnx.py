@@ -4,6 +4,8 @@ whose ``__call__`` applies the technique around, or instead of, the original one
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from flax import nnx
@@ -48,7 +50,7 @@ def _block_call(base, cfg):
       transform = c.remat_transform(opts)
     else:
       bits, level, implementation = opts
-      key = c.context_key("actnn", path)
+      key = c.context_key("actnn", path, (arrays, state))
       if key is None:
         c.no_key_warning()
       transform = c.compress_transform(bits, level, key, implementation)
@@ -102,6 +104,14 @@ def _identity(x):
 
 def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
   nodes = list(nnx.iter_graph(model))
+  done = [("/".join(str(k) for k in p) or "<top>") for p, n in nodes
+          if any("_jmem_site" in k.__dict__ for k in type(n).__mro__)]
+  if done:
+    raise ValueError(
+        f"This NNX model was already converted (sites at {', '.join(done[:6])}). Convert it once "
+        "with every technique, jmem.convert(model, t1, t2, ...), so that jmem can check how "
+        "they stack; start again from the unconverted model.")
+  actions = []          # applied only once every check has passed: no half-converted model
   by_path = {tuple(p): n for p, n in nodes}
   # Containers (nnx.List, nnx.Dict) have no __call__: never sites, transparent for the
   # "direct children of the top module" default.
@@ -198,9 +208,10 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
       cfg = c.abn_config(t, None if entry is None else entry[0], path, m.epsilon, axis_name,
                          groups)
       if entry is not None and entry[0][0] != "other":
-        entry[1].layers[entry[2]] = _identity
-      m.__class__ = _subclass(type(m), "bn", ("abn", path, (cfg, t.implementation,
-                                                           t.unbiased_running_var)), _bn_call)
+        actions.append(functools.partial(entry[1].layers.__setitem__, entry[2], _identity))
+      actions.append(functools.partial(_set_class, m, _subclass(
+          type(m), "bn", ("abn", path, (cfg, t.implementation, t.unbiased_running_var)),
+          _bn_call)))
     else:
       _, t = found[0]
       axis_name = t.axis_name if t.axis_name is not None else getattr(m, "axis_name", None)
@@ -210,8 +221,9 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
         groups = tuple(tuple(int(j) for j in g) for g in groups)
       if isinstance(axis_name, list):
         axis_name = tuple(axis_name)
-      m.__class__ = _subclass(type(m), "bn", ("sync", path, (axis_name, groups,
-                                                            t.unbiased_running_var)), _bn_call)
+      actions.append(functools.partial(_set_class, m, _subclass(
+          type(m), "bn", ("sync", path, (axis_name, groups, t.unbiased_running_var)),
+          _bn_call)))
     for i, _ in found:
       hits[i].append(path)
 
@@ -225,7 +237,7 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
       bits = {"block": dict(lv.layer_bits).get(path, lv.block_bits), "conv": lv.conv_bits,
               "norm": lv.norm_bits}[kind]
       cfg = ("compress", path, (bits, lv, t.implementation))
-    m.__class__ = _subclass(type(m), "block", cfg, _block_call)
+    actions.append(functools.partial(_set_block_class, m, cfg))
     hits[i].append(path)
   for p in block_paths:
     if p not in outer:
@@ -240,7 +252,39 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
         f"Module paths: {', '.join(p or '<top>' for p in seen[:12])}"
         f"{' ...' if len(seen) > 12 else ''}. Give where= a module class or a regular "
         "expression over these paths.")
+  # BatchNorm-like modules that are not sites raise if a batch_mask is active (they would
+  # ignore it); otherwise they run as before.
+  for p, m in modules:
+    if c.nnx_bn_status(m) is not None and id(m) not in bn_plan:
+      actions.append(functools.partial(_set_class, m, _subclass(type(m), "guard",
+                                                                 ("guard", name(p), None),
+                                                                 _guard_call)))
+  for action in actions:
+    action()
   return model
+
+
+def _guard_call(base, cfg):
+  path = cfg[1]
+
+  def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
+    if c.active_mask() is not None:
+      raise ValueError(
+          f"jmem.batch_mask is active but the BatchNorm-like module at {path!r} is not a jmem "
+          "site, so it would ignore the mask: include it in a jmem.SyncBN() (axis_name=None "
+          "for local statistics) or jmem.InPlaceABN() where=.")
+    return base.__call__(self, *args, **kwargs)
+
+  return __call__
+
+
+def _set_class(module, cls):
+  module.__class__ = cls
+
+
+def _set_block_class(module, cfg):
+  # After any BatchNorm class change of the same module: the block wraps it.
+  module.__class__ = _subclass(type(module), "block", cfg, _block_call)
 
 
 def _callable(m) -> bool:

@@ -142,13 +142,15 @@ class SyncBN(Technique):
 class InPlaceABN(Technique):
   """In-Place Activated BatchNorm (`jmem.ops.inplace_abn`) on BatchNorm + activation pairs.
 
-  A pair is recognised where a BatchNorm-like module is immediately followed by
-  ``leaky_relu`` or ``elu`` (a function, or a ``functools.partial`` of one) in an
-  ``nn.Sequential`` / ``nnx.Sequential``; the activation is then applied inside the site.
-  With ``activation="identity"`` every BatchNorm-like module is a site. A BatchNorm whose
-  activation the model applies in its own code cannot be seen: such a site raises, and the
-  fix is a one-line edit to `jmem.ops.inplace_abn.InPlaceABN` (linen) or
-  `jmem.ops.NNXInPlaceABN`, argument-compatible with BatchNorm plus the activation's.
+  Default sites: every BatchNorm-like module, each of which must be in a recognised pair
+  (else it raises, naming it: narrow ``where=`` to the pairs). A pair is recognised where a
+  BatchNorm-like module is immediately followed by ``leaky_relu`` or ``elu`` (a function, or
+  a ``functools.partial`` of one) in an ``nn.Sequential`` / ``nnx.Sequential``; the
+  activation is then applied inside the site. With ``activation="identity"`` any
+  BatchNorm-like module can be a site. A BatchNorm whose activation the model applies in its
+  own code cannot be seen: such a site raises, and the fix is a one-line edit to
+  `jmem.ops.inplace_abn.InPlaceABN` (linen) or `jmem.ops.NNXInPlaceABN`,
+  argument-compatible with BatchNorm plus the activation's.
 
   ``activation`` None takes the pair's own activation; given, it must equal it. The
   effective scale is ``|scale| + epsilon``: map plain-BN parameters with
@@ -185,7 +187,9 @@ def _from_bench(name: str) -> Technique | None:
   if base.startswith("actnn-"):
     return ActNN(base[len("actnn-"):], implementation=impl)
   if base == "inplace-abn":
-    return InPlaceABN(activation="leaky_relu", slope=0.01, implementation=impl)
+    # The bench also swaps jmem's models' relu for leaky_relu 0.01; a converted model keeps
+    # its own (invertible) activations.
+    return InPlaceABN(implementation=impl)
   return None
 
 
