@@ -114,10 +114,11 @@ def warn_once(tag: str, message: str) -> None:
 
 
 def no_key_warning():
-  warn_once("actnn-key", "jmem.convert ActNN sites: no 'actnn' RNG stream was given "
-            "(linen: apply(..., rngs={'actnn': key}); either API: with jmem.surgery.rngs("
-            "actnn=key)), so the stochastic-rounding key is derived from the data (it changes "
-            "as the data change, but repeats for repeated batches).")
+  warn_once("actnn-key", "jmem.convert ActNN sites: no 'actnn' RNG stream reached a site "
+            "(linen: apply(..., rngs={'actnn': key}), and inside nn.scan / nn.vmap add 'actnn' "
+            "to split_rngs; either API: with jmem.surgery.rngs(actnn=key) inside the jitted "
+            "step), so the stochastic-rounding key is derived from the data (it changes as the "
+            "data change, but repeats for repeated batches).")
 
 
 # ---------------------------------------------------------------- recognising BatchNorm

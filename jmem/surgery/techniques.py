@@ -106,7 +106,11 @@ class ActNN(Technique):
   def __post_init__(self):
     super().__post_init__()
     _check_implementation(self.implementation, "ActNN")
-    self.resolved_level()
+    lv = self.resolved_level()
+    if self.where is not None and lv.block_bits is None and lv.conv_bits is None and \
+        lv.norm_bits is None:
+      raise ValueError(f"ActNN level {lv.name} compresses nothing, so where={self.where!r} "
+                       "would select sites for nothing; drop where= (or pick L1-L5).")
 
   def resolved_level(self) -> actnn_lib.Level:
     lv = actnn_lib.get_level(self.level)
