@@ -227,6 +227,12 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
     for i, _ in found:
       hits[i].append(path)
 
+  # BatchNorm-like modules that are not BatchNorm sites raise if a batch_mask is active
+  # (they would ignore it); otherwise they run as before. Before the block classes, which
+  # wrap them.
+  for p, m in modules:
+    if c.nnx_bn_status(m) is not None and id(m) not in bn_plan:
+      actions.append(functools.partial(_set_guard_class, m, name(p)))
   for p, (i, t, kind) in outer.items():
     m = by_path[p]
     path = name(p)
@@ -252,13 +258,6 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
         f"Module paths: {', '.join(p or '<top>' for p in seen[:12])}"
         f"{' ...' if len(seen) > 12 else ''}. Give where= a module class or a regular "
         "expression over these paths.")
-  # BatchNorm-like modules that are not sites raise if a batch_mask is active (they would
-  # ignore it); otherwise they run as before.
-  for p, m in modules:
-    if c.nnx_bn_status(m) is not None and id(m) not in bn_plan:
-      actions.append(functools.partial(_set_class, m, _subclass(type(m), "guard",
-                                                                 ("guard", name(p), None),
-                                                                 _guard_call)))
   for action in actions:
     action()
   return model
@@ -280,6 +279,10 @@ def _guard_call(base, cfg):
 
 def _set_class(module, cls):
   module.__class__ = cls
+
+
+def _set_guard_class(module, path):
+  module.__class__ = _subclass(type(module), "guard", ("guard", path, None), _guard_call)
 
 
 def _set_block_class(module, cfg):
