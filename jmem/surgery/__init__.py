@@ -46,7 +46,6 @@ one, from the data, with a one-time warning.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Mapping
@@ -54,7 +53,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jmem.surgery._common import batch_mask as batch_mask
@@ -213,5 +211,3 @@ def inplace_abn_params(params: Mapping[str, Any], paths, *, to: str = "inplace_a
     return out
   return tree
 
-
-del contextlib, jnp

@@ -8,7 +8,6 @@ import contextvars
 import functools
 import warnings
 import zlib
-from typing import Any
 
 import flax.linen as nn
 import jax
