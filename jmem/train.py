@@ -231,7 +231,12 @@ def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
   if len(x) == 0:
     raise ValueError("evaluate needs at least one example, got none.")
   predict = _predict_fn(fns.apply)
-  size = min(batch_size, len(x))
+  # A model run on a mesh (fns.sharding) splits the batch over its devices: every batch,
+  # the padded last one included, is a multiple of the mesh size (a test set smaller than
+  # batch_size and not divisible by the data axis crashed the final evaluation).
+  mesh = getattr(fns.sharding, "mesh", None)
+  multiple = int(mesh.devices.size) if mesh is not None else 1
+  size = -(-min(batch_size, len(x)) // multiple) * multiple
   correct = 0
   for i in range(0, len(x), size):
     xb, n = x[i:i + size], len(x[i:i + size])

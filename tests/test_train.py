@@ -178,3 +178,18 @@ def test_step_and_evaluate_compile_once(technique):
     else:                          # nothing at all is compiled again
       assert not counts, counts
   assert accuracies == [result.test_accuracy] * 3
+
+
+def test_evaluate_on_a_data_axis_any_test_set_size():
+  """A mesh with a data axis of 2: a test set of 21 (smaller than the batch size, odd) is
+  padded to a multiple of the mesh, and the accuracy equals the one-device model's (the
+  final evaluation crashed: 21 is not divisible by the data axis)."""
+  from jmem.parallel import spatial  # pylint: disable=g-import-not-at-top
+  ds = data.digits(16)
+  x, y = ds.x_test[:21], ds.y_test[:21]
+  model = models.create_model("convnext-digits", 10, depths=(1,), dims=(8,))
+  fns = spatial.spatial_model_fns(model, spatial.spatial_mesh(2, 1, 4))
+  plain = train.model_fns(model)
+  state = train.init_state(plain, train.default_optimizer(1e-3, 10), jax.random.key(0),
+                           jnp.asarray(x[:1]))
+  assert train.evaluate(fns, state, x, y) == train.evaluate(plain, state, x, y)
