@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from flax import nnx, traverse_util
 
+from jmem import _context as context
 from jmem import data as data_lib
 from jmem import measure
 
@@ -101,8 +102,7 @@ def _from_nnx(model: nnx.Module) -> ModelFns:
     if rng is None:
       logits = m(x)
     else:
-      from jmem import surgery  # pylint: disable=g-import-not-at-top
-      with surgery.rngs(actnn=jax.random.fold_in(rng, 0x61)):   # jmem.convert's ActNN sites
+      with context.rngs(actnn=jax.random.fold_in(rng, 0x61)):   # jmem.convert's ActNN sites
         logits = m(x)
     _, _, new_state = nnx.split(m, nnx.Param, ...)
     return logits, new_state

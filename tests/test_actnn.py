@@ -264,6 +264,7 @@ def test_pallas_kernels_lower_for_cuda():
 
 def test_nnx_graph_surgery():
   from flax import nnx  # pylint: disable=g-import-not-at-top
+  from jmem import surgery  # pylint: disable=g-import-not-at-top
   x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 16, 16, 1)), jnp.float32)
   y = jnp.arange(16) % 10
   opt = optax.sgd(0.1)
@@ -273,7 +274,7 @@ def test_nnx_graph_surgery():
   def run(level):
     model = models.SmallCNN(1, 10, rngs=nnx.Rngs(0))
     if level is not None:
-      assert actnn.convert_nnx(model, level) is model
+      assert surgery.convert_nnx(model, level) is model
     fns = train.model_fns(model)
     params, state = fns.init(None, x)
     g = jax.grad(lambda p: train.make_loss(fns)(p, state, x, y, jax.random.key(0))[0])(params)

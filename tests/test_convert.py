@@ -385,6 +385,14 @@ def test_registry_and_names():
   with pytest.raises(ValueError, match="Unknown technique"):
     jmem.technique("actnn-L9")
   assert set(surgery.technique_names()) >= {"exact", "remat", "actnn-L3", "inplace-abn"}
+  # One set of names: every bench technique converts or says it is bench-only.
+  for name in bench.technique_names():
+    if name in surgery.technique_names():
+      assert bench.get_technique(name).has_kernels == (
+          name.startswith("actnn") or name == "inplace-abn")
+    else:
+      with pytest.raises(ValueError, match="not a jmem.convert technique yet"):
+        jmem.technique(name)
   model = jmem.convert(tp.FunctionalCNN(), "remat")
   assert model.techniques == (jmem.Remat(),)
   with pytest.raises(TypeError, match="technique objects"):
@@ -406,7 +414,7 @@ def test_compressed_and_convert_nnx_keep_variable_paths():
   assert actnn.compressed(tp.BottleneckBlock).__name__ == "BottleneckBlock"
   model = tp.NNXCNN(rngs=nnx.Rngs(0))
   paths = jax.tree.structure(nnx.state(model))
-  actnn.convert_nnx(model, "L2")
+  surgery.convert_nnx(model, "L2")
   assert jax.tree.structure(nnx.state(model)) == paths
 
 

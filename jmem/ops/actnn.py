@@ -50,6 +50,9 @@ new allocation compiles a new step, because bit widths fix buffer shapes). ActNN
 re-chose bits per sample every step; with static shapes jmem keeps the per-sample
 adaptivity in the ranges (a min and scale per sample and group) and not in the widths.
 
+For NNX models, and for any linen model without jmem's hooks: `jmem.convert` with
+`jmem.ActNN` (``jmem.surgery.convert_nnx`` is this module's levels on NNX graphs).
+
 The individual compressed operations (dense, conv, norms, gelu, attention, 1-bit ReLU /
 dropout masks, max-pool indices) are in `jmem.ops.compressed`.
 
@@ -79,7 +82,7 @@ from jax.flatten_util import ravel_pytree
 from jmem.ops import quantize as q
 
 __all__ = ["Level", "LEVELS", "get_level", "compressed", "convert", "CompressedNNX",
-           "convert_nnx", "sensitivities", "allocate_bits", "calibrate", "gradient_noise"]
+           "sensitivities", "allocate_bits", "calibrate", "gradient_noise"]
 
 
 def _lift_sites(transform):
@@ -446,25 +449,3 @@ class CompressedNNX(nnx.Module):
     y, new_state = fn(state, *args)
     nnx.update(self.inner, new_state)
     return y
-
-
-def convert_nnx(model: nnx.Module, level: str | Level = "L3", *,
-                block_types: tuple[type, ...] = (),
-                implementation: str | None = None) -> nnx.Module:
-  """Graph surgery on an NNX model, in place (and returned): `convert` for Flax NNX.
-
-  L1/L2 compress every ``nnx.Conv`` (and, at L2, ``nnx.BatchNorm``) at 4 bits. L3+ compress
-  every instance of ``block_types`` at ``block_bits`` (the GACT way); with no
-  ``block_types`` they compress convolutions and batch norms at ``block_bits``. ``L0``
-  changes nothing. ``implementation`` as in `convert`. The state paths do not change (each
-  site keeps its place and its attributes; see `jmem.convert`, of which this is the
-  ``jmem.ActNN(level, where=block_types)`` case).
-  """
-  from jmem import surgery  # pylint: disable=g-import-not-at-top
-  lv = get_level(level)
-  if lv.block_bits is not None or lv.conv_bits is not None or lv.norm_bits is not None:
-    where = None
-    if lv.block_bits is not None:
-      where = tuple(block_types) or (nnx.Conv, nnx.BatchNorm)
-    surgery.convert(model, surgery.ActNN(lv, where=where, implementation=implementation))
-  return model

@@ -55,6 +55,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from jmem.ops import actnn as actnn_lib
 from jmem.surgery._common import batch_mask as batch_mask
 from jmem.surgery._common import rngs as rngs
 from jmem.surgery.techniques import ActNN as ActNN
@@ -66,7 +67,8 @@ from jmem.surgery.techniques import technique as technique
 from jmem.surgery.techniques import technique_names as technique_names
 
 __all__ = ["convert", "Technique", "Remat", "ActNN", "SyncBN", "InPlaceABN", "technique",
-           "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate"]
+           "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate",
+           "convert_nnx"]
 
 
 def convert(model, *techniques: Technique | None):
@@ -123,7 +125,6 @@ def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
   Returns:
     An `ActNN` whose level carries the per-site bits: ``jmem.convert(model, result)``.
   """
-  from jmem.ops import actnn as actnn_lib  # pylint: disable=g-import-not-at-top
   technique = ActNN("L3") if technique is None else technique
   if not isinstance(technique, ActNN):
     raise TypeError(f"calibrate allocates ActNN's bits; got {technique!r}.")
@@ -142,6 +143,28 @@ def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
       lv.block_bits if budget is None else budget))
   level = dataclasses.replace(lv, name=f"{lv.name}-calibrated", layer_bits=tuple(bits.items()))
   return dataclasses.replace(technique, level=level, bits=None)
+
+
+def convert_nnx(model: nnx.Module, level="L3", *,
+                block_types: tuple[type, ...] = (),
+                implementation: str | None = None) -> nnx.Module:
+  """An ActNN level on an NNX model, in place (and returned): `jmem.ops.actnn.convert` for
+  Flax NNX.
+
+  L1/L2 compress every ``nnx.Conv`` (and, at L2, ``nnx.BatchNorm``) at 4 bits. L3+ compress
+  every instance of ``block_types`` at ``block_bits`` (the GACT way); with no
+  ``block_types`` they compress convolutions and batch norms at ``block_bits``. ``L0``
+  changes nothing. ``implementation`` as in `jmem.ops.actnn.convert`. The state paths do not change (each
+  site keeps its place and its attributes; see `jmem.convert`, of which this is the
+  ``jmem.ActNN(level, where=block_types)`` case).
+  """
+  lv = actnn_lib.get_level(level)
+  if lv.block_bits is not None or lv.conv_bits is not None or lv.norm_bits is not None:
+    where = None
+    if lv.block_bits is not None:
+      where = tuple(block_types) or (nnx.Conv, nnx.BatchNorm)
+    convert(model, ActNN(lv, where=where, implementation=implementation))
+  return model
 
 
 _SITES: contextvars.ContextVar = contextvars.ContextVar("jmem_sites", default=None)

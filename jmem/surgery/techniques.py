@@ -188,7 +188,7 @@ def _from_bench(name: str) -> Technique | None:
     return None
   if base == "remat":
     return Remat()
-  if base.startswith("actnn-"):
+  if base in _LEVEL_NAMES:
     return ActNN(base[len("actnn-"):], implementation=impl)
   if base == "inplace-abn":
     # The bench also swaps jmem's models' relu for leaky_relu 0.01; a converted model keeps
@@ -200,22 +200,32 @@ def _from_bench(name: str) -> Technique | None:
 def technique(name: str, **overrides) -> Technique | None:
   """The `jmem.convert` technique of a ``jmem bench`` technique name (``"actnn-L3"``,
   ``"actnn-L3:pallas"``, ``"remat"``, ``"inplace-abn"``; ``"exact"`` gives None), with
-  ``overrides`` (e.g. ``where=``) applied.
-
-  The names are the bench's registry (`jmem.bench.get_technique` validates them); SBP and
+  ``overrides`` (e.g. ``where=``) applied. The names are the bench's (`jmem.bench`); SBP and
   spatial sharding are not `jmem.convert` techniques yet.
   """
-  from jmem import bench  # pylint: disable=g-import-not-at-top
-  bench.get_technique(name)        # unknown names and bad suffixes raise there
-  t = _from_bench(name)
-  if t is None and name.partition(":")[0] != "exact":
+  base, colon, implementation = name.partition(":")
+  if colon and implementation not in q.IMPLEMENTATIONS:
+    raise ValueError(f"Unknown implementation {implementation!r} in {name!r}; use "
+                     f"{' or '.join(q.IMPLEMENTATIONS)} (or no suffix for automatic).")
+  if colon and base not in _WITH_KERNELS:
+    raise ValueError(f"Technique {base!r} has no kernels, so it takes no ':{implementation}' "
+                     f"suffix; techniques with kernels: {', '.join(_WITH_KERNELS)}.")
+  if base in _BENCH_ONLY:
     raise ValueError(f"Technique {name!r} runs in jmem bench on jmem's own models but is not a "
                      "jmem.convert technique yet (SBP and spatial sharding of any model are "
                      f"planned); convert techniques: {', '.join(technique_names())}.")
+  if base != "exact" and _from_bench(base) is None:
+    raise ValueError(f"Unknown technique {base!r}; jmem.convert techniques: "
+                     f"{', '.join(technique_names())}.")
+  t = _from_bench(name)
   return dataclasses.replace(t, **overrides) if (t is not None and overrides) else t
 
 
+_LEVEL_NAMES = tuple(f"actnn-L{i}" for i in range(6))
+_WITH_KERNELS = (*_LEVEL_NAMES, "inplace-abn")
+_BENCH_ONLY = ("spatial-8", "sbp-0.5", "sbp-0.25", "sbp-0.125")
+
+
 def technique_names() -> tuple[str, ...]:
-  from jmem import bench  # pylint: disable=g-import-not-at-top
-  return tuple(n for n in bench.technique_names()
-               if n == "exact" or _from_bench(n) is not None)
+  """The bench names `technique` turns into `jmem.convert` techniques."""
+  return ("exact", "remat", *_LEVEL_NAMES, "inplace-abn")
