@@ -216,9 +216,8 @@ def inplace_abn_params(params: Mapping[str, Any], paths, *, to: str = "inplace_a
   fn = ((lambda s: abn.from_batch_norm_scale(s, epsilon)) if to == "inplace_abn"
         else (lambda s: abn.to_batch_norm_scale(s, epsilon)))
   is_state = isinstance(params, nnx.State)
-  tree = nnx.to_pure_dict(params) if is_state else params
-  tree = jax.tree.map(lambda x: x, dict(tree))   # copy the containers
-  for path in paths:
+  tree = dict(nnx.to_pure_dict(params) if is_state else params)   # containers copied on the
+  for path in paths:                                                # way down to each scale
     node = tree
     keys = [k for k in path.split("/") if k]
     for k in keys:

@@ -8,14 +8,17 @@ import warnings
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import nnx
 
 from jmem._context import (  # pylint: disable=unused-import
     active_mask, batch_mask, context_key, mask_for, rngs)
-
-_WARNED: set = set()
 from jmem.ops import quantize as q
 from jmem.ops.inplace_abn import ABNConfig
+from jmem.surgery.techniques import ActNN
+
+_WARNED: set = set()
+
 
 def warn_once(tag: str, message: str) -> None:
   if tag not in _WARNED:
@@ -163,6 +166,67 @@ def compress_transform(bits: int, level, key, implementation):
 
 def remat_transform(policy):
   return lambda pure: jax.checkpoint(pure, policy=policy, prevent_cse=True)
+
+
+def site_bits(level, kind: str, path: str) -> int:
+  """Bits of an ActNN site: a block's (per-path, as calibrated), a convolution's, a norm's."""
+  return {"block": dict(level.layer_bits).get(path, level.block_bits), "conv": level.conv_bits,
+          "norm": level.norm_bits}[kind]
+
+
+def split_arrays(args, kwargs):
+  """``(arrays, rebuild)``: the array leaves of ``(args, kwargs)`` (positional or keyword, at
+  any depth), and ``rebuild(arrays) -> (args, kwargs)`` with everything else (``train=True``)
+  as it was: what goes through a transform, and what is closed over."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
+
+  def rebuild(arrays):
+    it = iter(arrays)
+    return jax.tree.unflatten(treedef, [next(it) if k else leaf
+                                        for leaf, k in zip(leaves, is_array)])
+  return [leaf for leaf, k in zip(leaves, is_array) if k], rebuild
+
+
+def bn_axis(technique, sync, module):
+  """``(axis_name, axis_index_groups)`` of a BatchNorm site, hashable: the technique's, else
+  (for InPlace-ABN stacked with SyncBN) the SyncBN's, else the module's own."""
+  name, groups = technique.axis_name, technique.axis_index_groups
+  if name is None and sync is not None:
+    name = sync.axis_name
+  if groups is None and sync is not None:
+    groups = sync.axis_index_groups
+  if name is None:
+    name = getattr(module, "axis_name", None)
+  if groups is None:
+    groups = getattr(module, "axis_index_groups", None)
+  if isinstance(name, list):
+    name = tuple(name)
+  if groups is not None:
+    groups = tuple(tuple(int(j) for j in g) for g in groups)
+  return name, groups
+
+
+def unbound_axis_error(error: NameError, path: str) -> NameError:
+  """The NameError of an unbound axis name, saying what the execution model requires."""
+  return NameError(
+      f"{error} (BatchNorm site {path!r}). Synchronised statistics are per-device code: run "
+      "the step under jax.shard_map with this axis in the mesh. Under plain jit over sharded "
+      "arrays, leave SyncBN out: XLA already computes BatchNorm statistics over the whole "
+      "global batch.")
+
+
+def check_all_matched(techniques, hits, seen_paths, what: str) -> None:
+  """Raises for a technique that took no site (it would do nothing): ActNN L0 excepted."""
+  for i, t in enumerate(techniques):
+    if hits.get(i) or (isinstance(t, ActNN) and t.resolved_level().name == "L0"):
+      continue
+    where = "where=" + repr(t.where) if t.where is not None else "its default sites"
+    raise ValueError(
+        f"{type(t).__name__}: {where} matched no {what} of this model, so it would do nothing. "
+        f"Module paths: {', '.join(p or '<top>' for p in seen_paths[:12])}"
+        f"{' ...' if len(seen_paths) > 12 else ''}. Give where= a module class or a regular "
+        "expression over these paths.")
 
 
 def is_head(module) -> bool:

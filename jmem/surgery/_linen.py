@@ -15,8 +15,6 @@ import dataclasses
 
 import flax.core.lift as lift
 import flax.linen as nn
-import jax
-import numpy as np
 from flax.linen import transforms as nn_transforms
 
 from jmem.ops import inplace_abn as abn_lib
@@ -35,14 +33,10 @@ def _lift(transform):
 
   def lifted(fn):
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
-      leaves, treedef = jax.tree.flatten((args, kwargs))
-      is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
-      arrays = [leaf for leaf, k in zip(leaves, is_array) if k]
+      arrays, rebuild = c.split_arrays(args, kwargs)
 
       def pure(variable_groups, rng_groups, *arrays):
-        it = iter(arrays)
-        full = [next(it) if k else leaf for leaf, k in zip(leaves, is_array)]
-        a, kw = jax.tree.unflatten(treedef, full)
+        a, kw = rebuild(arrays)
         scope = scope_fn(variable_groups, rng_groups)
         y = fn(scope, *a, **kw)
         return y, repack_fn(scope)
@@ -67,7 +61,6 @@ class _Trace:
   in_site: set = dataclasses.field(default_factory=set)      # ids of modules under a transform
   active: list = dataclasses.field(default_factory=list)     # (kind, path) of enclosing sites
   pairs: dict = dataclasses.field(default_factory=dict)      # id(bn) -> activation pair
-  seen: list = dataclasses.field(default_factory=list)
 
   # ------------------------------------------------------------------ classification
   def _bn_techniques(self):
@@ -206,8 +199,7 @@ class _Trace:
       transform = c.remat_transform(t.policy)
     else:
       lv = t.resolved_level()
-      bits = {"block": dict(lv.layer_bits).get(path, lv.block_bits), "conv": lv.conv_bits,
-              "norm": lv.norm_bits}[kind]
+      bits = c.site_bits(lv, kind, path)
       key = None
       if t.probe is not None:
         pass                                   # calibration: the probe draws its own dither
@@ -263,14 +255,9 @@ class _Trace:
     kinds = {type(t): (i, t) for i, t in found}
     initializing = mod.is_initializing()
     if InPlaceABN in kinds:
-      i, t = kinds[InPlaceABN]
-      sync = kinds.get(SyncBN, (None, None))[1]
+      t = kinds[InPlaceABN][1]
       pair = self.pairs.get(id(mod))
-      name = t.axis_name if t.axis_name is not None else (
-          sync.axis_name if sync is not None and sync.axis_name is not None
-          else getattr(mod, "axis_name", None))
-      groups = t.axis_index_groups if t.axis_index_groups is not None else (
-          sync.axis_index_groups if sync is not None else getattr(mod, "axis_index_groups", None))
+      name, groups = c.bn_axis(t, kinds.get(SyncBN, (None, None))[1], mod)
       if not (mod.use_scale and mod.use_bias):
         raise ValueError(f"InPlaceABN: the BatchNorm at {path!r} has use_scale/use_bias False; "
                          "InPlace-ABN inverts its affine step and needs both.")
@@ -283,9 +270,7 @@ class _Trace:
         self.pairs[("done", id(mod))] = True
     else:
       i, t = found[0]
-      name = t.axis_name if t.axis_name is not None else getattr(mod, "axis_name", None)
-      groups = (t.axis_index_groups if t.axis_index_groups is not None
-                else getattr(mod, "axis_index_groups", None))
+      name, groups = c.bn_axis(t, None, mod)
       train_fn = sync_bn._sync_train_fn(None if initializing else name, groups, mod.epsilon)  # pylint: disable=protected-access
       eval_fn = sync_bn._bn_eval_fn(mod.epsilon)  # pylint: disable=protected-access
       unbiased = t.unbiased_running_var
@@ -295,25 +280,7 @@ class _Trace:
                                      use_scale=mod.use_scale, use_bias=mod.use_bias,
                                      unbiased_running_var=unbiased)
     except NameError as e:
-      raise NameError(
-          f"{e} (BatchNorm site {path!r}). Synchronised statistics are per-device code: run "
-          "the step under jax.shard_map with this axis in the mesh. Under plain jit over "
-          "sharded arrays, leave SyncBN out: XLA already computes BatchNorm statistics over "
-          "the whole global batch.") from None
-
-  # ------------------------------------------------------------------ after the trace
-  def finish(self, seen_paths):
-    for i, t in enumerate(self.techniques):
-      if i in self.hits:
-        continue
-      if isinstance(t, ActNN) and t.resolved_level().name == "L0":
-        continue
-      what = "where=" + repr(t.where) if t.where is not None else "its default sites"
-      raise ValueError(
-          f"{type(t).__name__}: {what} matched no module call of this model, so it would do "
-          f"nothing. Module paths seen: {', '.join(p or '<top>' for p in seen_paths[:12])}"
-          f"{' ...' if len(seen_paths) > 12 else ''}. Give where= a module class or a regular "
-          "expression over these paths.")
+      raise c.unbound_axis_error(e, path) from None
 
 
 class Converted(nn.Module):
@@ -361,7 +328,7 @@ class Converted(nn.Module):
 
     with nn.intercept_methods(record), nn.intercept_methods(trace.intercept):
       y = call()
-    trace.finish(seen)
+    c.check_all_matched(self.techniques, trace.hits, seen, "module call")
     return y
 
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import numpy as np
 from flax import nnx
 
 from jmem.ops import inplace_abn as abn_lib
 from jmem.parallel import sync_bn
 from jmem.surgery import _common as c
-from jmem.surgery.techniques import ActNN, InPlaceABN, Remat, SyncBN
+from jmem.surgery.techniques import InPlaceABN, Remat, SyncBN
 
 _CLASSES: dict = {}
 
@@ -33,15 +31,11 @@ def _block_call(base, cfg):
 
   def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
     graphdef, state = nnx.split(self)
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    is_array = [isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves]
-    arrays = [leaf for leaf, k in zip(leaves, is_array) if k]
+    arrays, rebuild = c.split_arrays(args, kwargs)
 
     def pure(state, unused, *arrays):
       del unused
-      it = iter(arrays)
-      a, kw = jax.tree.unflatten(treedef, [next(it) if k else leaf
-                                           for leaf, k in zip(leaves, is_array)])
+      a, kw = rebuild(arrays)
       module = nnx.merge(graphdef, state)
       y = base.__call__(module, *a, **kw)
       return y, nnx.state(module)
@@ -85,11 +79,7 @@ def _bn_call(base, cfg):
           eval_fn=eval_fn, momentum=self.momentum, unbiased_running_var=unbiased,
           op=type(self).__name__)
     except NameError as e:
-      raise NameError(
-          f"{e} (BatchNorm site {path!r}). Synchronised statistics are per-device code: run "
-          "the step under jax.shard_map with this axis in the mesh. Under plain jit over "
-          "sharded arrays, leave SyncBN out: XLA already computes BatchNorm statistics over "
-          "the whole global batch.") from None
+      raise c.unbound_axis_error(e, path) from None
     if not use_ra:
       self.mean[...], self.var[...] = mean, var
     return y.astype(getattr(self, "dtype", None) or x.dtype)
@@ -200,11 +190,7 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
       if m.scale is None or m.bias is None:
         raise ValueError(f"InPlaceABN: the BatchNorm at {path!r} has no scale or bias; "
                          "InPlace-ABN inverts its affine step and needs both.")
-      axis_name = t.axis_name if t.axis_name is not None else (
-          sync.axis_name if sync is not None and sync.axis_name is not None
-          else getattr(m, "axis_name", None))
-      groups = t.axis_index_groups if t.axis_index_groups is not None else (
-          sync.axis_index_groups if sync is not None else getattr(m, "axis_index_groups", None))
+      axis_name, groups = c.bn_axis(t, sync, m)
       cfg = c.abn_config(t, None if entry is None else entry[0], path, m.epsilon, axis_name,
                          groups)
       if entry is not None and entry[0][0] != "other":
@@ -214,13 +200,7 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
           _bn_call)))
     else:
       _, t = found[0]
-      axis_name = t.axis_name if t.axis_name is not None else getattr(m, "axis_name", None)
-      groups = (t.axis_index_groups if t.axis_index_groups is not None
-                else getattr(m, "axis_index_groups", None))
-      if groups is not None:
-        groups = tuple(tuple(int(j) for j in g) for g in groups)
-      if isinstance(axis_name, list):
-        axis_name = tuple(axis_name)
+      axis_name, groups = c.bn_axis(t, None, m)
       actions.append(functools.partial(_set_class, m, _subclass(
           type(m), "bn", ("sync", path, (axis_name, groups, t.unbiased_running_var)),
           _bn_call)))
@@ -240,24 +220,14 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
       cfg = ("remat", path, t.policy)
     else:
       lv = t.resolved_level()
-      bits = {"block": dict(lv.layer_bits).get(path, lv.block_bits), "conv": lv.conv_bits,
-              "norm": lv.norm_bits}[kind]
-      cfg = ("compress", path, (bits, lv, t.implementation))
+      cfg = ("compress", path, (c.site_bits(lv, kind, path), lv, t.implementation))
     actions.append(functools.partial(_set_block_class, m, cfg))
     hits[i].append(path)
   for p in block_paths:
     if p not in outer:
       hits[block_paths[p][0]].append(name(p))
 
-  for i, t in enumerate(techniques):
-    if hits[i] or (isinstance(t, ActNN) and t.resolved_level().name == "L0"):
-      continue
-    what = "where=" + repr(t.where) if t.where is not None else "its default sites"
-    raise ValueError(
-        f"{type(t).__name__}: {what} matched no module of this model, so it would do nothing. "
-        f"Module paths: {', '.join(p or '<top>' for p in seen[:12])}"
-        f"{' ...' if len(seen) > 12 else ''}. Give where= a module class or a regular "
-        "expression over these paths.")
+  c.check_all_matched(techniques, hits, seen, "module")
   for action in actions:
     action()
   return model
