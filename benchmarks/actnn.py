@@ -21,6 +21,7 @@ import os
 from _common import RESULTS, parser
 from jmem import bench, data, models
 from jmem.ops import actnn
+from jmem.ops.actnn import technique as actnn_technique
 
 LEVELS = tuple(f"actnn-L{i}" for i in range(1, 6))
 
@@ -63,7 +64,7 @@ def main():
       {"digits": digits, "timing": timing}[part](args.seeds, args.steps)
 
 
-def allocation(model_name="resnet20", image_size=16, batch=bench.CALIBRATION_BATCH):
+def allocation(model_name="resnet20", image_size=16, batch=actnn_technique.CALIBRATION_BATCH):
   ds = data.digits(image_size)
   model = models.create_model(model_name, ds.num_classes)
   params, loss_fn, xy = bench.calibration_problem(model, ds, batch)

@@ -257,7 +257,7 @@ def worker_kernels(spec: dict) -> dict:
   jax = _setup_jax()
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jmem.ops import inplace_abn as abn  # pylint: disable=g-import-not-at-top
-  from jmem.ops import quantize as Q  # pylint: disable=g-import-not-at-top
+  from jmem.ops.actnn import quantize as Q  # pylint: disable=g-import-not-at-top
   from jmem.parallel import sync_bn  # pylint: disable=g-import-not-at-top
   dev = jax.devices()[0]
   env = dict(backend=jax.default_backend(), device_kind=dev.device_kind,

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-AxisName = str | tuple[str, ...] | None
+from jmem._axes import AxisName, check_axis_name, varying_axes  # pylint: disable=unused-import
+from jmem._axes import axes_tuple as _axes_tuple
 
 
 class BatchStats(NamedTuple):
@@ -74,24 +75,6 @@ class Moments(NamedTuple):
     return (xf - self.m0) - self.corr
 
 
-def _axes_tuple(axis_name: AxisName) -> tuple[str, ...]:
-  if axis_name is None:
-    return ()
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-
-
-def check_axis_name(axis_name: AxisName) -> None:
-  """Raises a clear error when ``axis_name`` is not bound by an enclosing transform."""
-  for name in _axes_tuple(axis_name):
-    try:
-      lax.axis_size(name)
-    except (NameError, ValueError, KeyError) as e:
-      raise NameError(
-          f"axis_name {name!r} is not bound: call this inside jax.shard_map, jax.pmap or "
-          f"jax.vmap with axis_name={name!r} (or pass axis_name=None for local batch norm)."
-      ) from e
-
-
 class LocalStatisticsWarning(UserWarning):
   """Batch statistics are per shard along a mesh axis that the input is split over.
 
@@ -132,15 +115,6 @@ def check_floating(x, op: str) -> None:
     raise TypeError(
         f"{op} needs a floating-point input, got dtype {dtype}: the normalised output would "
         f"be rounded back to {dtype}. Cast the input first, e.g. x.astype(jnp.float32).")
-
-
-def varying_axes(x) -> frozenset:
-  """The manual (shard_map) axes over which ``x`` varies; empty outside shard_map."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
 
 
 def _groups(axis_index_groups):

@@ -11,7 +11,6 @@ benchmark scripts pick it up from the registry.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -19,7 +18,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,188 +26,21 @@ from jmem import data as data_lib
 from jmem import measure
 from jmem import models as models_lib
 from jmem import train as train_lib
+from jmem._technique import IMPLEMENTATIONS as IMPLEMENTATIONS
+from jmem._technique import BenchTechnique
+from jmem.ops.actnn.technique import calibration_problem as calibration_problem
+from jmem.techniques import get_technique, register_technique, technique_names
 
 __all__ = [
-    "Technique", "BenchConfig", "register_technique", "get_technique", "technique_names",
+    "Technique", "IMPLEMENTATIONS", "BenchConfig", "register_technique", "get_technique", "technique_names",
     "run_bench", "write_results", "format_table", "step_memory", "calibration_problem",
     "make_dataset",
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Technique:
-  """A memory-saving technique as the bench sees it.
-
-  Attributes:
-    name: registry name (what ``--techniques`` takes).
-    apply: maps the exact linen model to the model with the technique switched on (a
-      module, or `jmem.train.ModelFns` when the technique changes how it is run).
-    description: one line for tables and ``--help``.
-    prepare: optional data-dependent set-up used instead of ``apply``:
-      ``prepare(model, dataset, batch_size) -> model`` (e.g. ActNN's bit allocation from
-      gradient sensitivity on a training batch).
-    has_kernels: the technique has Pallas kernels; ``apply`` and ``prepare`` then take an
-      ``implementation`` keyword, chosen with a name suffix: ``"actnn-L3:pallas"``,
-      ``"inplace-abn:xla"`` (no suffix: the kernels on a GPU, XLA elsewhere).
-    implementation: the suffix's implementation (None: automatic).
-  """
-
-  name: str
-  apply: Callable[..., Any]
-  description: str = ""
-  prepare: Callable[..., Any] | None = None
-  has_kernels: bool = False
-  implementation: str | None = None
-
-  def build(self, model, dataset, batch_size: int):
-    """``model`` with the technique on: ``prepare`` when there is one, else ``apply``."""
-    kw = {"implementation": self.implementation} if self.has_kernels else {}
-    if self.prepare is not None:
-      return self.prepare(model, dataset, batch_size, **kw)
-    return self.apply(model, **kw)
-
-
-_TECHNIQUES: dict[str, Technique] = {}
-
-
-def register_technique(technique: Technique) -> Technique:
-  """Adds ``technique`` to the registry (its name must be new); returns it."""
-  if ":" in technique.name:
-    raise ValueError(f"Technique names may not contain ':' (it selects an implementation), "
-                     f"got {technique.name!r}.")
-  if technique.name in _TECHNIQUES:
-    raise ValueError(f"A technique named {technique.name!r} is already registered.")
-  _TECHNIQUES[technique.name] = technique
-  return technique
-
-
-def technique_names() -> tuple[str, ...]:
-  return tuple(_TECHNIQUES)
-
-
-IMPLEMENTATIONS = ("xla", "pallas")
-
-
-def get_technique(name: str) -> Technique:
-  """The registered technique ``name``; ``"<name>:xla"`` / ``"<name>:pallas"`` pick the
-  implementation of a technique with kernels."""
-  base, colon, implementation = name.partition(":")
-  if base not in _TECHNIQUES:
-    raise ValueError(f"Unknown technique {base!r}; valid techniques: "
-                     f"{', '.join(_TECHNIQUES)}.")
-  technique = _TECHNIQUES[base]
-  if not colon:
-    return technique
-  if not technique.has_kernels:
-    with_kernels = [n for n, t in _TECHNIQUES.items() if t.has_kernels]
-    raise ValueError(f"Technique {base!r} has no kernels, so it takes no ':{implementation}' "
-                     f"suffix; techniques with kernels: {', '.join(with_kernels)}.")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"Unknown implementation {implementation!r} in {name!r}; use "
-                     f"{' or '.join(IMPLEMENTATIONS)} (or no suffix for automatic).")
-  return dataclasses.replace(technique, name=name, implementation=implementation)
-
-
-def _require(model, field: str, technique: str, what: str = "a model") -> None:
-  if not hasattr(model, field):
-    raise ValueError(f"Technique {technique!r} needs {what} with a {field} field; "
-                     f"{type(model).__name__} has none.")
-
-
-def _remat(model):
-  _require(model, "block_transform", "remat")
-  return model.clone(block_transform=nn.remat)
-
-
-def _inplace_abn(model, implementation=None):
-  _require(model, "norm_act", "inplace-abn")
-  from jmem.ops.inplace_abn import InPlaceABN  # pylint: disable=g-import-not-at-top
-  # InPlace-ABN needs an invertible activation: leaky_relu replaces relu everywhere.
-  return model.clone(norm_act=functools.partial(InPlaceABN, activation="leaky_relu", slope=0.01,
-                                                implementation=implementation),
-                     act=functools.partial(nn.leaky_relu, negative_slope=0.01))
-
-
-def _spatial(devices: int, height: int):
-  def apply(model):
-    from jmem.parallel import spatial  # pylint: disable=g-import-not-at-top
-    if jax.device_count() < devices:
-      raise ValueError(
-          f"Technique 'spatial-{devices}' needs {devices} devices, found {jax.device_count()}; "
-          f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={devices} before "
-          "jax is imported (the jmem CLI does this itself).")
-    mesh = spatial.spatial_mesh(1, height, devices // height, devices=jax.devices()[:devices])
-    return spatial.spatial_model_fns(model, mesh)
-  return apply
-
-
-def _sbp(keep_ratio: float):
-  def apply(model):
-    _require(model, "keep_ratio", f"sbp-{keep_ratio}",
-             "a video model (stt-resnet8, video-vit)")
-    return model.clone(keep_ratio=keep_ratio)
-  return apply
-
-
-def _actnn(level: str):
-  def apply(model, implementation=None):
-    from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
-    return actnn.convert(model, level, implementation=implementation)
-  return apply
-
-
-CALIBRATION_BATCH = 16          # examples, at most
-CALIBRATION_VALUES = 16 * 256   # input values, at most (fewer examples for large images)
-
-
-def calibration_problem(model, dataset, batch_size: int):
-  """``(params, loss_fn, batch)`` on which the ``actnn-L3``..``L5`` techniques calibrate
-  their bits (`jmem.ops.actnn.calibrate`): the initial weights (seed 0) and the first
-  training examples, at most `CALIBRATION_BATCH` and at most `CALIBRATION_VALUES` input
-  values (but 2 examples at least); ``loss_fn`` is the training loss of `jmem.train`."""
-  per_example = int(np.prod(dataset.example_shape))
-  n = min(batch_size, len(dataset.x_train),
-          max(2, min(CALIBRATION_BATCH, CALIBRATION_VALUES // per_example)))
-  x, y = jnp.asarray(dataset.x_train[:n]), jnp.asarray(dataset.y_train[:n])
-  params, state = train_lib.model_fns(model).init(jax.random.key(0), x[:1])
-
-  def loss_fn(module, p, batch):
-    loss = train_lib.make_loss(train_lib.model_fns(module))
-    return loss(p, state, *batch, jax.random.key(1))[0]
-  return params, loss_fn, (x, y)
-
-
-def _actnn_calibrated(level: str):
-  """ActNN ``level`` with per-layer bits from gradient sensitivity, measured once on
-  `calibration_problem`."""
-  def prepare(model, dataset, batch_size, implementation=None):
-    from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
-    params, loss_fn, batch = calibration_problem(model, dataset, batch_size)
-    return actnn.convert(model, actnn.calibrate(model, loss_fn, params, batch, level=level),
-                         implementation=implementation)
-  return prepare
-
-
-register_technique(Technique("exact", lambda m: m, "plain backprop (the baseline)"))
-register_technique(Technique("remat", _remat,
-                             "jax.checkpoint per residual block (JAX-native peer)"))
-register_technique(Technique("spatial-8", _spatial(8, 2),
-                             "activations sharded over H x W = 2 x 4 devices, halo exchange "
-                             "(per-device figures; ConvNeXt models)"))
-for _lv, _what in (("L1", "4-bit conv inputs"), ("L2", "4-bit conv + BatchNorm"),
-                   ("L3", "residuals of every block and the stem at 2 bits on average, "
-                          "per-layer bits from gradient sensitivity"),
-                   ("L4", "L3 offloaded to pinned host memory"),
-                   ("L5", "L4 with 1024-value groups (less metadata)")):
-  register_technique(Technique(
-      f"actnn-{_lv}", _actnn(_lv), f"ActNN {_lv}: {_what}",
-      prepare=_actnn_calibrated(_lv) if _lv in ("L3", "L4", "L5") else None, has_kernels=True))
-for _r in (0.5, 0.25, 0.125):
-  register_technique(Technique(f"sbp-{_r}", _sbp(_r),
-                               f"stochastic backpropagation, keep ratio {_r} (video models)"))
-register_technique(Technique("inplace-abn", _inplace_abn,
-                             "In-Place Activated BatchNorm (leaky_relu 0.01), saves only outputs",
-                             has_kernels=True))
+# The bench's record of a technique (``jmem.bench.Technique``: register your own with
+# `register_technique`); the registry is `jmem.techniques`, shared with `jmem.convert`.
+Technique = BenchTechnique
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,14 +7,14 @@ HBM (in its own dtype, no float32 copy) and writes the packed codes and the meta
 the dequantize kernel reads the codes once and writes the values once, in the residual's
 dtype.
 
-Layout (`jmem.ops.quantize`'s, shared with the XLA path): within a group of ``group_size``
+Layout (`jmem.ops.actnn.quantize`'s, shared with the XLA path): within a group of ``group_size``
 values, byte ``k`` holds the values ``k + j * n`` (``n = group_size * bits / 8``) at bit
 ``j * bits``. Each of the ``8 / bits`` planes is a contiguous slice ``[:, j*n:(j+1)*n]`` of
 the block, so every load and store is coalesced (Triton blocks, no value-level slicing).
 Every load and store is masked to the rows that exist: Pallas' Triton lowering does not
 mask a partial last block by itself, and an unmasked store past the end of the array
 writes into whatever buffer follows (seen on an H100: garbage minima, NaN gradients).
-The dither is `jmem.ops.quantize.hash_uniform` of the flat element index, so in interpret
+The dither is `jmem.ops.actnn.quantize.hash_uniform` of the flat element index, so in interpret
 mode the codes are bit-identical to the XLA path's.
 """
 
@@ -122,7 +122,7 @@ def quantize_pack(groups: jax.Array, seed: jax.Array, *, bits: int, scale_dtype=
 
   Returns:
     ``(codes uint8[rows, group_size * bits / 8], minimum float32[rows],
-    scale scale_dtype[rows])`` with the layout and rounding of `jmem.ops.quantize.quantize`.
+    scale scale_dtype[rows])`` with the layout and rounding of `jmem.ops.actnn.quantize.quantize`.
   """
   rows, group_size = groups.shape
   _, n = _check_group(group_size, bits)

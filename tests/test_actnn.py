@@ -8,7 +8,7 @@ import pytest
 
 from jmem import bench, measure, models, train
 from jmem.ops import actnn
-from jmem.ops import quantize as Q
+from jmem.ops.actnn import quantize as Q
 
 
 def _x(shape=(4, 300), dtype=jnp.float32, seed=0):
@@ -290,7 +290,7 @@ def test_nnx_graph_surgery():
 
 
 def _ops():
-  from jmem.ops import compressed as C  # pylint: disable=g-import-not-at-top
+  from jmem.ops.actnn import compressed_ops as C  # pylint: disable=g-import-not-at-top
   k = jax.random.split(jax.random.key(0), 4)
   x = jax.random.normal(k[0], (4, 8, 8, 16))
   w, kc, s = jax.random.normal(k[1], (16, 8)), jax.random.normal(k[2], (3, 3, 16, 8)), \

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmem import models
 from jmem.ops import inplace_abn as iabn
-from jmem.ops import quantize as Q
+from jmem.ops.actnn import quantize as Q
 from jmem.ops.sbp import sbp
 from jmem.parallel import spatial, sync_bn
 

@@ -380,23 +380,23 @@ def test_registry_and_names():
   assert jmem.technique("actnn-L3:pallas") == jmem.ActNN("L3", implementation="pallas")
   assert jmem.technique("remat", where="x") == jmem.Remat(where="x")
   assert jmem.technique("exact") is None
-  with pytest.raises(ValueError, match="not a jmem.convert technique yet"):
+  with pytest.raises(ValueError, match="not a jmem.convert technique"):
     jmem.technique("sbp-0.25")
   with pytest.raises(ValueError, match="Unknown technique"):
     jmem.technique("actnn-L9")
   assert set(surgery.technique_names()) >= {"exact", "remat", "actnn-L3", "inplace-abn"}
-  # One set of names: jmem's bench techniques convert or say they are bench-only; a
-  # technique registered by a user (or another test) is not a convert technique.
-  from jmem.surgery import techniques  # pylint: disable=g-import-not-at-top
-  builtin = set(surgery.technique_names()) | set(techniques._BENCH_ONLY)  # pylint: disable=protected-access
-  assert builtin - {"actnn-L0"} <= set(bench.technique_names())
+  # One registry of names: every bench technique either converts or says it is bench-only,
+  # a user's record included; the bench and convert agree on which have kernels.
+  assert set(surgery.technique_names()) <= set(bench.technique_names())
   for name in bench.technique_names():
+    record = bench.get_technique(name)
     if name in surgery.technique_names():
-      assert bench.get_technique(name).has_kernels == (
-          name.startswith("actnn") or name == "inplace-abn")
+      assert record.has_kernels == (name.startswith("actnn") or name == "inplace-abn")
+      converted = jmem.technique(name)
+      assert converted is None if name == "exact" else isinstance(converted, jmem.Technique)
     else:
-      with pytest.raises(ValueError, match="not a jmem.convert technique yet" if name in builtin
-                         else "Unknown technique"):
+      assert name.startswith(("sbp-", "spatial-")) or record.convert is None, name
+      with pytest.raises(ValueError, match="not a jmem.convert technique"):
         jmem.technique(name)
   model = jmem.convert(tp.FunctionalCNN(), "remat")
   assert model.techniques == (jmem.Remat(),)

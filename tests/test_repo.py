@@ -1,5 +1,6 @@
 """The README's commands are the ones CI runs."""
 
+import ast
 import pathlib
 import re
 
@@ -16,23 +17,57 @@ def test_ci_runs_the_readme_test_command():
   assert test_cmd in ci_lines
 
 
+def _is_module(dotted: str) -> bool:
+  path = ROOT / dotted.replace(".", "/")
+  return path.is_dir() or path.with_suffix(".py").is_file()
+
+
 def _jmem_imports(path: pathlib.Path) -> set[str]:
-  text = path.read_text()
-  mods = set(re.findall(r"^\s*from (jmem[\w.]*) import", text, re.M))
-  mods |= set(re.findall(r"^\s*import (jmem[\w.]*)", text, re.M))
-  for base, names in re.findall(r"^\s*from (jmem[\w.]*) import \(?([\w, _]+)", text, re.M):
-    mods |= {f"{base}.{n.split(' as ')[0].strip()}" for n in names.split(",")
-             if n.strip().startswith("_")}
+  """The jmem modules ``path`` imports, at any depth (lazy imports included)."""
+  mods = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      mods |= {a.name for a in node.names if a.name.startswith("jmem")}
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jmem"):
+      mods.add(node.module)
+      mods |= {f"{node.module}.{a.name}" for a in node.names
+               if _is_module(f"{node.module}.{a.name}")}
   return mods
 
 
+# Private shared modules, below every technique: they import only each other.
+LOW = {"jmem._axes", "jmem._bn_core", "jmem._context", "jmem._elementwise", "jmem._technique",
+       "jmem._window"}
+# One package (or module) per technique.
+TECHNIQUES = ("jmem.ops.actnn", "jmem.ops.inplace_abn", "jmem.ops.sbp", "jmem.ops.remat",
+              "jmem.parallel.sync_bn", "jmem.parallel.spatial")
+# What sits above the techniques and must not be imported by them.
+ABOVE = ("jmem.models", "jmem.surgery", "jmem.techniques", "jmem.bench", "jmem.cli")
+
+
+def _under(mod: str, prefixes) -> bool:
+  return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+
+def _files(dotted: str):
+  path = ROOT / dotted.replace(".", "/")
+  return sorted(path.glob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+
+
 def test_imports_point_down():
-  """Kernels import only jmem's low shared modules (never the ops that call them); the
-  shared BatchNorm core and the elementwise math import nothing above them."""
-  low = {"jmem", "jmem._bn_core", "jmem._elementwise"}
+  """Kernels and the low shared modules import only low modules; a technique package
+  imports no other technique and nothing above the techniques; only its glue
+  (``technique.py``, ``modules.py``) imports the training loop."""
   for path in (ROOT / "pallas_kernels").glob("*.py"):
-    assert _jmem_imports(path) <= low, (path.name, _jmem_imports(path) - low)
-  for name in ("_bn_core.py", "_elementwise.py"):
-    assert not _jmem_imports(ROOT / "jmem" / name), name
-  # ops/inplace_abn.py uses the core, not the SyncBN technique.
-  assert "jmem.parallel" not in " ".join(_jmem_imports(ROOT / "jmem" / "ops" / "inplace_abn.py"))
+    got = {m for m in _jmem_imports(path) if m != "jmem"}
+    assert got <= LOW, (path.name, got - LOW)
+  for name in LOW:
+    got = {m for m in _jmem_imports(_files(name)[0]) if m != "jmem"}
+    assert got <= LOW, (name, got - LOW)
+  for tech in TECHNIQUES:
+    others = [t for t in TECHNIQUES if t != tech]
+    for path in _files(tech):
+      got = _jmem_imports(path)
+      assert not {m for m in got if _under(m, others + list(ABOVE))}, (path, got)
+      if path.stem not in ("technique", "modules", "remat"):
+        assert not {m for m in got if _under(m, ("jmem.train",))}, (path, got)

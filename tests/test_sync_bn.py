@@ -290,7 +290,7 @@ def test_offset_data_is_exact_without_a_shift():
 
 # Every mean 1e2..1e6 x std 1e-2..1 (the 1e6 / 1e-2 channel is float32-rounded data, compared
 # on the rounded values), and counts large enough per device (up to 100) that XLA's rewrite of
-# a per-device mean into a fused multiply-add showed: before `sync_bn.pin`, masked variances
+# a per-device mean into a fused multiply-add showed: before `jmem._bn_core.pin`, masked variances
 # were off by up to 0.39 (relative) on shard_map and pmap alike.
 ALL_CHANNELS = tuple((m, s) for m in (1e2, 1e3, 1e4, 1e5, 1e6) for s in (1e-2, 1e-1, 1.0))
 

@@ -18,36 +18,11 @@ import flax.linen as nn
 import jax
 
 from jmem.parallel import spatial
+from jmem.parallel.spatial import HaloConv
 
-__all__ = ["HaloConv", "ConvNeXtBlock", "ConvNeXt", "CONVNEXT_CONFIGS", "convnext"]
+__all__ = ["ConvNeXtBlock", "ConvNeXt", "CONVNEXT_CONFIGS", "convnext"]
 
 _INIT = nn.initializers.truncated_normal(0.02)
-
-
-class HaloConv(nn.Module):
-  """`flax.linen.Conv`-like 2-D convolution over `spatial.halo_conv` (NHWC, HWIO kernel)."""
-
-  features: int
-  kernel_size: tuple[int, int]
-  strides: int = 1
-  padding: Any = "SAME"
-  feature_group_count: int = 1
-  use_bias: bool = True
-  axis_names: tuple[str | None, str | None] = (None, None)
-  dtype: Any = None
-
-  @nn.compact
-  def __call__(self, x):
-    cin = x.shape[-1]
-    kernel = self.param("kernel", _INIT, tuple(self.kernel_size) +
-                        (cin // self.feature_group_count, self.features))
-    dtype = self.dtype or x.dtype
-    y = spatial.halo_conv(x.astype(dtype), kernel.astype(dtype), strides=self.strides,
-                          padding=self.padding, feature_group_count=self.feature_group_count,
-                          axis_names=self.axis_names)
-    if self.use_bias:
-      y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(dtype)
-    return y
 
 
 class ConvNeXtBlock(nn.Module):
@@ -63,7 +38,7 @@ class ConvNeXtBlock(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = False):
     y = HaloConv(self.dim, (7, 7), feature_group_count=self.dim, axis_names=self.axis_names,
-                 dtype=self.dtype, name="dwconv")(x)
+                 dtype=self.dtype, kernel_init=_INIT, name="dwconv")(x)
     y = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name="norm")(y)
     y = nn.Dense(4 * self.dim, kernel_init=_INIT, dtype=self.dtype, name="pwconv1")(y)
     y = nn.gelu(y)
@@ -137,12 +112,13 @@ class ConvNeXt(nn.Module):
     for stage, (depth, dim) in enumerate(zip(self.depths, self.dims)):
       if stage == 0:
         x = HaloConv(dim, (self.stem_patch,) * 2, strides=self.stem_patch, padding="VALID",
-                     axis_names=self.axis_names, dtype=self.dtype, name="stem")(x)
+                     axis_names=self.axis_names, dtype=self.dtype, kernel_init=_INIT,
+                     name="stem")(x)
         x = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name="stem_norm")(x)
       else:
         x = nn.LayerNorm(epsilon=1e-6, dtype=self.dtype, name=f"down{stage}_norm")(x)
         x = HaloConv(dim, (2, 2), strides=2, padding="VALID", axis_names=self.axis_names,
-                     dtype=self.dtype, name=f"down{stage}")(x)
+                     dtype=self.dtype, kernel_init=_INIT, name=f"down{stage}")(x)
       for i in range(depth):
         x = block_cls(dim, rates[k], self.layer_scale_init, self.axis_names, self.data_axis,
                       self.dtype, name=f"stage{stage}_block{i}")(x, train)

@@ -1,7 +1,8 @@
-"""Custom-VJP operations that save less for the backward pass.
-
-Functions live in their modules (``jmem.ops.inplace_abn.inplace_abn``, also ``jmem.inplace_abn``);
-the module names are not shadowed here.
+"""Techniques that change what a step saves for its backward pass, one package each:
+`jmem.ops.actnn` (2-bit activation compression), `jmem.ops.inplace_abn` (In-Place
+Activated BatchNorm), `jmem.ops.sbp` (Stochastic Backpropagation), `jmem.ops.remat`
+(``jax.checkpoint``, JAX's own peer). Each package holds its math and ``*_reference``, its
+Flax modules and its `jmem.convert` / ``jmem bench`` technique side by side.
 """
 
 from jmem.ops.inplace_abn import InPlaceABN as InPlaceABN

@@ -1,4 +1,6 @@
-"""Multi-device building blocks."""
+"""Techniques that spread one step over devices, one package each: `jmem.parallel.sync_bn`
+(BatchNorm statistics over a mesh axis) and `jmem.parallel.spatial` (activations sharded
+over H/W with halo exchange)."""
 
 from jmem.parallel.sync_bn import BatchStats as BatchStats
 from jmem.parallel.sync_bn import NNXSyncBatchNorm as NNXSyncBatchNorm

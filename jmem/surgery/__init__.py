@@ -8,7 +8,7 @@
 
 **Sites are module calls.** A technique applies to the calls of the modules its ``where=``
 selects (module classes and/or regular expressions over "/"-joined module paths; see
-`jmem.surgery.techniques`). Code that a module runs in its own body (``nn.relu(x)``,
+`jmem._technique`). Code that a module runs in its own body (``nn.relu(x)``,
 ``jnp.mean(x, (1, 2))``) is covered only when an enclosing module is a site: a block site
 (`Remat`, `ActNN` L3+) recomputes or compresses everything its module computes, inline code
 included; nothing outside module calls can be reached.
@@ -55,16 +55,16 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from jmem.ops import actnn as actnn_lib
+from jmem.ops.actnn import levels as actnn_lib
 from jmem.surgery._common import batch_mask as batch_mask
 from jmem.surgery._common import rngs as rngs
-from jmem.surgery.techniques import ActNN as ActNN
-from jmem.surgery.techniques import InPlaceABN as InPlaceABN
-from jmem.surgery.techniques import Remat as Remat
-from jmem.surgery.techniques import SyncBN as SyncBN
-from jmem.surgery.techniques import Technique as Technique
-from jmem.surgery.techniques import technique as technique
-from jmem.surgery.techniques import technique_names as technique_names
+from jmem._technique import Technique as Technique
+from jmem.ops.actnn.technique import ActNN as ActNN
+from jmem.ops.inplace_abn.technique import InPlaceABN as InPlaceABN
+from jmem.ops.remat import Remat as Remat
+from jmem.parallel.sync_bn.technique import SyncBN as SyncBN
+from jmem.techniques import convert_technique_names as technique_names
+from jmem.techniques import technique as technique
 
 __all__ = ["convert", "Technique", "Remat", "ActNN", "SyncBN", "InPlaceABN", "technique",
            "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate",

@@ -13,9 +13,9 @@ from flax import nnx
 
 from jmem._context import (  # pylint: disable=unused-import
     active_mask, batch_mask, context_key, mask_for, rngs)
-from jmem.ops import quantize as q
-from jmem.ops.inplace_abn import ABNConfig
-from jmem.surgery.techniques import ActNN
+from jmem.ops.actnn import quantize as q
+from jmem._elementwise import ABNConfig
+from jmem.ops.actnn.technique import ActNN
 
 _WARNED: set = set()
 
@@ -111,7 +111,7 @@ def abn_config(technique, pair: tuple[str, dict] | None, path: str, epsilon: flo
                axis_name, axis_index_groups) -> ABNConfig:
   """The ABN configuration of a site: the pair's activation checked against the
   technique's."""
-  from jmem.ops.inplace_abn import _config  # pylint: disable=g-import-not-at-top
+  from jmem.ops.inplace_abn.core import _config  # pylint: disable=g-import-not-at-top
   where = path or "<top>"
   if pair is None:
     if technique.activation == "identity":

@@ -17,10 +17,13 @@ import flax.core.lift as lift
 import flax.linen as nn
 from flax.linen import transforms as nn_transforms
 
-from jmem.ops import inplace_abn as abn_lib
-from jmem.parallel import sync_bn
+from jmem.ops.inplace_abn import core as abn_lib
+from jmem.parallel.sync_bn import core as sync_bn
 from jmem.surgery import _common as c
-from jmem.surgery.techniques import ActNN, InPlaceABN, Remat, SyncBN
+from jmem.ops.actnn.technique import ActNN
+from jmem.ops.inplace_abn.technique import InPlaceABN
+from jmem.ops.remat import Remat
+from jmem.parallel.sync_bn.technique import SyncBN
 
 
 RECORD: contextvars.ContextVar = contextvars.ContextVar("jmem_site_record", default=None)

@@ -8,10 +8,12 @@ import functools
 
 from flax import nnx
 
-from jmem.ops import inplace_abn as abn_lib
-from jmem.parallel import sync_bn
+from jmem.ops.inplace_abn import core as abn_lib
+from jmem.parallel.sync_bn import core as sync_bn
 from jmem.surgery import _common as c
-from jmem.surgery.techniques import InPlaceABN, Remat, SyncBN
+from jmem.ops.inplace_abn.technique import InPlaceABN
+from jmem.ops.remat import Remat
+from jmem.parallel.sync_bn.technique import SyncBN
 
 _CLASSES: dict = {}
 

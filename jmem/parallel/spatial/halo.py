@@ -25,7 +25,8 @@ pooling) on a sharded dimension needs only a thin halo from each neighbour:
 
 Anything else that a spatially sharded CNN needs is here too: global average pooling (one
 psum), window pooling with halos, per-sample DropPath with one draw per sample on every
-shard, and mesh helpers. BatchNorm over the whole image is `jmem.parallel.sync_bn` with
+shard; the Flax module and mesh helpers are in `jmem.parallel.spatial.modules`.
+BatchNorm over the whole image is `jmem.parallel.sync_bn` with
 ``axis_name`` set to the spatial (and data) axes; layer norm over channels is local.
 
 References:
@@ -44,43 +45,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jmem.parallel import sync_bn
+from jmem import _axes, _window
+from jmem._window import dimension_numbers as _dimension_numbers
+from jmem._window import pair as _pair
+from jmem._window import padding_pairs as _padding
 
 __all__ = [
     "HaloPlan", "plan_halo", "halo_exchange", "halo_conv", "halo_conv_reference", "halo_pool",
-    "global_avg_pool", "drop_path", "spatial_mesh", "activation_spec", "replicated",
-    "spatial_model_fns",
+    "global_avg_pool", "drop_path",
 ]
 
 AxisNames = Sequence[str | None]
-
-
-def _pair(v, n, name):
-  if isinstance(v, int):
-    return (v,) * n
-  v = tuple(v)
-  if len(v) != n:
-    raise ValueError(f"{name} needs {n} values (one per spatial dim), got {v}.")
-  return v
-
-
-def _padding(padding, window, strides, dilation, in_sizes):
-  """Explicit ``(lo, hi)`` per spatial dim, XLA's rules for "SAME" and "VALID"."""
-  n = len(window)
-  if isinstance(padding, str):
-    if padding.upper() not in ("SAME", "VALID"):
-      raise ValueError(f"padding must be 'SAME', 'VALID' or explicit pairs, got {padding!r}.")
-    extents = [d * (k - 1) + 1 for k, d in zip(window, dilation)]
-    return tuple(tuple(p) for p in lax.padtype_to_pads(in_sizes, extents, strides,
-                                                        padding.upper()))
-  if isinstance(padding, int):
-    return ((padding, padding),) * n
-  pads = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
-  if len(pads) != n:
-    raise ValueError(f"padding needs {n} pairs, got {padding!r}.")
-  return pads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +165,7 @@ def _check_axes(axis_names: AxisNames, nd: int) -> tuple[str | None, ...]:
   axis_names = tuple(axis_names) if axis_names is not None else (None,) * nd
   if len(axis_names) != nd:
     raise ValueError(f"axis_names needs one entry per spatial dim ({nd}), got {axis_names}.")
-  sync_bn.check_axis_name(tuple(a for a in axis_names if a is not None) or None)
+  _axes.check_axis_name(tuple(a for a in axis_names if a is not None) or None)
   return axis_names
 
 
@@ -205,9 +181,9 @@ def _check_split(x, axis_names: tuple[str | None, ...]) -> None:
   for i, name in enumerate(axis_names):
     if name is None or lax.axis_size(name) == 1:
       continue
-    if name not in sync_bn.varying_axes(lax.axis_index(name)):
+    if name not in _axes.varying_axes(lax.axis_index(name)):
       continue                       # no varying types here (check_vma=False, pmap, vmap)
-    if name not in sync_bn.varying_axes(x):
+    if name not in _axes.varying_axes(x):
       dim = "HWD"[i] if len(axis_names) > 1 else "W"
       raise ValueError(
           f"axis_names says {dim} is split over mesh axis {name!r}, but the input is the "
@@ -264,11 +240,6 @@ def _haloed(x, *, window, strides, dilation, padding, axis_names, pad_value=0.0,
   plans = _plans(x, window=window, strides=strides, dilation=dilation, padding=padding,
                  axis_names=axis_names, check_split=check_split)
   return _extend(x, plans, pad_value=pad_value)[0], tuple(p.padding for p in plans)
-
-
-def _dimension_numbers(nd):
-  sp = "HWD"[:nd] if nd > 1 else "W"
-  return ("N" + sp + "C", sp + "IO", "N" + sp + "C")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,12 +349,8 @@ def halo_conv(x: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] =
 def halo_conv_reference(x, kernel, *, strides=1, padding="SAME", dilation=1,
                         feature_group_count=1):
   """The unsharded convolution on the full array: the oracle of `halo_conv`."""
-  nd = x.ndim - 2
-  strides, dilation = _pair(strides, nd, "strides"), _pair(dilation, nd, "dilation")
-  pads = _padding(padding, kernel.shape[:nd], strides, dilation, x.shape[1:-1])
-  return lax.conv_general_dilated(x, kernel, strides, pads, rhs_dilation=dilation,
-                                  dimension_numbers=_dimension_numbers(nd),
-                                  feature_group_count=feature_group_count)
+  return _window.conv_reference(x, kernel, strides=strides, padding=padding,
+                                dilation=dilation, feature_group_count=feature_group_count)
 
 
 def halo_pool(x: jax.Array, *, window: int | Sequence[int], strides: int | Sequence[int] | None
@@ -446,77 +413,3 @@ def drop_path(x: jax.Array, rate: float, key: jax.Array | None, *, deterministic
     key = jax.random.fold_in(key, lax.axis_index(data_axis))
   keep = jax.random.bernoulli(key, 1.0 - rate, (x.shape[0],) + (1,) * (x.ndim - 1))
   return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
-
-
-def spatial_mesh(data: int = 1, height: int = 1, width: int | None = None, *,
-                 devices=None, axis_names: tuple[str, str, str] = ("data", "h", "w")) -> Mesh:
-  """A ``(data, h, w)`` mesh; ``width`` defaults to the remaining devices.
-
-  Raises:
-    ValueError: if the sizes do not multiply to the number of devices given.
-  """
-  devices = np.asarray(jax.devices() if devices is None else devices).reshape(-1)
-  if width is None:
-    if len(devices) % (data * height):
-      raise ValueError(f"{len(devices)} devices do not split into data={data} x h={height}.")
-    width = len(devices) // (data * height)
-  if data * height * width != len(devices):
-    raise ValueError(f"data={data} x h={height} x w={width} = {data * height * width} is not "
-                     f"the number of devices ({len(devices)}).")
-  return Mesh(devices.reshape(data, height, width), axis_names)
-
-
-def activation_spec(mesh: Mesh, ndim: int = 4) -> P:
-  """PartitionSpec of an ``[N, H, W, C]`` activation on a `spatial_mesh` (size-1 axes dropped)."""
-  data, h, w = mesh.axis_names
-  size = dict(zip(mesh.axis_names, mesh.devices.shape))
-  pick = lambda a: a if size[a] > 1 else None
-  if ndim == 4:
-    return P(pick(data), pick(h), pick(w), None)
-  if ndim == 3:
-    return P(pick(data), pick(w), None)
-  raise ValueError(f"activation_spec supports 3-D and 4-D activations, got ndim={ndim}.")
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-  """Sharding of parameters (replicated on every device of ``mesh``)."""
-  return NamedSharding(mesh, P())
-
-
-def spatial_model_fns(model, mesh: Mesh):
-  """`jmem.train.ModelFns` of ``model`` run with its activations sharded on ``mesh``.
-
-  ``model`` is a linen module with ``axis_names`` and ``data_axis`` fields (e.g.
-  `jmem.models.ConvNeXt`); ``mesh`` a `spatial_mesh` ``(data, h, w)``. Parameters are
-  initialised by the unsharded model (they are the same) and replicated; ``apply`` runs the
-  sharded clone inside ``jax.shard_map``, so the training step of `jmem.train` is unchanged:
-  autodiff of the shard_map all-reduces the replicated parameters' gradients. The training
-  state is replicated over ``mesh`` (``sharding``), as the step returns it.
-  """
-  from jmem import train as train_lib  # pylint: disable=g-import-not-at-top
-  for field in ("axis_names", "data_axis"):
-    if not hasattr(model, field):
-      raise ValueError(f"Spatial sharding needs a model with an {field!r} field (such as "
-                       f"jmem.models.ConvNeXt); {type(model).__name__} has none.")
-  data, h, w = mesh.axis_names
-  size = dict(zip(mesh.axis_names, mesh.devices.shape))
-  sharded = model.clone(axis_names=(h if size[h] > 1 else None, w if size[w] > 1 else None),
-                        data_axis=data if size[data] > 1 else None)
-  base, local = train_lib.model_fns(model), train_lib.model_fns(sharded)
-  x_spec = activation_spec(mesh)
-  out_spec = P(data) if size[data] > 1 else P()
-
-  def apply(params, model_state, x, *, train, rng=None):
-    for dim, axis in zip(x.shape, (data, h, w)):
-      if dim % size[axis]:
-        raise ValueError(
-            f"Input of shape {x.shape} is not divisible by the mesh {size} along {axis!r} "
-            f"({dim} % {size[axis]} != 0): resize or pad the images, or change the batch size, "
-            f"so that N, H and W are multiples of the data, h and w mesh sizes.")
-
-    def run(params, model_state, x, rng):
-      return local.apply(params, model_state, x, train=train, rng=rng)
-    return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), x_spec, P()),
-                         out_specs=(out_spec, P()))(params, model_state, x, rng)
-
-  return train_lib.ModelFns(base.init, apply, sharded, sharding=replicated(mesh))

@@ -1,6 +1,6 @@
 """ActNN compression levels for Flax linen models: compressed ops and compressed blocks.
 
-Two ways, one quantizer (`jmem.ops.quantize`):
+Two ways, one quantizer (`jmem.ops.actnn.quantize`):
 
 * ActNN's way (L1, L2): swap the convolution (and, at L2, BatchNorm) module classes of a
   model for compressed ones: each saves a 4-bit copy of its input instead of the input.
@@ -36,7 +36,7 @@ sensitivity (ActNN's and GACT's scheme):
    site exact: two backprops with site i at 1 bit (two dither seeds) give g0, g1, one at 8
    bits gives g2, and ``C_i = max(|g0 - g1|^2, 2 max(|g0 - g2|^2, |g1 - g2|^2))``. The
    gradient variance site i adds at b bits is then about ``C_i / (2^b - 1)^2``. All 3 x
-   sites backprops run one compiled function (`jmem.ops.quantize.probe`: the bit width is a
+   sites backprops run one compiled function (`jmem.ops.actnn.quantize.probe`: the bit width is a
    traced number of levels), so calibration costs one compile.
 2. Allocation (ActNN). Minimise ``sum_i C_i / (2^b_i - 1)^2`` subject to
    ``sum_i w_i b_i <= budget * sum_i w_i`` (w_i: values site i quantizes, b_i in
@@ -54,7 +54,7 @@ For NNX models, and for any linen model without jmem's hooks: `jmem.convert` wit
 `jmem.ActNN` (``jmem.surgery.convert_nnx`` is this module's levels on NNX graphs).
 
 The individual compressed operations (dense, conv, norms, gelu, attention, 1-bit ReLU /
-dropout masks, max-pool indices) are in `jmem.ops.compressed`.
+dropout masks, max-pool indices) are in `jmem.ops.actnn.compressed_ops`.
 
 References:
   Chen et al., ActNN, ICML 2021, https://arxiv.org/abs/2104.14129
@@ -79,7 +79,7 @@ from flax.core import scope as core_scope
 from flax.linen import transforms as nn_transforms
 from jax.flatten_util import ravel_pytree
 
-from jmem.ops import quantize as q
+from jmem.ops.actnn import quantize as q
 
 __all__ = ["Level", "LEVELS", "get_level", "compressed", "convert", "CompressedNNX",
            "sensitivities", "allocate_bits", "calibrate", "gradient_noise"]
@@ -120,7 +120,7 @@ def _compress_site(pure, path, *, bits, layer_bits, group_size, offload, impleme
 def compressed(target, *, bits: int = 2, group_size: int = 256, offload: bool = False,
                layer_bits: Mapping[str, int] | None = None, methods=None,
                implementation: str | None = None):
-  """Lifted `jmem.ops.quantize.compress` for a linen Module class (like ``nn.remat``).
+  """Lifted `jmem.ops.actnn.quantize.compress` for a linen Module class (like ``nn.remat``).
 
   ``compressed(nn.Conv, bits=4)`` is a Conv whose backward uses a 4-bit copy of its input;
   ``compressed(BasicBlock)`` compresses everything a block saves. ``layer_bits`` maps
@@ -128,7 +128,7 @@ def compressed(target, *, bits: int = 2, group_size: int = 256, offload: bool = 
   `calibrate`); other instances use ``bits``. Static (non-array) arguments of the wrapped
   method must be passed as module attributes. ``implementation`` (``"xla"``, ``"pallas"``,
   ``None`` = the kernels on a GPU) picks the quantizer's backend
-  (`jmem.ops.quantize.quantize`).
+  (`jmem.ops.actnn.quantize.quantize`).
   """
   layer_bits = dict(layer_bits or {})
   for b in {bits, *layer_bits.values()}:
@@ -424,7 +424,7 @@ class CompressedNNX(nnx.Module):
   """An NNX module whose call saves ``bits``-bit copies of its residuals.
 
   The inner module's state (parameters, batch statistics, RNG counters) goes through
-  `jmem.ops.quantize.compress` as the never-compressed first argument, and the updated state
+  `jmem.ops.actnn.quantize.compress` as the never-compressed first argument, and the updated state
   is written back, so BatchNorm statistics and dropout streams behave as before.
   """
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16  # pylint: disable=unused-import
+from jmem._technique import IMPLEMENTATIONS  # pylint: disable=unused-import
 
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
            "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform",
@@ -55,7 +56,6 @@ __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbyt
            "resolve_implementation"]
 
 SUPPORTED_BITS = (1, 2, 4, 8)
-IMPLEMENTATIONS = ("xla", "pallas")
 
 
 class Quantized(NamedTuple):

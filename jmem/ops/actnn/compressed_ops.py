@@ -1,7 +1,7 @@
 """ActNN's compressed operations, each beside its ``*_reference`` (plain autodiff).
 
 * Ops whose backward needs an activation (dense, conv, batch norm, layer norm, gelu, softmax
-  attention) save it quantized to ``bits`` per value (`jmem.ops.quantize.compress`);
+  attention) save it quantized to ``bits`` per value (`jmem.ops.actnn.quantize.compress`);
   weights are never compressed.
 * ReLU / leaky ReLU and dropout save a 1-bit mask packed eight per byte, max pooling the
   index of the maximum within its window (uint8): their gradients stay EXACT.
@@ -9,7 +9,7 @@
 
 Shapes are channels last; ``key`` (optional) seeds the stochastic rounding;
 ``implementation`` (``"xla"``, ``"pallas"``, ``None`` = the kernels on a GPU) picks the
-quantizer's backend (`jmem.ops.quantize.quantize`).
+quantizer's backend (`jmem.ops.actnn.quantize.quantize`).
 
 References:
   Chen et al., ActNN, ICML 2021, https://arxiv.org/abs/2104.14129
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmem.ops import quantize as q
-from jmem.parallel.spatial import halo_conv_reference, halo_pool
+from jmem import _window
+from jmem.ops.actnn import quantize as q
 
 __all__ = [
     "dense", "dense_reference", "conv", "conv_reference", "batch_norm", "batch_norm_reference",
@@ -57,8 +57,8 @@ def dense(x, kernel, bias=None, *, bits=2, group_size=256, key=None, implementat
 
 def conv_reference(x, kernel, *, strides=1, padding="SAME", dilation=1, feature_group_count=1):
   """The plain N-D convolution (the same oracle as `jmem.parallel.spatial.halo_conv`'s)."""
-  return halo_conv_reference(x, kernel, strides=strides, padding=padding, dilation=dilation,
-                             feature_group_count=feature_group_count)
+  return _window.conv_reference(x, kernel, strides=strides, padding=padding,
+                                dilation=dilation, feature_group_count=feature_group_count)
 
 
 def conv(x, kernel, *, strides: int | Sequence[int] = 1, padding="SAME",
@@ -214,7 +214,8 @@ def _windows(x, window, strides, padding, pad_value):
 
 
 def max_pool_reference(x, window, strides=None, padding="VALID"):
-  return halo_pool(x, window=tuple(window), strides=strides, padding=padding, kind="max")
+  return _window.pool_reference(x, window=tuple(window), strides=strides, padding=padding,
+                               kind="max")
 
 
 def max_pool(x, window: Sequence[int], strides: Sequence[int] | None = None,
@@ -261,7 +262,8 @@ _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
 
 
 def avg_pool_reference(x, window, strides=None, padding="VALID"):
-  return halo_pool(x, window=tuple(window), strides=strides, padding=padding, kind="avg")
+  return _window.pool_reference(x, window=tuple(window), strides=strides, padding=padding,
+                               kind="avg")
 
 
 def avg_pool(x, window, strides=None, padding="VALID"):

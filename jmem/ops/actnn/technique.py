@@ -1,0 +1,115 @@
+"""ActNN as a technique: the `jmem.convert` object (`ActNN`) and the ``jmem bench`` names
+``actnn-L1`` .. ``actnn-L5`` (L3-L5 calibrated on a training batch)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmem import train as train_lib
+from jmem._technique import BenchTechnique, Technique, check_implementation
+from jmem.ops.actnn import levels
+
+__all__ = ["ActNN", "calibration_problem", "CALIBRATION_BATCH", "CALIBRATION_VALUES",
+           "BENCH_TECHNIQUES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ActNN(Technique):
+  """ActNN / GACT activation compression (`jmem.ops.actnn`) at ``level``.
+
+  ``ActNN("L3")`` (the default), ``ActNN(bits=2)`` (L3 at ``bits``), or a
+  `jmem.ops.actnn.Level` (e.g. from `jmem.ops.actnn.calibrate`). L1/L2 sites default to
+  every convolution (and, at L2, BatchNorm-like module); L3-L5 sites (whole blocks: every
+  floating residual inside is compressed) default to the direct children of the top module
+  except a final ``nn.Dense`` / ``nnx.Linear`` head, as `Remat`'s. L0 changes nothing.
+  Per-site bits of a calibrated level are keyed by the site's path. The rounding key comes
+  from the RNG stream ``"actnn"`` (``apply(..., rngs={"actnn": key})`` in linen,
+  `jmem.surgery.rngs` in both APIs); without it, from the data, with a one-time warning.
+  """
+
+  level: Any = "L3"
+  bits: int | None = None
+  implementation: str | None = None
+  # Set by `jmem.surgery.calibrate` only: the sites then probe gradient sensitivity.
+  probe: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_implementation(self.implementation, "ActNN")
+    lv = self.resolved_level()
+    if self.where is not None and lv.block_bits is None and lv.conv_bits is None and \
+        lv.norm_bits is None:
+      raise ValueError(f"ActNN level {lv.name} compresses nothing, so where={self.where!r} "
+                       "would select sites for nothing; drop where= (or pick L1-L5).")
+
+  def resolved_level(self) -> levels.Level:
+    lv = levels.get_level(self.level)
+    if self.bits is not None:
+      if isinstance(self.bits, bool) or not isinstance(self.bits, int):
+        raise TypeError(f"ActNN(bits=...) must be an int, got {self.bits!r}.")
+      if lv.block_bits is None:
+        raise ValueError(f"ActNN(bits={self.bits}) sets the bits of block sites; level "
+                         f"{lv.name} has none (use L3-L5).")
+      lv = dataclasses.replace(lv, name=f"{lv.name}@{self.bits}b", block_bits=self.bits)
+    return lv
+
+
+# ------------------------------------------------------------------- jmem bench
+
+CALIBRATION_BATCH = 16          # examples, at most
+CALIBRATION_VALUES = 16 * 256   # input values, at most (fewer examples for large images)
+
+
+def calibration_problem(model, dataset, batch_size: int):
+  """``(params, loss_fn, batch)`` on which the ``actnn-L3``..``L5`` techniques calibrate
+  their bits (`jmem.ops.actnn.calibrate`): the initial weights (seed 0) and the first
+  training examples, at most `CALIBRATION_BATCH` and at most `CALIBRATION_VALUES` input
+  values (but 2 examples at least); ``loss_fn`` is the training loss of `jmem.train`."""
+  per_example = int(np.prod(dataset.example_shape))
+  n = min(batch_size, len(dataset.x_train),
+          max(2, min(CALIBRATION_BATCH, CALIBRATION_VALUES // per_example)))
+  x, y = jnp.asarray(dataset.x_train[:n]), jnp.asarray(dataset.y_train[:n])
+  params, state = train_lib.model_fns(model).init(jax.random.key(0), x[:1])
+
+  def loss_fn(module, p, batch):
+    loss = train_lib.make_loss(train_lib.model_fns(module))
+    return loss(p, state, *batch, jax.random.key(1))[0]
+  return params, loss_fn, (x, y)
+
+
+def _apply(level: str):
+  def apply(model, implementation=None):
+    return levels.convert(model, level, implementation=implementation)
+  return apply
+
+
+def _calibrated(level: str):
+  """ActNN ``level`` with per-layer bits from gradient sensitivity, measured once on
+  `calibration_problem`."""
+  def prepare(model, dataset, batch_size, implementation=None):
+    params, loss_fn, batch = calibration_problem(model, dataset, batch_size)
+    return levels.convert(model, levels.calibrate(model, loss_fn, params, batch, level=level),
+                          implementation=implementation)
+  return prepare
+
+
+def _convert(level: str):
+  return lambda implementation: ActNN(level, implementation=implementation)
+
+
+_WHAT = (("L1", "4-bit conv inputs"), ("L2", "4-bit conv + BatchNorm"),
+         ("L3", "residuals of every block and the stem at 2 bits on average, "
+                "per-layer bits from gradient sensitivity"),
+         ("L4", "L3 offloaded to pinned host memory"),
+         ("L5", "L4 with 1024-value groups (less metadata)"))
+
+BENCH_TECHNIQUES = tuple(
+    BenchTechnique(f"actnn-{lv}", _apply(lv), f"ActNN {lv}: {what}",
+                   prepare=_calibrated(lv) if lv in ("L3", "L4", "L5") else None,
+                   has_kernels=True, convert=_convert(lv))
+    for lv, what in _WHAT)
