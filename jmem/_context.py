@@ -57,10 +57,11 @@ def mask_for(x, mask, path: str):
 
 
 @contextlib.contextmanager
-def rngs(*, actnn: jax.Array | None = None):
+def rngs(*, actnn: jax.Array | None = None, sbp: jax.Array | None = None):
   """Keys of the RNG streams of converted sites, for code with no Flax RNG stream (NNX,
-  or a linen ``apply`` without ``rngs={"actnn": ...}``): each site folds in its path."""
-  token = _RNGS.set({"actnn": actnn})
+  or a linen ``apply`` without ``rngs={"actnn": ..., "sbp": ...}``): each site folds in its
+  path. ``actnn``: ActNN's stochastic rounding; ``sbp``: SBP's kept nodes."""
+  token = _RNGS.set({"actnn": actnn, "sbp": sbp})
   try:
     yield
   finally:
@@ -96,3 +97,14 @@ def _under_jit() -> bool:
   from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
   check = getattr(jax_core, "unsafe_am_i_under_a_jit", None)
   return bool(check()) if check is not None else False
+
+
+def data_key(flat_args) -> jax.Array:
+  """A PRNG key from the arguments' values (so it changes when the data change): what a
+  site uses when no key reached it."""
+  acc = jnp.uint32(0x9E3779B9)
+  for a in flat_args:
+    if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating) and a.size:
+      s = jnp.sum(a.astype(jnp.float32)) + jnp.float32(a.size)
+      acc = acc * jnp.uint32(16777619) ^ jax.lax.bitcast_convert_type(s, jnp.uint32)
+  return jax.random.key(jax.lax.stop_gradient(acc))

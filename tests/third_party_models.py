@@ -181,3 +181,91 @@ class NNXViT(nnx.Module):
     for block in self.blocks:
       x = block(x)
     return self.head(self.norm(x).mean(axis=1))
+
+
+# ------------------------------------------------------------------ video (SBP sites)
+
+class FrameEncoder(nn.Module):
+  """A per-frame CNN over clips ``[B, T, H, W, C] -> [B, T, F]``: frames folded into the
+  batch inline, BatchNorm in training mode (it couples the frames), a global mean."""
+
+  features: int = 8
+
+  @nn.compact
+  def __call__(self, clips, train: bool = True):
+    b, t = clips.shape[:2]
+    x = clips.reshape((b * t,) + clips.shape[2:])
+    x = nn.Conv(self.features, (3, 3))(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+    x = nn.Conv(self.features, (3, 3), strides=(2, 2))(x)
+    return jnp.mean(x, axis=(1, 2)).reshape(b, t, -1)
+
+
+class ClipClassifier(nn.Module):
+  """Per-frame CNN, then a small temporal model over the frame features."""
+
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, clips, train: bool = True):
+    f = FrameEncoder(name="frames")(clips, train)
+    f = nn.gelu(nn.Dense(16)(f))
+    return nn.Dense(self.num_classes)(f.reshape(f.shape[0], -1))
+
+
+class FrameTokenViT(nn.Module):
+  """A plain ViT over the patch tokens of every frame, ``(t, h, w)`` order."""
+
+  patch: int = 4
+  dim: int = 16
+  depth: int = 2
+  heads: int = 2
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, clips, train: bool = True):
+    del train
+    b, t, h, w, c = clips.shape
+    x = nn.Conv(self.dim, (self.patch, self.patch), strides=(self.patch, self.patch),
+                name="patchify")(clips.reshape(b * t, h, w, c))
+    x = x.reshape(b, -1, self.dim)
+    x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], self.dim))
+    for i in range(self.depth):
+      x = ViTBlock(self.dim, self.heads, name=f"block{i}")(x)
+    return nn.Dense(self.num_classes)(nn.LayerNorm()(x).mean(axis=1))
+
+
+class NNXFrameEncoder(nnx.Module):
+  def __init__(self, in_channels: int = 3, features: int = 8, *, rngs: nnx.Rngs):
+    self.conv1 = nnx.Conv(in_channels, features, (3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(features, rngs=rngs)
+    self.conv2 = nnx.Conv(features, features, (3, 3), strides=(2, 2), rngs=rngs)
+
+  def __call__(self, clips):
+    b, t = clips.shape[:2]
+    x = clips.reshape((b * t,) + clips.shape[2:])
+    x = nnx.relu(self.bn(self.conv1(x)))
+    return jnp.mean(self.conv2(x), axis=(1, 2)).reshape(b, t, -1)
+
+
+class NNXClipClassifier(nnx.Module):
+  def __init__(self, frames: int = 4, num_classes: int = 10, *, rngs: nnx.Rngs):
+    self.frames = NNXFrameEncoder(rngs=rngs)
+    self.temporal = nnx.Linear(8, 16, rngs=rngs)
+    self.head = nnx.Linear(16 * frames, num_classes, rngs=rngs)
+
+  def __call__(self, clips):
+    f = nnx.gelu(self.temporal(self.frames(clips)))
+    return self.head(f.reshape(f.shape[0], -1))
+
+
+class NNXFrameTokenViT(NNXViT):
+  """`NNXViT` over the patch tokens of every frame."""
+
+  def __call__(self, clips):
+    b, t, h, w, c = clips.shape
+    x = self.patchify(clips.reshape(b * t, h, w, c))
+    x = x.reshape(b, -1, x.shape[-1])
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.norm(x).mean(axis=1))

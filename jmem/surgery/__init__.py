@@ -56,17 +56,19 @@ import jax
 from flax import nnx
 
 from jmem.ops.actnn import levels as actnn_lib
+from jmem.surgery import _common
 from jmem.surgery._common import batch_mask as batch_mask
 from jmem.surgery._common import rngs as rngs
 from jmem._technique import Technique as Technique
 from jmem.ops.actnn.technique import ActNN as ActNN
 from jmem.ops.inplace_abn.technique import InPlaceABN as InPlaceABN
 from jmem.ops.remat import Remat as Remat
+from jmem.ops.sbp.technique import SBP as SBP
 from jmem.parallel.sync_bn.technique import SyncBN as SyncBN
 from jmem.techniques import convert_technique_names as technique_names
 from jmem.techniques import technique as technique
 
-__all__ = ["convert", "Technique", "Remat", "ActNN", "SyncBN", "InPlaceABN", "technique",
+__all__ = ["convert", "Technique", "Remat", "ActNN", "SyncBN", "InPlaceABN", "SBP", "technique",
            "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate",
            "convert_nnx"]
 
@@ -94,8 +96,10 @@ def convert(model, *techniques: Technique | None):
       continue
     if not isinstance(t, Technique):
       raise TypeError(f"jmem.convert takes technique objects (jmem.Remat(), jmem.ActNN('L3'), "
-                      f"jmem.SyncBN(...), jmem.InPlaceABN(...)) or bench names, got {t!r}.")
+                      f"jmem.SyncBN(...), jmem.InPlaceABN(...), jmem.SBP(...)) or bench names, "
+                      f"got {t!r}.")
     resolved.append(t)
+  _common.check_sbp_where(resolved)
   if isinstance(model, nn.Module):
     from jmem.surgery import _linen  # pylint: disable=g-import-not-at-top
     return _linen.convert_linen(model, tuple(resolved)) if resolved else model

@@ -8,14 +8,17 @@ import warnings
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jmem._context import (  # pylint: disable=unused-import
-    active_mask, batch_mask, context_key, mask_for, rngs)
-from jmem.ops.actnn import quantize as q
+    active_mask, batch_mask, context_key, data_key, mask_for, rngs)
 from jmem._elementwise import ABNConfig
+from jmem.ops.actnn import quantize as q
 from jmem.ops.actnn.technique import ActNN
+from jmem.ops.sbp import sites as sbp_sites
+from jmem.ops.sbp.technique import SBP
 
 _WARNED: set = set()
 
@@ -24,6 +27,13 @@ def warn_once(tag: str, message: str) -> None:
   if tag not in _WARNED:
     _WARNED.add(tag)
     warnings.warn(message, stacklevel=4)
+
+
+def no_sbp_key_warning():
+  warn_once("sbp-key", "jmem.convert SBP sites: no 'sbp' RNG stream reached a site (linen: "
+            "apply(..., rngs={'sbp': key}); either API: with jmem.surgery.rngs(sbp=key) inside "
+            "the jitted step), so the kept nodes are drawn with a key derived from the data (it "
+            "changes as the data change, but repeats for repeated batches).")
 
 
 def no_key_warning():
@@ -162,6 +172,89 @@ def compress_transform(bits: int, level, key, implementation):
   return lambda pure: functools.partial(
       q.compress(pure, bits=bits, group_size=level.group_size, param_argnums=(0, 1),
                  offload=level.offload, implementation=implementation), compress_key=key)
+
+
+def sbp_transform(technique, key, path: str):
+  """``pure -> g`` with SBP over the nodes of the site's first array argument."""
+  def transform(pure):
+    g = sbp_sites.sbp_site(pure, keep_ratio=technique.keep_ratio, axis=technique.axis,
+                           sampler=technique.sampler, mode=technique.mode, where=path)
+
+    def run(state, rngs, x, *rest):
+      k = key if key is not None else data_key((x,))
+      return g(state, rngs, x, *rest, key=k)
+    return run
+  return transform
+
+
+def sbp_attention(tape, path: str, dropout_on: bool, call, args, kwargs):
+  """An attention layer (linen ``nn.MultiHeadDotProductAttention``, ``nnx.MultiHeadAttention``:
+  ``call(inputs_q, inputs_k=None, inputs_v=None, **kw)``) inside an SBP site: ``(y,)`` where
+  jmem computes it, None where it runs as it is.
+
+  Recording, an attention over the node axis marks the site as mixing its nodes. Replaying
+  in rows mode, it computes the kept queries only, against the keys and values of every
+  node; the dropped rows are 0 (their cotangent is 0: nothing flows back through them).
+  """
+  q = args[0] if args else kwargs.get("inputs_q")
+  if not tape.attends_over_nodes(q.shape):
+    return None
+  if dropout_on:
+    raise ValueError(
+        f"jmem.SBP: the attention at {path!r} attends over the SBP node axis with dropout on; "
+        "the backward's re-run computes the kept queries only and would draw other dropout "
+        "masks. Set its dropout rate to 0 or make it deterministic.")
+  if tape.mode == "record":
+    tape.mixing = tape.mixing or f"the attention at {path!r}"
+    return None
+  if tape.rows is None:
+    return None
+  kw = dict(zip(("inputs_q", "inputs_k", "inputs_v"), args[:3]), **kwargs)
+  if kw.get("inputs_kv") is not None:
+    kw["inputs_k"] = kw["inputs_v"] = kw["inputs_kv"]
+  kw.pop("inputs_kv", None)
+  full_q = kw["inputs_q"]
+  if kw.get("inputs_k") is None:
+    kw["inputs_k"] = full_q
+  if kw.get("inputs_v") is None:
+    kw["inputs_v"] = kw["inputs_k"]
+  axis = full_q.ndim - 2
+  kw["inputs_q"] = jnp.take(full_q, tape.rows, axis=axis)
+  mask = kw.get("mask")
+  if mask is not None and mask.shape[-2] > 1:
+    kw["mask"] = jnp.take(mask, tape.rows, axis=mask.ndim - 2)
+  rows = call(**kw)
+  full = jnp.zeros(full_q.shape[:-1] + rows.shape[-1:], rows.dtype)
+  return (full.at[(slice(None),) * axis + (tape.rows,)].set(rows),)
+
+
+def sbp_key(path: str, args):
+  """The keep key of an SBP site from `rngs` (None, with a warning, without one)."""
+  key = context_key("sbp", path, args)
+  if key is None:
+    no_sbp_key_warning()
+  return key
+
+
+_KIND_NAMES = {"remat": "recomputation", "sbp": "SBP", "block": "compression",
+               "conv": "compression", "norm": "compression"}
+
+
+def stacking_note(kind: str, other: str) -> str:
+  """What stacking two block techniques on one site (or nesting them) amounts to."""
+  if "sbp" not in (kind, other):
+    return ("Stacking recomputation and compression on one site (recompute from a compressed "
+            "input)")
+  return (f"Stacking {_KIND_NAMES[kind]} and {_KIND_NAMES[other]} on one site, or one inside "
+          "the other,")
+
+
+def check_sbp_where(techniques) -> None:
+  for t in techniques:
+    if isinstance(t, SBP) and t.where is None:
+      raise ValueError("jmem.SBP needs where= naming the per-node module (the per-frame CNN, the "
+                       "token block; a class or a path regex): SBP has no default site. "
+                       "E.g. jmem.SBP(keep_ratio=0.25, axis=1, where=FrameEncoder).")
 
 
 def remat_transform(policy):

@@ -17,13 +17,15 @@ import flax.core.lift as lift
 import flax.linen as nn
 from flax.linen import transforms as nn_transforms
 
-from jmem.ops.inplace_abn import core as abn_lib
-from jmem.parallel.sync_bn import core as sync_bn
-from jmem.surgery import _common as c
 from jmem.ops.actnn.technique import ActNN
+from jmem.ops.inplace_abn import core as abn_lib
 from jmem.ops.inplace_abn.technique import InPlaceABN
 from jmem.ops.remat import Remat
+from jmem.ops.sbp import sites as sbp_sites
+from jmem.ops.sbp.technique import SBP
+from jmem.parallel.sync_bn import core as sync_bn
 from jmem.parallel.sync_bn.technique import SyncBN
+from jmem.surgery import _common as c
 
 
 RECORD: contextvars.ContextVar = contextvars.ContextVar("jmem_site_record", default=None)
@@ -64,6 +66,7 @@ class _Trace:
   in_site: set = dataclasses.field(default_factory=set)      # ids of modules under a transform
   active: list = dataclasses.field(default_factory=list)     # (kind, path) of enclosing sites
   pairs: dict = dataclasses.field(default_factory=dict)      # id(bn) -> activation pair
+  sbp_keys: dict = dataclasses.field(default_factory=dict)   # technique index -> keep key
 
   # ------------------------------------------------------------------ classification
   def _bn_techniques(self):
@@ -115,6 +118,9 @@ class _Trace:
       if isinstance(t, Remat):
         if self._block_match(t, mod, path):
           found.append((i, t, "remat"))
+      elif isinstance(t, SBP):
+        if t.matches_user(mod, path):
+          found.append((i, t, "sbp"))
       elif isinstance(t, ActNN):
         lv = t.resolved_level()
         if lv.block_bits is not None and self._block_match(t, mod, path):
@@ -131,8 +137,8 @@ class _Trace:
     if len(found) > 1:
       raise ValueError(
           f"Both {found[0][1]!r} and {found[1][1]!r} select the module at {path or '<top>'!r}. "
-          "Stacking recomputation and compression on one site (recompute from a compressed "
-          "input) is not implemented yet; give the techniques disjoint where=.")
+          f"{c.stacking_note(found[0][2], found[1][2])} is not implemented yet; give the "
+          "techniques disjoint where=.")
     return found[0] if found else None
 
   def _block_match(self, t, mod, path):
@@ -157,6 +163,11 @@ class _Trace:
     bn = self.bn_site(mod, path)
     if bn:
       return self._call_bn(mod, path, bn, args, kwargs)
+    tape = sbp_sites.active_tape()
+    if tape is not None:
+      handled = self._in_sbp_site(tape, mod, path, next_fun, args, kwargs)
+      if handled is not None:
+        return handled[0]
     y = next_fun(*args, **kwargs)
     if (self._bn_techniques() or c.active_mask() is not None) and c.linen_has_bn_variables(mod):
       self._unhandled_bn(mod, path)
@@ -176,6 +187,35 @@ class _Trace:
           "jmem does not know its computation. Name it in where= (its class or path) if it "
           "has BatchNorm's fields and computes BatchNorm, or replace it by nn.BatchNorm.")
 
+  def _in_sbp_site(self, tape, mod, path, next_fun, args, kwargs):
+    """A layer inside an SBP site that couples nodes or draws randomness: ``(y,)`` where
+    jmem computes it, None where it runs as it is."""
+    status = c.linen_bn_status(mod)
+    if status == "bn":
+      return (self._call_bn(mod, path, [], args, kwargs),)
+    if status is not None or c.linen_has_bn_variables(mod):
+      raise ValueError(
+          f"jmem.SBP: {c.describe(mod)} at {path!r} keeps BatchNorm statistics inside an SBP "
+          "site, where jmem computes BatchNorm itself (all-node statistics, held constant in "
+          "the backward), but it is not a flax.linen.BatchNorm (or overrides its __call__), "
+          "so jmem does not know its computation. Replace it by nn.BatchNorm (or a per-sample "
+          "norm such as nn.GroupNorm), or name it in jmem.SyncBN(axis_name=None, where=...) if "
+          "it computes BatchNorm.")
+    if isinstance(mod, nn.MultiHeadDotProductAttention):
+      return self._sbp_attention(tape, mod, path, next_fun, args, kwargs)
+    if isinstance(mod, nn.Dropout) and tape.mode == "record":
+      deterministic = nn.merge_param("deterministic", mod.deterministic,
+                                     kwargs.get("deterministic", args[1] if len(args) > 1
+                                                else None))
+      if mod.rate > 0 and not deterministic:
+        tape.dropout = f"the Dropout at {path!r}"
+    return None
+
+  def _sbp_attention(self, tape, mod, path, next_fun, args, kwargs):
+    deterministic = kwargs.get("deterministic", mod.deterministic)
+    return c.sbp_attention(tape, path, mod.dropout_rate > 0 and not deterministic, next_fun,
+                           args, kwargs)
+
   def _hit(self, index, path, record=True):
     self.hits.setdefault(index, []).append(path)
     record = RECORD.get() if record else None
@@ -186,6 +226,11 @@ class _Trace:
     """Whether the site is inside another site (of its own kind: then it is not one)."""
     kind = site[2]
     for other_kind, other_path in self.active:
+      if "sbp" in (kind, other_kind) and kind != other_kind:
+        raise ValueError(
+            f"The {kind} site {path!r} is inside the {other_kind} site {other_path or '<top>'!r}: "
+            f"{c.stacking_note(kind, other_kind)} is not implemented yet; give the techniques "
+            "disjoint where=.")
       if (other_kind == "remat") != (kind == "remat"):
         raise ValueError(
             f"The {kind} site {path!r} is inside the "
@@ -200,6 +245,15 @@ class _Trace:
     self._hit(index, path)
     if kind == "remat":
       transform = c.remat_transform(t.policy)
+    elif kind == "sbp":
+      # One draw per step for all the sites of a technique: blocks over the same tokens keep
+      # the same ones (the SBP papers' rule for transformer stages).
+      if index not in self.sbp_keys:
+        if mod.scope.has_rng("sbp"):
+          self.sbp_keys[index] = mod.make_rng("sbp")
+        else:
+          self.sbp_keys[index] = c.sbp_key("", (args, kwargs))
+      transform = c.sbp_transform(t, self.sbp_keys[index], path)
     else:
       lv = t.resolved_level()
       bits = c.site_bits(lv, kind, path)
@@ -257,7 +311,12 @@ class _Trace:
       mask = c.mask_for(x, c.active_mask(), path)
     kinds = {type(t): (i, t) for i, t in found}
     initializing = mod.is_initializing()
-    if InPlaceABN in kinds:
+    if not found:                          # a plain BatchNorm inside an SBP site
+      train_fn = sync_bn._sync_train_fn(  # pylint: disable=protected-access
+          None if initializing else mod.axis_name, mod.axis_index_groups, mod.epsilon)
+      eval_fn = sync_bn._bn_eval_fn(mod.epsilon)  # pylint: disable=protected-access
+      unbiased = False
+    elif InPlaceABN in kinds:
       t = kinds[InPlaceABN][1]
       pair = self.pairs.get(id(mod))
       name, groups = c.bn_axis(t, kinds.get(SyncBN, (None, None))[1], mod)
@@ -278,6 +337,7 @@ class _Trace:
       eval_fn = sync_bn._bn_eval_fn(mod.epsilon)  # pylint: disable=protected-access
       unbiased = t.unbiased_running_var
       self._hit(i, path)
+    train_fn = sbp_sites.taped_train_fn(train_fn, eval_fn)
     try:
       return sync_bn.linen_norm_call(mod, x, use_ra, mask, train_fn=train_fn, eval_fn=eval_fn,
                                      use_scale=mod.use_scale, use_bias=mod.use_bias,

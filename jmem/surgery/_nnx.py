@@ -9,11 +9,13 @@ import functools
 from flax import nnx
 
 from jmem.ops.inplace_abn import core as abn_lib
-from jmem.parallel.sync_bn import core as sync_bn
-from jmem.surgery import _common as c
 from jmem.ops.inplace_abn.technique import InPlaceABN
 from jmem.ops.remat import Remat
+from jmem.ops.sbp import sites as sbp_sites
+from jmem.ops.sbp.technique import SBP
+from jmem.parallel.sync_bn import core as sync_bn
 from jmem.parallel.sync_bn.technique import SyncBN
+from jmem.surgery import _common as c
 
 _CLASSES: dict = {}
 
@@ -44,6 +46,9 @@ def _block_call(base, cfg):
 
     if kind == "remat":
       transform = c.remat_transform(opts)
+    elif kind == "sbp":
+      # One key for every site of the technique: blocks over the same tokens keep the same.
+      transform = c.sbp_transform(opts, c.sbp_key("", (arrays,)), path)
     else:
       bits, level, implementation = opts
       key = c.context_key("actnn", path, (arrays, state))
@@ -72,21 +77,28 @@ def _bn_call(base, cfg):
       axis_name, groups, unbiased = opts
       train_fn = sync_bn._sync_train_fn(axis_name, groups, self.epsilon)  # pylint: disable=protected-access
       eval_fn = sync_bn._bn_eval_fn(self.epsilon)  # pylint: disable=protected-access
-    scale = None if self.scale is None else self.scale[...]
-    bias = None if self.bias is None else self.bias[...]
-    try:
-      y, mean, var = sync_bn.normalize_with_state(
-          x, axis=self.axis, scale=scale, bias=bias, running_mean=self.mean[...],
-          running_var=self.var[...], use_running_average=use_ra, mask=mask, train_fn=train_fn,
-          eval_fn=eval_fn, momentum=self.momentum, unbiased_running_var=unbiased,
-          op=type(self).__name__)
-    except NameError as e:
-      raise c.unbound_axis_error(e, path) from None
-    if not use_ra:
-      self.mean[...], self.var[...] = mean, var
-    return y.astype(getattr(self, "dtype", None) or x.dtype)
+    return _normalize(self, x, use_ra, mask, train_fn, eval_fn, unbiased, path)
 
   return __call__
+
+
+def _normalize(self, x, use_ra, mask, train_fn, eval_fn, unbiased, path):
+  """A BatchNorm-like module's computation on its own attributes and variables (inside an
+  SBP site, on the site's tape)."""
+  train_fn = sbp_sites.taped_train_fn(train_fn, eval_fn)
+  scale = None if self.scale is None else self.scale[...]
+  bias = None if self.bias is None else self.bias[...]
+  try:
+    y, mean, var = sync_bn.normalize_with_state(
+        x, axis=self.axis, scale=scale, bias=bias, running_mean=self.mean[...],
+        running_var=self.var[...], use_running_average=use_ra, mask=mask, train_fn=train_fn,
+        eval_fn=eval_fn, momentum=self.momentum, unbiased_running_var=unbiased,
+        op=type(self).__name__)
+  except NameError as e:
+    raise c.unbound_axis_error(e, path) from None
+  if not use_ra:
+    self.mean[...], self.var[...] = mean, var
+  return y.astype(getattr(self, "dtype", None) or x.dtype)
 
 
 def _identity(x):
@@ -164,13 +176,19 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
   for p, m, found in block_plan.values():
     if len(found) > 1:
       raise ValueError(f"Both {found[0][1]!r} and {found[1][1]!r} select the module at "
-                       f"{name(p)!r}. Stacking recomputation and compression on one site is not "
+                       f"{name(p)!r}. {c.stacking_note(found[0][2], found[1][2])} is not "
                        "implemented yet; give the techniques disjoint where=.")
   block_paths = {p: found[0] for p, _, found in block_plan.values()}
   outer = {}
   for p, (i, t, kind) in block_paths.items():
     enclosing = [q for q in block_paths if q != p and p[:len(q)] == q]
     for q in enclosing:
+      other = block_paths[q][2]
+      if "sbp" in (kind, other) and kind != other:
+        raise ValueError(
+            f"The {kind} site {name(p)!r} is inside the {other} site {name(q)!r}: "
+            f"{c.stacking_note(kind, other)} is not implemented yet; give the techniques "
+            "disjoint where=.")
       if (block_paths[q][2] == "remat") != (kind == "remat"):
         raise ValueError(
             f"The {kind} site {name(p)!r} is inside the site {name(q)!r} of the other technique: "
@@ -215,11 +233,22 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
   for p, m in modules:
     if c.nnx_bn_status(m) is not None and id(m) not in bn_plan:
       actions.append(functools.partial(_set_guard_class, m, name(p)))
+  # Attention and dropout layers see an SBP site's tape (they change nothing outside one).
+  if any(kind == "sbp" for _, _, kind in outer.values()):
+    for p, m in modules:
+      if isinstance(m, nnx.MultiHeadAttention):
+        actions.append(functools.partial(_set_class, m, _subclass(
+            type(m), "sbp-attention", ("attention", name(p), None), _attention_call)))
+      elif isinstance(m, nnx.Dropout):
+        actions.append(functools.partial(_set_class, m, _subclass(
+            type(m), "sbp-dropout", ("dropout", name(p), None), _dropout_call)))
   for p, (i, t, kind) in outer.items():
     m = by_path[p]
     path = name(p)
     if kind == "remat":
       cfg = ("remat", path, t.policy)
+    elif kind == "sbp":
+      cfg = ("sbp", path, t)
     else:
       lv = t.resolved_level()
       cfg = ("compress", path, (c.site_bits(lv, kind, path), lv, t.implementation))
@@ -236,7 +265,7 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
 
 
 def _guard_call(base, cfg):
-  path = cfg[1]
+  path, status = cfg[1], cfg[2]
 
   def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
     if c.active_mask() is not None:
@@ -244,6 +273,52 @@ def _guard_call(base, cfg):
           f"jmem.batch_mask is active but the BatchNorm-like module at {path!r} is not a jmem "
           "site, so it would ignore the mask: include it in a jmem.SyncBN() (axis_name=None "
           "for local statistics) or jmem.InPlaceABN() where=.")
+    if sbp_sites.active_tape() is not None:
+      if status != "bn":
+        raise ValueError(
+            f"jmem.SBP: {c.describe(self)} at {path!r} keeps BatchNorm statistics inside an SBP "
+            "site, where jmem computes BatchNorm itself (all-node statistics, held constant in "
+            "the backward), but it is not an nnx.BatchNorm (or overrides its __call__), so jmem "
+            "does not know its computation. Replace it by nnx.BatchNorm (or a per-sample norm "
+            "such as nnx.GroupNorm), or name it in jmem.SyncBN(axis_name=None, where=...).")
+      x, *rest = args
+      use_ra = kwargs.get("use_running_average", rest[0] if rest else None)
+      use_ra = self.use_running_average if use_ra is None else use_ra
+      return _normalize(self, x, use_ra, kwargs.get("mask"),
+                        sync_bn._sync_train_fn(self.axis_name, self.axis_index_groups,  # pylint: disable=protected-access
+                                               self.epsilon),
+                        sync_bn._bn_eval_fn(self.epsilon), False, path)  # pylint: disable=protected-access
+    return base.__call__(self, *args, **kwargs)
+
+  return __call__
+
+
+def _attention_call(base, cfg):
+  path = cfg[1]
+
+  def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
+    tape = sbp_sites.active_tape()
+    if tape is None:
+      return base.__call__(self, *args, **kwargs)
+    deterministic = kwargs.get("deterministic")
+    deterministic = self.deterministic if deterministic is None else deterministic
+    done = c.sbp_attention(tape, path, self.dropout_rate > 0 and not deterministic,
+                           functools.partial(base.__call__, self), args, kwargs)
+    return base.__call__(self, *args, **kwargs) if done is None else done[0]
+
+  return __call__
+
+
+def _dropout_call(base, cfg):
+  path = cfg[1]
+
+  def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
+    tape = sbp_sites.active_tape()
+    if tape is not None and tape.mode == "record":
+      deterministic = kwargs.get("deterministic")
+      deterministic = self.deterministic if deterministic is None else deterministic
+      if self.rate > 0 and not deterministic:
+        tape.dropout = f"the Dropout at {path!r}"
     return base.__call__(self, *args, **kwargs)
 
   return __call__
@@ -254,7 +329,8 @@ def _set_class(module, cls):
 
 
 def _set_guard_class(module, path):
-  module.__class__ = _subclass(type(module), "guard", ("guard", path, None), _guard_call)
+  module.__class__ = _subclass(type(module), "guard", ("guard", path, c.nnx_bn_status(module)),
+                               _guard_call)
 
 
 def _set_block_class(module, cfg):
@@ -267,6 +343,8 @@ def _callable(m) -> bool:
 
 
 def _block_kind(t, m, path, status, top_child):
+  if isinstance(t, SBP):
+    return "sbp" if t.matches_user(m, path) else None
   if isinstance(t, Remat):
     take = (top_child and not c.is_head(m)) if t.where is None else t.matches_user(m, path)
     return "remat" if take else None

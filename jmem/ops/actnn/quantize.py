@@ -47,6 +47,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jmem._context import data_key
 from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16  # pylint: disable=unused-import
 from jmem._technique import IMPLEMENTATIONS  # pylint: disable=unused-import
 
@@ -366,7 +367,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
     def fwd(args, key):
       y, leaves, layout["treedef"], constants = _vjp_with_constants(f, args)
       kept = _param_leaves(args, param_argnums)
-      key = _data_key(jax.tree.leaves(args)) if key is None else key
+      key = data_key(jax.tree.leaves(args)) if key is None else key
       plan, saved = [], []
       for i, leaf in enumerate(leaves):
         kind = _residual_kind(leaf, kept, min_size, i in constants)
@@ -478,13 +479,3 @@ def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
 
 def _to_space(tree, space):
   return jax.tree.map(lambda v: jax.device_put(v, space), tree)
-
-
-def _data_key(flat_args):
-  """A PRNG key from the arguments' values (so it changes when the data change)."""
-  acc = jnp.uint32(0x9E3779B9)
-  for a in flat_args:
-    if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating) and a.size:
-      s = jnp.sum(a.astype(jnp.float32)) + jnp.float32(a.size)
-      acc = acc * jnp.uint32(16777619) ^ jax.lax.bitcast_convert_type(s, jnp.uint32)
-  return jax.random.key(jax.lax.stop_gradient(acc))

@@ -16,3 +16,4 @@ from jmem.ops.sbp.core import sample_indices as sample_indices
 from jmem.ops.sbp.core import checkerboard as checkerboard
 from jmem.ops.sbp.core import get_sampler as get_sampler
 from jmem.ops.sbp.core import check_keep_ratio as check_keep_ratio
+from jmem.ops.sbp.technique import SBP as SBP

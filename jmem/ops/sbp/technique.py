@@ -1,12 +1,56 @@
-"""SBP as a ``jmem bench`` technique: ``sbp-<keep ratio>`` on jmem's video models (their
-``keep_ratio`` field)."""
+"""SBP as a technique: the `jmem.convert` object (`SBP`) and the ``jmem bench`` names
+``sbp-<keep ratio>`` (on jmem's video models, their ``keep_ratio`` field; through
+`jmem.technique` with a ``where=``)."""
 
 from __future__ import annotations
 
-from jmem._technique import BenchTechnique
+import dataclasses
+from typing import Any
+
+from jmem._technique import BenchTechnique, Technique
 from jmem.ops.sbp import core
 
-__all__ = ["BENCH_TECHNIQUES"]
+__all__ = ["SBP", "BENCH_TECHNIQUES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SBP(Technique):
+  """Stochastic Backpropagation on the calls of the modules ``where=`` names.
+
+  Each such call gets a node axis ``axis`` in its first array argument (frames of a clip
+  for a per-frame CNN, tokens for a transformer block) and returns the nodes along the same
+  axis; the forward runs on every node, the backward on ``ceil(keep_ratio * n)`` sampled
+  ones (`jmem.ops.sbp.sites`). ``where=`` is required: SBP has no sensible default site.
+
+  ``mode``: ``"nodes"`` for a per-node module (the backward re-runs the kept nodes only),
+  ``"rows"`` for a block that mixes nodes (the backward re-runs the block with the kept
+  queries of each recognised attention layer, ``nn.MultiHeadDotProductAttention`` /
+  ``nnx.MultiHeadAttention``), None (default) to pick ``"rows"`` where such an attention
+  layer attends over the node axis and ``"nodes"`` elsewhere. Node mixing that jmem cannot
+  see (attention written inline with ``jnp``, a mean over the node axis) needs
+  ``mode="rows"``, or the gradient is that of a per-node model.
+
+  BatchNorm layers in training mode inside a site are computed by jmem: their all-node
+  statistics are used in the forward (and for the running averages) and held constant in
+  the backward. The keep key comes from the RNG stream ``"sbp"`` (linen
+  ``apply(..., rngs={"sbp": key})``; either API ``jmem.surgery.rngs(sbp=key)``); without
+  one, from the data, with a one-time warning.
+  """
+
+  keep_ratio: float = 0.5
+  axis: int = 1
+  sampler: Any = "uniform_chunk"
+  mode: str | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    core.check_keep_ratio(self.keep_ratio)
+    if isinstance(self.axis, bool) or not isinstance(self.axis, int):
+      raise TypeError(f"SBP(axis=...) must be an int (the node axis), got {self.axis!r}.")
+    core.get_sampler(self.sampler)
+    if self.mode not in (None, "nodes", "rows"):
+      raise ValueError(f"SBP(mode=...) must be 'nodes', 'rows' or None (automatic), got "
+                       f"{self.mode!r}.")
 
 
 def _apply(keep_ratio: float):
@@ -21,5 +65,6 @@ def _apply(keep_ratio: float):
 
 BENCH_TECHNIQUES = tuple(
     BenchTechnique(f"sbp-{r}", _apply(r),
-                   f"stochastic backpropagation, keep ratio {r} (video models)")
+                   f"stochastic backpropagation, keep ratio {r} (video models)",
+                   convert=lambda implementation, r=r: SBP(keep_ratio=r))
     for r in (0.5, 0.25, 0.125))
