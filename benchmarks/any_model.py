@@ -15,6 +15,17 @@ against exact (compile-only, CPU).
 via jmem.convert, and jmem's own ResNet-50 at L3 (``jmem.ops.actnn.convert``, 2 bits, no
 calibration) in the same run: temp ratio at batch 32, and the temp one more example costs
 (slope between the two batches).
+(3) sbp: jmem.SBP on third-party video models (a per-frame ResNet-8 with BatchNorm + temporal
+transformer, and a ViT over the tokens of every frame): the whole step's temp bytes and
+FLOPs at keep ratios 0.5 / 0.25 / 0.125 against exact (16 frames of 24x24, batch 32), and
+the gradient's deviation from the stop_gradient oracle on small shapes.
+(4) sbp-accuracy: the StT result of benchmarks/results/sbp_stt_pretrained.md with the
+converted third-party model: its per-frame ResNet-8 pretrained on single frames, then exact
+vs ``jmem.convert(model, jmem.SBP(keep_ratio=0.25, where=ResNetFrameEncoder))`` from the same
+weights, seeds and steps (the frame CNN at 0.1x the learning rate). ``--seeds`` and
+``--steps`` as given (default here: seed 0, 600 steps).
+
+Parts not run keep their rows from the last any_model.json.
 """
 
 import json
@@ -22,6 +33,7 @@ import os
 import sys
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -34,8 +46,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import third_party_models as tp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import jmem  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jmem import bench, models, surgery, train  # pylint: disable=wrong-import-position
+from jmem import bench, data, models, surgery, train  # pylint: disable=wrong-import-position
+from jmem.models import video  # pylint: disable=wrong-import-position
 from jmem.ops import actnn  # pylint: disable=wrong-import-position
+from jmem.ops import sbp as sbp_lib  # pylint: disable=wrong-import-position
 
 MIB = 2**20
 
@@ -134,7 +148,124 @@ def resnet50():
   return rows
 
 
-def _markdown(small_rows, r50_rows):
+def _step_cost(model, x, y):
+  """Temp bytes and FLOPs of the compiled train step (SGD) of a linen ``model``."""
+  fns = train.model_fns(model)
+  params, state = jax.eval_shape(lambda: fns.init(jax.random.key(0), x[:1]))
+  loss = train.make_loss(fns)
+  step = jax.jit(jax.grad(lambda p, s, x, y: loss(p, s, x, y, jax.random.key(3))[0]))
+  compiled = step.lower(params, state, x, y).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return compiled.memory_analysis().temp_size_in_bytes, cost["flops"]
+
+
+def _oracle_deviation(model, site, keep_ratio, x, y):
+  """max |g_sbp - g_oracle| / max |g_oracle|: the oracle is plain autodiff with the dropped
+  nodes' outputs and every BatchNorm's statistics under stop_gradient."""
+  variables = model.init(jax.random.key(1), x)
+  state = {k: v for k, v in variables.items() if k != "params"}
+  key = jax.random.key(5)
+  drawn = {}
+
+  def oracle(next_fun, args, kwargs, context):
+    mod = context.module
+    if context.method_name == "__call__" and isinstance(mod, nn.BatchNorm):
+      xx = args[0]
+      axes = tuple(range(xx.ndim - 1))
+      mean = jax.lax.stop_gradient(jnp.mean(xx, axes))
+      var = jax.lax.stop_gradient(jnp.mean(jnp.square(xx - mean), axes))
+      return ((xx - mean) * jax.lax.rsqrt(var + mod.epsilon) *
+              mod.get_variable("params", "scale") + mod.get_variable("params", "bias"))
+    if context.method_name == "__call__" and isinstance(mod, site):
+      drawn.setdefault("key", mod.make_rng("sbp"))
+      idx = sbp_lib.sample_indices(drawn["key"], args[0], keep_ratio=keep_ratio, axis=1)
+      return sbp_lib.core._hold_dropped(next_fun(*args, **kwargs), idx, 1)  # pylint: disable=protected-access
+    return next_fun(*args, **kwargs)
+
+  def grads(m, intercept=None):
+    def f(p):
+      out, _ = m.apply({"params": p, **state}, x, mutable=list(state), rngs={"sbp": key})
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
+    if intercept is None:
+      return ravel_pytree(jax.grad(f)(variables["params"]))[0]
+    with nn.intercept_methods(intercept):
+      return ravel_pytree(jax.grad(f)(variables["params"]))[0]
+
+  g = grads(jmem.convert(model, jmem.SBP(keep_ratio=keep_ratio, where=site)))
+  g_ref = grads(model, oracle)
+  return float(jnp.max(jnp.abs(g - g_ref)) / jnp.max(jnp.abs(g_ref)))
+
+
+SBP_MODELS = [  # name, model, site
+    ("StT: per-frame ResNet-8 (BatchNorm) + temporal transformer", tp.ThirdPartyStT,
+     tp.ResNetFrameEncoder),
+    ("ViT over the tokens of every frame (nn.MultiHeadDotProductAttention)",
+     lambda: tp.FrameTokenViT(dim=64, depth=4, heads=4, num_classes=40), tp.ViTBlock),
+]
+
+
+def sbp_memory():
+  rows = []
+  x = jnp.zeros((32, 16, 24, 24, 1))
+  y = jnp.zeros((32,), jnp.int32)
+  small_x = jax.random.normal(jax.random.key(0), (2, 8, 24, 24, 1))
+  small_y = jnp.array([1, 3])
+  for name, make, site in SBP_MODELS:
+    temp0, flops0 = _step_cost(make(), x, y)
+    rows.append(dict(model=name, technique="exact", temp_bytes=temp0, flops=flops0,
+                     temp_ratio=1.0, flops_ratio=1.0, oracle_dev=0.0))
+    for r in (0.5, 0.25, 0.125):
+      temp, flops = _step_cost(jmem.convert(make(), jmem.SBP(keep_ratio=r, where=site)), x, y)
+      dev = _oracle_deviation(make(), site, r, small_x, small_y)
+      rows.append(dict(model=name, technique=f"SBP({r})", where=site.__name__,
+                       temp_bytes=temp, flops=flops, temp_ratio=temp / temp0,
+                       flops_ratio=flops / flops0, oracle_dev=dev))
+      print(f"{name[:40]:40s} SBP({r}) temp {temp / temp0:.3f} flops {flops / flops0:.3f} "
+            f"oracle dev {dev:.1e}", flush=True)
+  return rows
+
+
+def sbp_accuracy(seeds, steps, train_clips=8192, learning_rate=2e-3, pretrain_steps=1000,
+                 test_clips=256):
+  clips = data.moving_digits(16, frame_size=24, digit_size=8, num_train=train_clips,
+                             num_test=test_clips)
+  frames = data.frames_of(clips)
+  t0 = time.perf_counter()
+  pre = train.train(tp.FramePretrainer(num_classes=frames.num_classes), frames,
+                    train.TrainConfig(steps=pretrain_steps, batch_size=128, seed=0,
+                                      progress=False))
+  pretrain_s = time.perf_counter() - t0
+  initial = {"frames": pre.state.params["frames"]}
+  rows = []
+  base = tp.ThirdPartyStT(num_classes=clips.num_classes)
+  for label, model in (("exact", base), ("SBP(0.25) via jmem.convert", jmem.convert(
+      base, jmem.SBP(keep_ratio=0.25, where=tp.ResNetFrameEncoder)))):
+    accs, secs = [], []
+    for seed in seeds:
+      opt = video.spatial_lr_scale(train.default_optimizer(learning_rate, steps), 0.1,
+                                   ("frames",))
+      t0 = time.perf_counter()
+      res = train.train(model, clips, train.TrainConfig(steps=steps, batch_size=32, seed=seed,
+                                                        progress=False),
+                        optimizer=opt, initial_params=initial)
+      secs.append(time.perf_counter() - t0)
+      accs.append(res.test_accuracy)
+      print(f"third-party StT {label} seed {seed}: {100 * accs[-1]:.2f}% ({secs[-1]:.0f} s)",
+            flush=True)
+    rows.append(dict(technique=label, accuracy=sum(accs) / len(accs), accuracy_per_seed=accs,
+                     train_seconds_per_seed=secs))
+  rows[1]["accuracy_minus_exact"] = rows[1]["accuracy"] - rows[0]["accuracy"]
+  meta = dict(seeds=list(seeds), steps=steps, batch_size=32, train_clips=train_clips,
+              test_clips=test_clips, learning_rate=learning_rate, frames_lr_scale=0.1,
+              pretrain=f"ResNetFrameEncoder + linear head on one frame per training clip "
+                       f"(digit labels), {pretrain_steps} steps, batch 128, seed 0; "
+                       f"{pretrain_s:.0f} s; frame test accuracy "
+                       f"{100 * pre.test_accuracy:.2f}%")
+  return dict(meta=meta, rows=rows)
+
+
+def _markdown(small_rows, r50_rows, sbp_rows=(), sbp_acc=None):
   out = ["# jmem.convert on models jmem did not write", "",
          "Written by `benchmarks/any_model.py` (CPU, compile-only memory of the whole train "
          "step: SGD update included). Models: `tests/third_party_models.py`, plain Flax.", ""]
@@ -169,31 +300,64 @@ def _markdown(small_rows, r50_rows):
               f"at L3 (its block hooks, same bits, same run) keeps {own[0]['temp_ratio']:.3f}x. "
               "The converted model's saved bytes are higher (its inline stem - relu, max "
               "pool - is not inside a site and stays float32) but its peak is lower.", ""]
+  if sbp_rows:
+    out += ["## SBP (jmem.SBP), 16 frames of 24x24, batch 32", "",
+            "Temp bytes and FLOPs of the whole compiled step (forward + backward) against the "
+            "same model's exact step. Oracle deviation: max |g - g_oracle| / max |g_oracle| "
+            "on small shapes, the oracle being plain autodiff with the dropped nodes' outputs "
+            "and the BatchNorm statistics under stop_gradient.", "",
+            "| model | technique | where | temp (MiB) | temp ratio | FLOPs ratio | "
+            "oracle dev. |", "|---|---|---|---:|---:|---:|---:|"]
+    for r in sbp_rows:
+      out.append(f"| {r['model']} | {r['technique']} | {r.get('where') or '-'} | "
+                 f"{r['temp_bytes'] / MIB:.1f} | {r['temp_ratio']:.3f} | "
+                 f"{r['flops_ratio']:.3f} | {r['oracle_dev']:.1e} |")
+    out.append("")
+  if sbp_acc:
+    meta, rows = sbp_acc["meta"], sbp_acc["rows"]
+    out += ["## SBP accuracy: the third-party StT from a pretrained per-frame CNN", "",
+            "The setting of `benchmarks/results/sbp_stt_pretrained.md` (jmem's own StT: exact "
+            "97.79%, SBP 0.25 97.14%, -0.65 points over seeds 0, 1, 2) with "
+            "`tests/third_party_models.ThirdPartyStT` (BatchNorm in its frame CNN) converted by "
+            "`jmem.convert`.", ""]
+    out += [f"- {k}: {v}" for k, v in meta.items()]
+    out += ["", "| technique | test accuracy (mean) | per seed | train s / seed |",
+            "|---|---:|---|---:|"]
+    for r in rows:
+      out.append(f"| {r['technique']} | {100 * r['accuracy']:.2f}% | "
+                 f"{', '.join(f'{100 * a:.2f}' for a in r['accuracy_per_seed'])} | "
+                 f"{sum(r['train_seconds_per_seed']) / len(r['train_seconds_per_seed']):.0f} |")
+    out += ["", f"SBP minus exact: {100 * rows[1]['accuracy_minus_exact']:+.2f} points.", ""]
   return "\n".join(out)
 
 
 def main():
   p = parser(__doc__)
-  p.add_argument("--parts", default="small,resnet50")
+  p.set_defaults(seeds=(0,), steps=600)
+  p.add_argument("--parts", default="small,resnet50,sbp")
   p.add_argument("--markdown-only", action="store_true",
                  help="rewrite any_model.md from any_model.json without measuring")
   args = p.parse_args()
-  if args.markdown_only:
-    with open(os.path.join(RESULTS, "any_model.json")) as f:
+  path = os.path.join(RESULTS, "any_model.json")
+  saved = {}
+  if os.path.exists(path):
+    with open(path) as f:
       saved = json.load(f)
-    with open(os.path.join(RESULTS, "any_model.md"), "w") as f:
-      f.write(_markdown(saved["small"], saved["resnet50"]))
-    return
-  parts = args.parts.split(",")
-  small_rows = small() if "small" in parts else []
-  r50_rows = resnet50() if "resnet50" in parts else []
-  os.makedirs(RESULTS, exist_ok=True)
-  with open(os.path.join(RESULTS, "any_model.json"), "w") as f:
-    json.dump(dict(small=small_rows, resnet50=r50_rows, jax=jax.__version__,
-                   backend=jax.default_backend()), f, indent=1)
+  if not args.markdown_only:
+    parts = args.parts.split(",")
+    for part, run in (("small", small), ("resnet50", resnet50), ("sbp", sbp_memory),
+                      ("sbp-accuracy", lambda: sbp_accuracy(args.seeds, args.steps))):
+      if part in parts:
+        saved[part.replace("-", "_")] = run()
+    saved.update(jax=jax.__version__, backend=jax.default_backend())
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(saved, f, indent=1)
+  md = _markdown(saved.get("small", []), saved.get("resnet50", []), saved.get("sbp", []),
+                 saved.get("sbp_accuracy"))
   with open(os.path.join(RESULTS, "any_model.md"), "w") as f:
-    f.write(_markdown(small_rows, r50_rows))
-  print(_markdown(small_rows, r50_rows))
+    f.write(md)
+  print(md)
 
 
 if __name__ == "__main__":

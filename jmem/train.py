@@ -64,8 +64,9 @@ def _from_linen(module: nn.Module) -> ModelFns:
 
   def apply(params, model_state, x, *, train, rng=None):
     variables = {"params": params, **model_state}
-    # "actnn": the stochastic-rounding stream of jmem.convert's ActNN sites.
-    rngs = {"dropout": rng, "actnn": jax.random.fold_in(rng, 0x61)} if rng is not None else {}
+    # "actnn" / "sbp": the streams of jmem.convert's ActNN and SBP sites.
+    rngs = ({"dropout": rng, "actnn": jax.random.fold_in(rng, 0x61),
+             "sbp": jax.random.fold_in(rng, 0x73)} if rng is not None else {})
     if train and model_state:
       logits, new_state = module.apply(variables, x, train=True, rngs=rngs,
                                        mutable=list(model_state))
@@ -102,7 +103,8 @@ def _from_nnx(model: nnx.Module) -> ModelFns:
     if rng is None:
       logits = m(x)
     else:
-      with context.rngs(actnn=jax.random.fold_in(rng, 0x61)):   # jmem.convert's ActNN sites
+      with context.rngs(actnn=jax.random.fold_in(rng, 0x61),    # jmem.convert's sites
+                        sbp=jax.random.fold_in(rng, 0x73)):
         logits = m(x)
     _, _, new_state = nnx.split(m, nnx.Param, ...)
     return logits, new_state

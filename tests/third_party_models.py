@@ -269,3 +269,58 @@ class NNXFrameTokenViT(NNXViT):
     for block in self.blocks:
       x = block(x)
     return self.head(self.norm(x).mean(axis=1))
+
+
+class ResNetFrameEncoder(nn.Module):
+  """A per-frame ResNet-8 as a user would write it: BatchNorm in training mode, frames folded
+  into the batch inline, a flattened last map (where the digit is matters for motion)."""
+
+  features: int = 64
+  widths: Sequence[int] = (16, 32, 64)
+
+  @nn.compact
+  def __call__(self, clips, train: bool = True):
+    b, t = clips.shape[:2]
+    x = clips.reshape((b * t,) + clips.shape[2:])
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train)
+    x = nn.relu(norm()(nn.Conv(self.widths[0], (3, 3), use_bias=False)(x)))
+    for i, w in enumerate(self.widths):
+      s = 1 if i == 0 else 2
+      y = nn.relu(norm()(nn.Conv(w, (3, 3), strides=(s, s), use_bias=False)(x)))
+      y = norm()(nn.Conv(w, (3, 3), use_bias=False)(y))
+      if s != 1 or x.shape[-1] != w:
+        x = norm()(nn.Conv(w, (1, 1), strides=(s, s), use_bias=False)(x))
+      x = nn.relu(x + y)
+    return nn.Dense(self.features)(x.reshape(b * t, -1)).reshape(b, t, -1)
+
+
+class ThirdPartyStT(nn.Module):
+  """Spatial-then-temporal video model: `ResNetFrameEncoder` on every frame, then a small
+  transformer over the frame features (time embedding, `ViTBlock`s), read out per frame."""
+
+  num_classes: int = 40
+  features: int = 64
+  depth: int = 2
+  heads: int = 4
+
+  @nn.compact
+  def __call__(self, clips, train: bool = True):
+    f = ResNetFrameEncoder(self.features, name="frames")(clips, train)
+    f = f + self.param("time_embed", nn.initializers.normal(0.02), f.shape[1:])
+    for i in range(self.depth):
+      f = ViTBlock(self.features, self.heads, name=f"temporal{i}")(f)
+    f = nn.LayerNorm()(f.reshape(f.shape[0], -1))
+    return nn.Dense(self.num_classes)(f)
+
+
+class FramePretrainer(nn.Module):
+  """`ResNetFrameEncoder` (same name, ``frames``) with a linear head on single frames: the
+  per-frame pretraining of `ThirdPartyStT`."""
+
+  num_classes: int = 10
+  features: int = 64
+
+  @nn.compact
+  def __call__(self, frames, train: bool = True):
+    f = ResNetFrameEncoder(self.features, name="frames")(frames[:, None], train)
+    return nn.Dense(self.num_classes)(nn.relu(f[:, 0]))

@@ -5,6 +5,7 @@
   model = jmem.convert(model, jmem.ActNN("L3"))                    # any linen or NNX model
   model = jmem.convert(model, jmem.SyncBN(axis_name="batch"), jmem.Remat())
   model = jmem.convert(model, jmem.InPlaceABN(where=r"features/.*"))
+  model = jmem.convert(model, jmem.SBP(keep_ratio=0.25, axis=1, where=FrameEncoder))
 
 **Sites are module calls.** A technique applies to the calls of the modules its ``where=``
 selects (module classes and/or regular expressions over "/"-joined module paths; see
@@ -36,12 +37,17 @@ BatchNorm technique meeting a BatchNorm-like module it does not recognise (a sub
 its own ``__call__``, a look-alike with ``batch_stats`` mean/var) unless ``where=`` names it,
 and InPlace-ABN on a BatchNorm whose activation it cannot see or is not invertible.
 
+**SBP.** `SBP` sites (``where=`` required) run their forward on every node and their
+backward on the kept ones (`jmem.ops.sbp.sites`); BatchNorm in training mode inside a site
+uses its all-node statistics, held constant in the backward; a recognised attention over
+the nodes makes the backward re-run the kept queries against every key and value.
+
 **Masks.** `batch_mask` passes a validity mask to every converted BatchNorm site of a model
 whose own calls pass none.
 
 **Randomness.** ActNN's stochastic rounding takes its key from the Flax RNG stream
-``"actnn"`` (linen ``apply(..., rngs={"actnn": key})``) or from `rngs` (both APIs); without
-one, from the data, with a one-time warning.
+``"actnn"``, SBP's kept nodes from ``"sbp"`` (linen ``apply(..., rngs={"actnn": key})``) or
+from `rngs` (both APIs); without one, from the data, with a one-time warning.
 """
 
 from __future__ import annotations

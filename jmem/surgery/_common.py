@@ -177,8 +177,10 @@ def compress_transform(bits: int, level, key, implementation):
 def sbp_transform(technique, key, path: str):
   """``pure -> g`` with SBP over the nodes of the site's first array argument."""
   def transform(pure):
+    # Without a key: warned about only where the site is differentiated (not in eval).
     g = sbp_sites.sbp_site(pure, keep_ratio=technique.keep_ratio, axis=technique.axis,
-                           sampler=technique.sampler, mode=technique.mode, where=path)
+                           sampler=technique.sampler, mode=technique.mode, where=path,
+                           on_backward=no_sbp_key_warning if key is None else None)
 
     def run(state, rngs, x, *rest):
       k = key if key is not None else data_key((x,))
@@ -229,11 +231,8 @@ def sbp_attention(tape, path: str, dropout_on: bool, call, args, kwargs):
 
 
 def sbp_key(path: str, args):
-  """The keep key of an SBP site from `rngs` (None, with a warning, without one)."""
-  key = context_key("sbp", path, args)
-  if key is None:
-    no_sbp_key_warning()
-  return key
+  """The keep key of an SBP site from `rngs` (None without one)."""
+  return context_key("sbp", path, args)
 
 
 _KIND_NAMES = {"remat": "recomputation", "sbp": "SBP", "block": "compression",

@@ -139,7 +139,8 @@ def _run(pure, tape: Tape, state, rngs, x, rest):
 
 
 def sbp_site(pure: Callable, *, keep_ratio: float, axis: int, sampler: Any = "uniform_chunk",
-             mode: str | None = None, where: str = "") -> Callable:
+             mode: str | None = None, where: str = "",
+             on_backward: Callable[[], None] | None = None) -> Callable:
   """``pure(state, rngs, x, *rest) -> (y, new_state)`` with SBP over the nodes of ``x``.
 
   Args:
@@ -150,6 +151,7 @@ def sbp_site(pure: Callable, *, keep_ratio: float, axis: int, sampler: Any = "un
     mode: ``"nodes"``, ``"rows"`` or None (``"rows"`` if a recognised attention layer
       attends over the nodes, else ``"nodes"``); module docstring.
     where: the site's module path, for error messages.
+    on_backward: called when the site is differentiated (traced for a backward pass).
 
   Returns:
     ``g(state, rngs, x, *rest, key) -> (y, new_state)``: the forward equals ``pure``'s.
@@ -163,12 +165,12 @@ def sbp_site(pure: Callable, *, keep_ratio: float, axis: int, sampler: Any = "un
     ax = _check_axis(axis, x.ndim)
     idx = jax.lax.stop_gradient(
         sample_indices(key, x, keep_ratio=keep_ratio, axis=ax, sampler=sampler_fn))
-    return _site_call(pure, ax, mode, where)(state, rngs, x, tuple(rest), idx)
+    return _site_call(pure, ax, mode, where, on_backward)(state, rngs, x, tuple(rest), idx)
 
   return g
 
 
-def _site_call(pure, axis, mode, where):
+def _site_call(pure, axis, mode, where, on_backward):
   decided = {}        # what fwd found, for bwd (Python values are no residuals)
 
   def record(state, rngs, x, rest):
@@ -181,6 +183,8 @@ def _site_call(pure, axis, mode, where):
     return record(state, rngs, x, rest)[0]
 
   def fwd(state, rngs, x, rest, idx):
+    if on_backward is not None:
+      on_backward()
     out, tape = record(state, rngs, x, rest)
     chosen = mode or ("rows" if tape.mixing else "nodes")
     if chosen == "nodes" and tape.mixing:
