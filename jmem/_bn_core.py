@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jmem._axes import AxisName, check_axis_name, varying_axes  # pylint: disable=unused-import
+from jmem._axes import AxisName, barrier, check_axis_name, varying_axes  # pylint: disable=unused-import
 from jmem._axes import axes_tuple as _axes_tuple
 
 
@@ -343,7 +343,7 @@ def tie_to_cotangent(residuals, cotangent):
   barrier, 84 MiB with it (plain BN + activation: 124 MiB). The barrier over both pins the
   work after the cotangent exists. Needs `jmem.jit` on CPU (whose default pipeline strips barriers).
   """
-  return lax.optimization_barrier((residuals, cotangent))
+  return barrier((residuals, cotangent))
 
 
 def bn_backward(dy, xhat, mask, gamma_invstd, count, *, axis_name, axis_index_groups,

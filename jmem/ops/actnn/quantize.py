@@ -47,6 +47,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jmem._axes import barrier
 from jmem._context import data_key
 from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16  # pylint: disable=unused-import
 from jmem._technique import IMPLEMENTATIONS  # pylint: disable=unused-import
@@ -388,7 +389,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       # The output is released only once the residuals are compressed, so the next layer
       # cannot run while this one's float residuals are still alive.
       packed = [v for p, v in zip(plan, saved) if p[0] in ("quant", "bool")]
-      y, packed = jax.lax.optimization_barrier((y, packed))
+      y, packed = barrier((y, packed))
       it = iter(packed)
       saved = [next(it) if p[0] in ("quant", "bool") else v for p, v in zip(plan, saved)]
       if offload:
@@ -399,7 +400,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
     def bwd(saved, ct):
       # Pin the decompression after the cotangent exists: otherwise XLA hoists it into the
       # forward pass and the float copies live until the backward (no saving at all).
-      saved, ct = jax.lax.optimization_barrier((saved, ct))
+      saved, ct = barrier((saved, ct))
       if offload:
         saved = [_to_space(v, jax.memory.Space.Device) if p[0] in ("quant", "bool") else v
                  for p, v in zip(layout["plan"], saved)]
@@ -416,6 +417,8 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
         else:
           leaves.append(s)
       vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
+      # Under shard_map, cotangents carry the mesh axes they vary over: as the saved linear
+      # function expects them in, and as the primal inputs were out.
       return tuple(vjp_fn(ct)), None
 
     call.defvjp(fwd, bwd)
