@@ -445,6 +445,24 @@ def _quiet_local_statistics():
     yield
 
 
+def output_dtype(dtype, x, scale, bias):
+  """The dtype of a Flax BatchNorm's output: its ``dtype``, else that of the input promoted
+  with the scale and bias (a bfloat16 input with float32 parameters gives float32)."""
+  if dtype is not None:
+    return dtype
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x.dtype                            # refused by normalize_with_state
+  return jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
+
+
+def promote_input(x, out_dtype):
+  """``x`` in the wider of its dtype and the output's, as Flax normalises: a bfloat16 input
+  with a float32 output is normalised in float32, not rounded to bfloat16 first."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x                                  # refused by normalize_with_state
+  return x.astype(jnp.promote_types(x.dtype, out_dtype))
+
+
 def linen_norm_call(module, x, use_running_average, mask, *, train_fn, eval_fn, use_scale,
                     use_bias, unbiased_running_var=False):
   """Body of a linen BatchNorm-like ``__call__`` (variables named as flax.linen.BatchNorm).
@@ -460,13 +478,13 @@ def linen_norm_call(module, x, use_running_average, mask, *, train_fn, eval_fn, 
   scale = (module.param("scale", module.scale_init, (c,), module.param_dtype)
            if use_scale else None)
   bias = module.param("bias", module.bias_init, (c,), module.param_dtype) if use_bias else None
+  out_dtype = output_dtype(module.dtype, x, scale, bias)
   with _quiet_local_statistics() if module.is_initializing() else contextlib.nullcontext():
     y, new_mean, new_var = normalize_with_state(
-        x, axis=module.axis, scale=scale, bias=bias, running_mean=ra_mean.value,
+        promote_input(x, out_dtype), axis=module.axis, scale=scale, bias=bias, running_mean=ra_mean.value,
         running_var=ra_var.value, use_running_average=use_ra, mask=mask, train_fn=train_fn,
         eval_fn=eval_fn, momentum=module.momentum, unbiased_running_var=unbiased_running_var,
         op=type(module).__name__)
   if not use_ra and not module.is_initializing():
     ra_mean.value, ra_var.value = new_mean, new_var
-  dtype = module.dtype or x.dtype
-  return y.astype(dtype)
+  return y.astype(out_dtype)

@@ -70,6 +70,8 @@ def assert_same(got, want, tol=1e-5):
 LINEN_CASES = [
     ("resnet", tp.ThirdPartyResNet, jmem.Remat()),
     ("resnet", tp.ThirdPartyResNet, jmem.SyncBN()),
+    # A path regex filters the BatchNorms among the modules it matches (Conv_0 is left).
+    ("resnet", tp.ThirdPartyResNet, jmem.SyncBN(where=r"BottleneckBlock_0/.*")),
     ("resnet", tp.ThirdPartyResNet, jmem.ActNN("L0")),
     ("functional", tp.FunctionalCNN, jmem.Remat()),
     ("functional", tp.FunctionalCNN, jmem.SyncBN()),

@@ -17,8 +17,9 @@ __all__ = ["Remat", "BENCH_TECHNIQUES"]
 class Remat(Technique):
   """Recompute each site's forward pass in the backward (``jax.checkpoint``), exactly.
 
-  Default sites: the direct children of the top module (its blocks, stem layers), except a
-  final ``nn.Dense`` / ``nnx.Linear`` head. ``policy``: a ``jax.checkpoint_policies`` entry
+  Default sites: the direct children of the top module (its blocks, stem layers), except
+  its ``nn.Dense`` / ``nnx.Linear`` layers (a head, an embedding: one matmul, little to
+  save; name them in ``where=`` to include them). ``policy``: a ``jax.checkpoint_policies`` entry
   (None: save nothing inside a site). Works under ``jit`` and under ``shard_map``.
   """
 

@@ -90,7 +90,7 @@ class _Trace:
               "does not match it.")
       elif t.matches_user(mod, path) and (
           status is not None or all(hasattr(mod, f) for f in c.LINEN_BN_FIELDS) or
-          t.names(type(mod), path)):
+          type(mod) in t.where_items):
         # where= filters BatchNorm-like modules (the others it matches are not its business)
         if status != "bn" and not t.names(type(mod), path):
           raise ValueError(
@@ -179,6 +179,15 @@ class _Trace:
           f"jmem.batch_mask is active but the BatchNorm-like module at {path or '<top>'!r} is "
           "not a jmem site, so it would ignore the mask: include it in a jmem.SyncBN() "
           "(axis_name=None for local statistics) or jmem.InPlaceABN() where=.")
+    named = [t for _, t in self._bn_techniques() if t.where is not None and
+             t.matches_user(mod, path)]
+    if named:
+      raise ValueError(
+          f"{type(named[0]).__name__}: where= matches {c.describe(mod)} at {path or '<top>'!r}, "
+          "which keeps BatchNorm statistics (batch_stats mean/var) but lacks "
+          f"flax.linen.BatchNorm's fields {[f for f in c.LINEN_BN_FIELDS if not hasattr(mod, f)]}"
+          ", so jmem cannot replace its call; give it BatchNorm's fields or replace it by "
+          "nn.BatchNorm.")
     defaults = [t for _, t in self._bn_techniques() if t.where is None]
     if defaults:
       raise ValueError(

@@ -88,9 +88,10 @@ def _normalize(self, x, use_ra, mask, train_fn, eval_fn, unbiased, path):
   train_fn = sbp_sites.taped_train_fn(train_fn, eval_fn)
   scale = None if self.scale is None else self.scale[...]
   bias = None if self.bias is None else self.bias[...]
+  out_dtype = sync_bn.output_dtype(getattr(self, "dtype", None), x, scale, bias)
   try:
     y, mean, var = sync_bn.normalize_with_state(
-        x, axis=self.axis, scale=scale, bias=bias, running_mean=self.mean[...],
+        sync_bn.promote_input(x, out_dtype), axis=self.axis, scale=scale, bias=bias, running_mean=self.mean[...],
         running_var=self.var[...], use_running_average=use_ra, mask=mask, train_fn=train_fn,
         eval_fn=eval_fn, momentum=self.momentum, unbiased_running_var=unbiased,
         op=type(self).__name__)
@@ -98,7 +99,7 @@ def _normalize(self, x, use_ra, mask, train_fn, eval_fn, unbiased, path):
     raise c.unbound_axis_error(e, path) from None
   if not use_ra:
     self.mean[...], self.var[...] = mean, var
-  return y.astype(getattr(self, "dtype", None) or x.dtype)
+  return y.astype(out_dtype)
 
 
 def _identity(x):

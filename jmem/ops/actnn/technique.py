@@ -26,7 +26,8 @@ class ActNN(Technique):
   `jmem.ops.actnn.Level` (e.g. from `jmem.ops.actnn.calibrate`). L1/L2 sites default to
   every convolution (and, at L2, BatchNorm-like module); L3-L5 sites (whole blocks: every
   floating residual inside is compressed) default to the direct children of the top module
-  except a final ``nn.Dense`` / ``nnx.Linear`` head, as `Remat`'s. L0 changes nothing.
+  except its ``nn.Dense`` / ``nnx.Linear`` layers (a head, an embedding: one matmul, little
+  to save; name them in ``where=`` to include them), as `Remat`'s. L0 changes nothing.
   Per-site bits of a calibrated level are keyed by the site's path. The rounding key comes
   from the RNG stream ``"actnn"`` (``apply(..., rngs={"actnn": key})`` in linen,
   `jmem.surgery.rngs` in both APIs); without it, from the data, with a one-time warning.

@@ -69,6 +69,8 @@ from jmem._bn_core import (  # pylint: disable=unused-import
     normalize_with_state,
     _bn_eval_fn,
     linen_norm_call,
+    output_dtype,
+    promote_input,
 )
 
 __all__ = [
