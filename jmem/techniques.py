@@ -17,6 +17,7 @@ from jmem.ops.actnn import technique as actnn_technique
 from jmem.ops.inplace_abn import technique as inplace_abn_technique
 from jmem.ops.sbp import technique as sbp_technique
 from jmem.parallel.spatial import technique as spatial_technique
+from jmem.parallel.sync_bn import technique as sync_bn_technique
 
 __all__ = ["register_technique", "get_technique", "technique_names", "technique",
            "convert_technique_names"]
@@ -81,6 +82,6 @@ def technique(name: str, **overrides) -> Technique | None:
 register_technique(BenchTechnique("exact", lambda m: m, "plain backprop (the baseline)",
                                   convert=lambda implementation: None))
 for _module in (remat, spatial_technique, actnn_technique, sbp_technique,
-                inplace_abn_technique):
+                inplace_abn_technique, sync_bn_technique):
   for _record in _module.BENCH_TECHNIQUES:
     register_technique(_record)

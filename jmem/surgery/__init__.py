@@ -100,7 +100,7 @@ def convert(model, *techniques: Technique | None):
       t = technique(t)
     if t is None:
       continue
-    if not isinstance(t, Technique):
+    if not isinstance(t, (Remat, ActNN, SyncBN, InPlaceABN, SBP)):
       raise TypeError(f"jmem.convert takes technique objects (jmem.Remat(), jmem.ActNN('L3'), "
                       f"jmem.SyncBN(...), jmem.InPlaceABN(...), jmem.SBP(...)) or bench names, "
                       f"got {t!r}.")

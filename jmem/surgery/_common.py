@@ -99,7 +99,8 @@ def _relu_fns():
 
 def activation_of(fn) -> tuple[str, dict] | None:
   """``("leaky_relu", {"slope": s})``, ``("elu", {"alpha": a})``, ``("other", {"name": n})``
-  for a known non-invertible activation function, or None for anything else."""
+  for any other plain function (an activation InPlace-ABN does not support), or None for
+  anything else (a module)."""
   base, args, kwargs = fn, (), {}
   if isinstance(fn, functools.partial):
     base, args, kwargs = fn.func, fn.args, dict(fn.keywords)
@@ -111,9 +112,11 @@ def activation_of(fn) -> tuple[str, dict] | None:
       alpha = args[0] if args else kwargs.get("alpha", 1.0)
       return "elu", {"alpha": float(alpha)}
     if base in _relu_fns():
-      return "other", {"name": getattr(base, "__name__", repr(base))}
+      return "other", {"name": getattr(base, "__name__", repr(base)), "known": True}
   except TypeError:   # unhashable callables
     return None
+  if callable(base) and not isinstance(base, (nn.Module, nnx.Module)):
+    return "other", {"name": getattr(base, "__name__", repr(base))}
   return None
 
 
@@ -138,9 +141,10 @@ def abn_config(technique, pair: tuple[str, dict] | None, path: str, epsilon: flo
           "BatchNorm alone.")
   elif pair[0] == "other":
     raise ValueError(
-        f"InPlaceABN: the BatchNorm at {where!r} is followed by {pair[1]['name']}, which is not "
-        "invertible, so its input cannot be recovered from its output. InPlace-ABN needs "
-        "leaky_relu (slope > 0) or elu: change the model's activation there, or leave this "
+        f"InPlaceABN: the BatchNorm at {where!r} is followed by {pair[1]['name']}, which "
+        f"{'is not invertible' if pair[1].get('known') else 'InPlace-ABN does not support'}"
+        "; InPlace-ABN recovers the activation's input from its output, so it needs "
+        "leaky_relu (slope > 0) or elu. Change the model's activation there, or leave this "
         "BatchNorm out with where=.")
   else:
     act, opts = pair
@@ -241,9 +245,13 @@ _KIND_NAMES = {"remat": "recomputation", "sbp": "SBP", "block": "compression",
 
 def stacking_note(kind: str, other: str) -> str:
   """What stacking two block techniques on one site (or nesting them) amounts to."""
-  if "sbp" not in (kind, other):
+  if "remat" not in (kind, other) and "sbp" not in (kind, other):
+    return "Compressing one site by two ActNN techniques"
+  if "sbp" not in (kind, other) and kind != other:
     return ("Stacking recomputation and compression on one site (recompute from a compressed "
             "input)")
+  if kind == other:
+    return f"Applying {_KIND_NAMES[kind]} twice to one site"
   return (f"Stacking {_KIND_NAMES[kind]} and {_KIND_NAMES[other]} on one site, or one inside "
           "the other,")
 

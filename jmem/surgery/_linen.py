@@ -154,7 +154,9 @@ class _Trace:
     path = _path(mod, self.root)
     if id(mod) not in self.in_site:
       site = self.block_site(mod, path)
-      if site is not None and not self._nested(site, path):
+      if site is not None and self._nested(site, path):
+        self._hit(site[0], path, record=False)   # covered by the enclosing site (as NNX)
+      elif site is not None:
         if not mod.is_initializing():
           return self._call_block(mod, path, site, args, kwargs)
         self._hit(site[0], path, record=False)   # init: the forward pass, nothing to save
@@ -421,5 +423,7 @@ def convert_linen(model: nn.Module, techniques: tuple) -> nn.Module:
     return Converted(model.model, model.techniques + techniques)
   if model.scope is not None:
     raise ValueError("jmem.convert takes an unbound linen module (the one whose init/apply you "
-                     "call), not one bound to variables.")
+                     "call), not one bound to a parent or to variables. To convert a submodule, "
+                     "convert the top model and select the submodule with where= (its class or "
+                     "path).")
   return Converted(model, techniques)

@@ -110,7 +110,8 @@ def _identity(x):
 def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
   nodes = list(nnx.iter_graph(model))
   done = [("/".join(str(k) for k in p) or "<top>") for p, n in nodes
-          if any("_jmem_site" in k.__dict__ for k in type(n).__mro__)]
+          if any(k.__dict__.get("_jmem_site", ("guard",))[0] in ("bn", "block")
+                 for k in type(n).__mro__)]
   if done:
     raise ValueError(
         f"This NNX model was already converted (sites at {', '.join(done[:6])}). Convert it once "

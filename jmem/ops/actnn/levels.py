@@ -242,8 +242,10 @@ def _wrap_sites(model, lv, wrap) -> dict[str, Any]:
 
 def _need(model, field, lv):
   if not hasattr(model, field):
-    raise ValueError(f"Level {lv.name} needs a model with a {field!r} field (such as "
-                     f"jmem.models.ResNet); {type(model).__name__} has none.")
+    raise ValueError(f"jmem.ops.actnn.convert at level {lv.name} needs one of jmem's models "
+                     f"(a {field!r} field, as jmem.models.ResNet has); "
+                     f"{type(model).__name__} has none. For any other Flax model use "
+                     f"jmem.convert(model, jmem.ActNN({lv.name!r})).")
 
 
 # ------------------------------------------------------------------ per-layer bit allocation

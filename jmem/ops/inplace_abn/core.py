@@ -274,6 +274,12 @@ def _abn_fns(cfg: ABNConfig, implementation: str):
   return train_fn, eval_fn
 
 
+def _check_affine(use_scale, use_bias, name):
+  if not (use_scale and use_bias):
+    raise ValueError(f"{name} needs use_scale=True and use_bias=True: InPlace-ABN inverts its "
+                     "affine step to recompute the normalised input from the output.")
+
+
 class InPlaceABN(nn.Module):
   """BatchNorm followed by its activation, saving only the output (Flax linen).
 
@@ -307,6 +313,10 @@ class InPlaceABN(nn.Module):
       batches, else XLA; see `inplace_abn`).
     unbiased_running_var: store the unbiased (PyTorch) running variance instead of the
       biased (Flax) one.
+    use_scale, use_bias: must stay True (InPlace-ABN inverts its affine step); accepted so
+      that the module takes ``flax.linen.BatchNorm``'s arguments.
+    use_fast_variance, force_float32_reductions: accepted for the same reason; the
+      statistics are always the exact two-pass form in float32.
   """
 
   use_running_average: bool | None = None
@@ -324,9 +334,14 @@ class InPlaceABN(nn.Module):
   axis_index_groups: Any = None
   implementation: str | None = None
   unbiased_running_var: bool = False
+  use_scale: bool = True
+  use_bias: bool = True
+  use_fast_variance: bool = True
+  force_float32_reductions: bool = True
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
+    _check_affine(self.use_scale, self.use_bias, type(self).__name__)
     axis_name = None if self.is_initializing() else self.axis_name   # as flax's BatchNorm
     cfg = _config(self.activation, self.slope, self.alpha, self.epsilon, axis_name,
                   self.axis_index_groups)
@@ -354,7 +369,9 @@ class InPlaceABNSync(InPlaceABN):
 class NNXInPlaceABN(nnx.Module):
   """`InPlaceABN` for Flax NNX (variables named as flax.nnx.BatchNorm's).
 
-  Same arguments and conventions as `InPlaceABN`: effective scale ``|scale| + epsilon``;
+  Same arguments and conventions as `InPlaceABN`, and ``nnx.BatchNorm``'s (``scale_init``,
+  ``bias_init`` with ``rngs``; ``use_scale``/``use_bias`` must stay True;
+  ``use_fast_variance``, ``promote_dtype`` accepted): effective scale ``|scale| + epsilon``;
   ``momentum`` is Flax's decay (PyTorch's 0.1 is 0.9 here); the running variance is biased
   (Flax's) unless ``unbiased_running_var=True`` (PyTorch's ``var * N / (N - 1)``).
   """
@@ -363,13 +380,21 @@ class NNXInPlaceABN(nnx.Module):
                momentum: float = 0.99, epsilon: float = 1e-5, activation: str = "leaky_relu",
                slope: float = 0.01, alpha: float = 1.0, dtype=None, param_dtype=jnp.float32,
                axis_name=None, axis_index_groups=None, implementation: str | None = None,
-               unbiased_running_var: bool = False, rngs: nnx.Rngs | None = None):
-    del rngs  # deterministic initialisation: scale 1, bias 0
+               unbiased_running_var: bool = False, use_scale: bool = True,
+               use_bias: bool = True, scale_init=nnx.initializers.ones,
+               bias_init=nnx.initializers.zeros, use_fast_variance: bool = True,
+               promote_dtype=None, scale_metadata=None, bias_metadata=None,
+               rngs: nnx.Rngs | None = None):
+    del use_fast_variance, promote_dtype          # exact float32 statistics, always
+    _check_affine(use_scale, use_bias, type(self).__name__)
     self.cfg = _config(activation, slope, alpha, epsilon, axis_name, axis_index_groups)
     self.mean = nnx.BatchStat(jnp.zeros((num_features,), jnp.float32))
     self.var = nnx.BatchStat(jnp.ones((num_features,), jnp.float32))
-    self.scale = nnx.Param(jnp.ones((num_features,), param_dtype))
-    self.bias = nnx.Param(jnp.zeros((num_features,), param_dtype))
+    key = rngs.params() if rngs is not None else jax.random.key(0)
+    self.scale = nnx.Param(scale_init(key, (num_features,), param_dtype),
+                           **dict(scale_metadata or {}))
+    self.bias = nnx.Param(bias_init(key, (num_features,), param_dtype),
+                          **dict(bias_metadata or {}))
     self.use_running_average = use_running_average
     self.axis, self.momentum, self.dtype = axis, momentum, dtype
     self.implementation = implementation
@@ -378,11 +403,13 @@ class NNXInPlaceABN(nnx.Module):
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     use_ra = self.use_running_average if use_running_average is None else use_running_average
     train_fn, eval_fn = _abn_fns(self.cfg, self.implementation)
+    out_dtype = bn_core.output_dtype(self.dtype, x, self.scale[...], self.bias[...])
     y, mean, var = bn_core.normalize_with_state(
-        x, axis=self.axis, scale=self.scale[...], bias=self.bias[...], running_mean=self.mean[...],
+        bn_core.promote_input(x, out_dtype), axis=self.axis, scale=self.scale[...],
+        bias=self.bias[...], running_mean=self.mean[...],
         running_var=self.var[...], use_running_average=use_ra, mask=mask, train_fn=train_fn,
         eval_fn=eval_fn, momentum=self.momentum, unbiased_running_var=self.unbiased_running_var,
         op=type(self).__name__)
     if not use_ra:
       self.mean[...], self.var[...] = mean, var
-    return y.astype(self.dtype or x.dtype)
+    return y.astype(out_dtype)

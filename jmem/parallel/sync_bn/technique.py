@@ -1,14 +1,18 @@
-"""SyncBN as a technique: the `jmem.convert` object (`SyncBN`). The bench has no SyncBN
-row: on one device it is BatchNorm."""
+"""SyncBN as a technique: the `jmem.convert` object (`SyncBN`) and the ``jmem bench`` name
+``sync-bn`` (on one device: jmem's exact BatchNorm statistics in place of Flax's, the cost
+of the same computation that synchronises them across devices)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from jmem._technique import Technique
+import flax.linen as nn
 
-__all__ = ["SyncBN"]
+from jmem._technique import BenchTechnique, Technique
+from jmem.parallel.sync_bn import core
+
+__all__ = ["SyncBN", "BENCH_TECHNIQUES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,3 +31,20 @@ class SyncBN(Technique):
   axis_name: Any = None
   axis_index_groups: Any = None
   unbiased_running_var: bool = False
+
+
+def _apply(model):
+  """jmem's own models: their ``norm`` (flax.linen.BatchNorm) becomes `SyncBatchNorm`."""
+  if getattr(model, "norm", None) is not nn.BatchNorm:
+    raise ValueError(f"Technique 'sync-bn' needs a model whose norm field is "
+                     f"flax.linen.BatchNorm (jmem's ResNets; any other model: "
+                     f"jmem.convert(model, jmem.SyncBN())); {type(model).__name__} has "
+                     f"{getattr(model, 'norm', None)!r}.")
+  return model.clone(norm=core.SyncBatchNorm)
+
+
+BENCH_TECHNIQUES = (
+    BenchTechnique("sync-bn", _apply,
+                   "SyncBN's exact statistics core in place of Flax's BatchNorm (one device)",
+                   convert=lambda implementation: SyncBN()),
+)
