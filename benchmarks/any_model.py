@@ -25,6 +25,12 @@ vs ``jmem.convert(model, jmem.SBP(keep_ratio=0.25, where=ResNetFrameEncoder))`` 
 weights, seeds and steps (the frame CNN at 0.1x the learning rate). ``--seeds`` and
 ``--steps`` as given (default here: seed 0, 600 steps).
 
+(5) spatial: jmem.Spatial on a 2 x 4 mesh of simulated CPU devices (H x W): ConvNeXt-T
+(jmem's, 224x224, batch 8) and the third-party CNN with a global mean (128x128, batch 8),
+the whole step under plain jit with the input sharded over H and W: collective-permutes,
+all-reduces and temp bytes against XLA's own partitioning of the unconverted model, and the
+loss/gradient deviation from one device (ConvNeXt-T at 64x64, batch 2).
+
 Parts not run keep their rows from the last any_model.json.
 """
 
@@ -32,6 +38,11 @@ import json
 import os
 import sys
 import time
+
+# The spatial part needs 8 devices: simulated on CPU, set before jax starts.
+if "host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
 
 import flax.linen as nn
 import jax
@@ -265,7 +276,63 @@ def sbp_accuracy(seeds, steps, train_clips=8192, learning_rate=2e-3, pretrain_st
   return dict(meta=meta, rows=rows)
 
 
-def _markdown(small_rows, r50_rows, sbp_rows=(), sbp_acc=None):
+def _spatial_step(model, y, x, **kw):
+  variables = jax.eval_shape(lambda: model.init(jax.random.key(1), x))
+  state = [k for k in variables if k != "params"]
+
+  def loss(params, rest, x):
+    out = model.apply({"params": params, **rest}, x, mutable=state, **kw)[0]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
+  return jax.jit(jax.value_and_grad(loss)), variables
+
+
+def spatial():
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((2, 4), ("h", "w"), axis_types=(AxisType.Auto,) * 2)
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P(None, "h", "w", None)))
+  rows = []
+  cases = [("ConvNeXt-T (jmem's)", lambda: models.convnext("convnext-t", 1000), 224,
+            dict(train=True, rngs={"dropout": jax.random.key(2)})),
+           ("third-party CNN (BatchNorm, functional activations, global mean)",
+            tp.FunctionalCNN, 128, {})]
+  for name, make, size, kw in cases:
+    x = jax.ShapeDtypeStruct((8, size, size, 3), jnp.float32,
+                             sharding=NamedSharding(mesh, P(None, "h", "w", None)))
+    y = jnp.zeros((8,), jnp.int32)
+    for label, model in (("XLA partitioning (unconverted, input sharded)", make()),
+                         ("jmem.Spatial", jmem.convert(make(), jmem.Spatial(mesh)))):
+      step, variables = _spatial_step(model, y, x, **kw)
+      rest = {k: v for k, v in variables.items() if k != "params"}
+      t0 = time.time()
+      compiled = step.lower(variables["params"], rest, x).compile()
+      counts = jmem.collective_counts(compiled.as_text())
+      rows.append(dict(model=name, technique=label, image=size,
+                       collective_permutes=counts["collective-permute"],
+                       all_reduces=counts["all-reduce"], all_gathers=counts["all-gather"],
+                       temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+                       compile_s=time.time() - t0))
+      print(f"{name[:30]:30s} {label[:24]:24s} permutes {counts['collective-permute']} "
+            f"all-reduce {counts['all-reduce']} temp {rows[-1]['temp_bytes'] / MIB:.1f} MiB",
+            flush=True)
+  # Exactness: ConvNeXt-T run on one device and sharded.
+  model = models.convnext("convnext-t", 10)
+  x = jax.random.normal(jax.random.key(0), (2, 64, 64, 3))
+  y = jnp.arange(2)
+  kw = dict(train=True, rngs={"dropout": jax.random.key(2)})
+  variables = model.init(jax.random.key(1), x)
+  step0, _ = _spatial_step(model, y, x, **kw)
+  step1, _ = _spatial_step(jmem.convert(model, jmem.Spatial(mesh)), y, x, **kw)
+  loss0, g0 = step0(variables["params"], {}, x)
+  loss1, g1 = step1(variables["params"], {}, put(x))
+  a, b = ravel_pytree(g1)[0], ravel_pytree(g0)[0]
+  exact = dict(model="ConvNeXt-T (jmem's), 64x64, batch 2", loss_rel_dev=float(
+      abs(loss1 - loss0) / abs(loss0)), grad_max_rel_dev=float(
+          jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))))
+  print(exact, flush=True)
+  return dict(rows=rows, exactness=exact)
+
+
+def _markdown(small_rows, r50_rows, sbp_rows=(), sbp_acc=None, spatial_res=None):
   out = ["# jmem.convert on models jmem did not write", "",
          "Written by `benchmarks/any_model.py` (CPU, compile-only memory of the whole train "
          "step: SGD update included). Models: `tests/third_party_models.py`, plain Flax.", ""]
@@ -328,13 +395,28 @@ def _markdown(small_rows, r50_rows, sbp_rows=(), sbp_acc=None):
                  f"{', '.join(f'{100 * a:.2f}' for a in r['accuracy_per_seed'])} | "
                  f"{sum(r['train_seconds_per_seed']) / len(r['train_seconds_per_seed']):.0f} |")
     out += ["", f"SBP minus exact: {100 * rows[1]['accuracy_minus_exact']:+.2f} points.", ""]
+  if spatial_res:
+    out += ["## Spatial (jmem.Spatial): 2 x 4 devices over H x W, whole step under jit", "",
+            "The input is a global array sharded over H and W; XLA partitions the unconverted "
+            "model by itself, `jmem.Spatial` replaces its convolutions by halo exchange in a "
+            "nested shard_map (compile-only, simulated CPU devices, batch 8).", "",
+            "| model | image | partitioning | collective-permutes | all-reduces | "
+            "all-gathers | temp (MiB) |", "|---|---:|---|---:|---:|---:|---:|"]
+    for r in spatial_res["rows"]:
+      out.append(f"| {r['model']} | {r['image']} | {r['technique']} | "
+                 f"{r['collective_permutes']} | {r['all_reduces']} | {r['all_gathers']} | "
+                 f"{r['temp_bytes'] / MIB:.1f} |")
+    e = spatial_res["exactness"]
+    out += ["", f"Against one device ({e['model']}): loss deviation {e['loss_rel_dev']:.1e}, "
+            f"gradient max deviation {e['grad_max_rel_dev']:.1e} (relative to the largest "
+            "entry).", ""]
   return "\n".join(out)
 
 
 def main():
   p = parser(__doc__)
   p.set_defaults(seeds=(0,), steps=600)
-  p.add_argument("--parts", default="small,resnet50,sbp")
+  p.add_argument("--parts", default="small,resnet50,sbp,spatial")
   p.add_argument("--markdown-only", action="store_true",
                  help="rewrite any_model.md from any_model.json without measuring")
   args = p.parse_args()
@@ -346,7 +428,8 @@ def main():
   if not args.markdown_only:
     parts = args.parts.split(",")
     for part, run in (("small", small), ("resnet50", resnet50), ("sbp", sbp_memory),
-                      ("sbp-accuracy", lambda: sbp_accuracy(args.seeds, args.steps))):
+                      ("sbp-accuracy", lambda: sbp_accuracy(args.seeds, args.steps)),
+                      ("spatial", spatial)):
       if part in parts:
         saved[part.replace("-", "_")] = run()
     saved.update(jax=jax.__version__, backend=jax.default_backend())
@@ -354,7 +437,7 @@ def main():
     with open(path, "w") as f:
       json.dump(saved, f, indent=1)
   md = _markdown(saved.get("small", []), saved.get("resnet50", []), saved.get("sbp", []),
-                 saved.get("sbp_accuracy"))
+                 saved.get("sbp_accuracy"), saved.get("spatial"))
   with open(os.path.join(RESULTS, "any_model.md"), "w") as f:
     f.write(md)
   print(md)

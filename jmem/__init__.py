@@ -14,6 +14,7 @@ from jmem.surgery import ActNN as ActNN
 from jmem.surgery import InPlaceABN as InPlaceABN
 from jmem.surgery import Remat as Remat
 from jmem.surgery import SBP as SBP
+from jmem.surgery import Spatial as Spatial
 from jmem.surgery import SyncBN as SyncBN
 from jmem.surgery import Technique as Technique
 from jmem.surgery import batch_mask as batch_mask

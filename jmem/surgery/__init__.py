@@ -6,6 +6,7 @@
   model = jmem.convert(model, jmem.SyncBN(axis_name="batch"), jmem.Remat())
   model = jmem.convert(model, jmem.InPlaceABN(where=r"features/.*"))
   model = jmem.convert(model, jmem.SBP(keep_ratio=0.25, axis=1, where=FrameEncoder))
+  model = jmem.convert(model, jmem.Spatial(mesh, axes=("h", "w")))
 
 **Sites are module calls.** A technique applies to the calls of the modules its ``where=``
 selects (module classes and/or regular expressions over "/"-joined module paths; see
@@ -26,6 +27,9 @@ arrays, or inside ``jax.shard_map`` as per-device code. `Remat` and `ActNN` work
 `SyncBN` and a synchronised `InPlaceABN` (``axis_name=``) are per-device code and need
 ``shard_map`` (an unbound axis name raises NameError saying so); under plain ``jit`` XLA
 already computes BatchNorm statistics over the global batch, so they are not needed there.
+`Spatial` is global code under plain ``jit``: its input sharded over H/W, its convolutions
+exchange halos in nested ``shard_map``s (`jmem.parallel.spatial.sharded`), XLA partitions the
+rest; it raises inside ``shard_map``. `SBP` is tested under ``jit``.
 
 **Stacking.** ``convert(model, *techniques)`` applies them together: BatchNorm techniques
 (`SyncBN`, `InPlaceABN`; both on one BatchNorm = synchronised InPlace-ABN) with block
@@ -70,11 +74,12 @@ from jmem.ops.actnn.technique import ActNN as ActNN
 from jmem.ops.inplace_abn.technique import InPlaceABN as InPlaceABN
 from jmem.ops.remat import Remat as Remat
 from jmem.ops.sbp.technique import SBP as SBP
+from jmem.parallel.spatial.technique import Spatial as Spatial
 from jmem.parallel.sync_bn.technique import SyncBN as SyncBN
 from jmem.techniques import convert_technique_names as technique_names
 from jmem.techniques import technique as technique
 
-__all__ = ["convert", "Technique", "Remat", "ActNN", "SyncBN", "InPlaceABN", "SBP", "technique",
+__all__ = ["convert", "Technique", "Remat", "ActNN", "SyncBN", "InPlaceABN", "SBP", "Spatial", "technique",
            "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate",
            "convert_nnx"]
 
@@ -100,10 +105,10 @@ def convert(model, *techniques: Technique | None):
       t = technique(t)
     if t is None:
       continue
-    if not isinstance(t, (Remat, ActNN, SyncBN, InPlaceABN, SBP)):
+    if not isinstance(t, (Remat, ActNN, SyncBN, InPlaceABN, SBP, Spatial)):
       raise TypeError(f"jmem.convert takes technique objects (jmem.Remat(), jmem.ActNN('L3'), "
-                      f"jmem.SyncBN(...), jmem.InPlaceABN(...), jmem.SBP(...)) or bench names, "
-                      f"got {t!r}.")
+                      f"jmem.SyncBN(...), jmem.InPlaceABN(...), jmem.SBP(...), "
+                      f"jmem.Spatial(mesh)) or bench names, got {t!r}.")
     resolved.append(t)
   _common.check_sbp_where(resolved)
   if isinstance(model, nn.Module):

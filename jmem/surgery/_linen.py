@@ -15,6 +15,7 @@ import dataclasses
 
 import flax.core.lift as lift
 import flax.linen as nn
+import numpy as np
 from flax.linen import transforms as nn_transforms
 
 from jmem.ops.actnn.technique import ActNN
@@ -23,6 +24,9 @@ from jmem.ops.inplace_abn.technique import InPlaceABN
 from jmem.ops.remat import Remat
 from jmem.ops.sbp import sites as sbp_sites
 from jmem.ops.sbp.technique import SBP
+from jmem.parallel.spatial import sharded as spatial_sharded
+from jmem.parallel.spatial.modules import HaloConv
+from jmem.parallel.spatial.technique import Spatial
 from jmem.parallel.sync_bn import core as sync_bn
 from jmem.parallel.sync_bn.technique import SyncBN
 from jmem.surgery import _common as c
@@ -141,6 +145,40 @@ class _Trace:
           "techniques disjoint where=.")
     return found[0] if found else None
 
+  def spatial_site(self, mod, path):
+    """``(index, technique)`` of the `Spatial` technique taking this convolution."""
+    for i, t in enumerate(self.techniques):
+      if not isinstance(t, Spatial):
+        continue
+      conv = isinstance(mod, HaloConv) or (
+          isinstance(mod, nn.Conv) and len(tuple(np.atleast_1d(mod.kernel_size))) == 2)
+      if conv and (t.where is None or t.matches_user(mod, path)):
+        return i, t
+      if t.where is not None and t.names(type(mod), path) and not conv:
+        raise ValueError(f"Spatial: where= names {c.describe(mod)} at {path or '<top>'!r}, "
+                         "which is not a 2-D convolution (nn.Conv, HaloConv); a path regex "
+                         "over a block selects the convolutions inside it.")
+    return None
+
+  def _call_spatial(self, mod, path, site, next_fun, args, kwargs):
+    index, t = site
+    self._hit(index, path)
+    if mod.is_initializing():
+      return next_fun(*args, **kwargs)
+    if getattr(mod, "conv_general_dilated", None) is not None or \
+        getattr(mod, "conv_general_dilated_cls", None) is not None:
+      raise ValueError(f"Spatial: the convolution at {path!r} already has its own "
+                       "conv_general_dilated; jmem.Spatial replaces that function. Leave this "
+                       "module out with where=.")
+    # The module computes as it always does (parameters, masks, dtype promotion), its
+    # convolution primitive swapped for the sharded one for this call only.
+    object.__setattr__(mod, "conv_general_dilated",
+                       spatial_sharded.sharded_conv(t.mesh, t.axes, t.data_axis, where=path))
+    try:
+      return next_fun(*args, **kwargs)
+    finally:
+      object.__setattr__(mod, "conv_general_dilated", None)
+
   def _block_match(self, t, mod, path):
     if t.where is None:
       return path != "" and "/" not in path and not c.is_head(mod)
@@ -162,6 +200,9 @@ class _Trace:
         self._hit(site[0], path, record=False)   # init: the forward pass, nothing to save
     if isinstance(mod, nn.Sequential) and any(isinstance(t, InPlaceABN) for t in self.techniques):
       return self._call_sequential(mod, args, kwargs)
+    spatial = self.spatial_site(mod, path)
+    if spatial is not None:
+      return self._call_spatial(mod, path, spatial, next_fun, args, kwargs)
     bn = self.bn_site(mod, path)
     if bn:
       return self._call_bn(mod, path, bn, args, kwargs)

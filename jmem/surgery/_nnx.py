@@ -7,12 +7,15 @@ from __future__ import annotations
 import functools
 
 from flax import nnx
+from jax import lax
 
 from jmem.ops.inplace_abn import core as abn_lib
 from jmem.ops.inplace_abn.technique import InPlaceABN
 from jmem.ops.remat import Remat
 from jmem.ops.sbp import sites as sbp_sites
 from jmem.ops.sbp.technique import SBP
+from jmem.parallel.spatial import sharded as spatial_sharded
+from jmem.parallel.spatial.technique import Spatial
 from jmem.parallel.sync_bn import core as sync_bn
 from jmem.parallel.sync_bn.technique import SyncBN
 from jmem.surgery import _common as c
@@ -146,6 +149,22 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
     path = name(p)
     status = c.nnx_bn_status(m)
     for i, t in enumerate(techniques):
+      if isinstance(t, Spatial):
+        conv = isinstance(m, nnx.Conv) and len(m.kernel_size) == 2
+        if conv and (t.where is None or t.matches_user(m, path)):
+          if m.conv_general_dilated is not lax.conv_general_dilated:
+            raise ValueError(f"Spatial: the convolution at {path!r} already has its own "
+                             "conv_general_dilated; jmem.Spatial replaces that function. Leave "
+                             "this module out with where=.")
+          actions.append(functools.partial(
+              setattr, m, "conv_general_dilated",
+              spatial_sharded.sharded_conv(t.mesh, t.axes, t.data_axis, where=path)))
+          hits[i].append(path)
+        elif t.where is not None and t.names(type(m), path) and not conv:
+          raise ValueError(f"Spatial: where= names {c.describe(m)} at {path!r}, which is not a "
+                           "2-D nnx.Conv; a path regex over a block selects the convolutions "
+                           "inside it.")
+        continue
       if isinstance(t, (SyncBN, InPlaceABN)):
         if t.where is None:
           if status in ("override", "lookalike"):

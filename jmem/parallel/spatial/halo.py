@@ -52,7 +52,7 @@ from jmem._window import pair as _pair
 from jmem._window import padding_pairs as _padding
 
 __all__ = [
-    "HaloPlan", "plan_halo", "halo_exchange", "halo_conv", "halo_conv_reference", "halo_pool",
+    "HaloPlan", "plan_halo", "plan_split", "halo_exchange", "halo_conv", "halo_conv_reference", "halo_pool",
     "global_avg_pool", "drop_path",
 ]
 
@@ -96,7 +96,15 @@ def plan_halo(local_size: int, *, window: int, stride: int = 1, dilation: int = 
   """
   if axis_name is None:
     return HaloPlan(None, 0, 0, tuple(padding), grad_padding=tuple(padding))
-  n = lax.axis_size(axis_name)
+  return plan_split(local_size, lax.axis_size(axis_name), window=window, stride=stride,
+                    dilation=dilation, padding=padding, axis_name=axis_name,
+                    dim_name=dim_name)
+
+
+def plan_split(local_size: int, n: int, *, window: int, stride: int = 1, dilation: int = 1,
+               padding: tuple[int, int] = (0, 0), axis_name: str = "?",
+               dim_name: str = "W") -> HaloPlan:
+  """`plan_halo` for ``n`` devices on ``axis_name``, outside any map (raises if impossible)."""
   size = local_size * n
   extent = dilation * (window - 1) + 1
   lo, hi = padding

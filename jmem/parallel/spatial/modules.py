@@ -27,7 +27,9 @@ class HaloConv(nn.Module):
 
   With ``axis_names=(None, None)`` it is a plain convolution; with mesh axis names (inside
   ``shard_map``) its input is a block of the image and it exchanges halos with the
-  neighbours. ``kernel_init`` defaults to ``flax.linen.Conv``'s.
+  neighbours. ``kernel_init`` defaults to ``flax.linen.Conv``'s. ``conv_general_dilated``
+  (as ``flax.linen.Conv``'s): a replacement for ``lax.conv_general_dilated`` that computes
+  the convolution instead (what `jmem.Spatial` sets).
   """
 
   features: int
@@ -39,6 +41,7 @@ class HaloConv(nn.Module):
   axis_names: tuple[str | None, str | None] = (None, None)
   dtype: Any = None
   kernel_init: Callable[..., Any] = nn.initializers.lecun_normal()
+  conv_general_dilated: Callable[..., Any] | None = None
 
   @nn.compact
   def __call__(self, x):
@@ -46,9 +49,19 @@ class HaloConv(nn.Module):
     kernel = self.param("kernel", self.kernel_init, tuple(self.kernel_size) +
                         (cin // self.feature_group_count, self.features))
     dtype = self.dtype or x.dtype
-    y = halo_conv(x.astype(dtype), kernel.astype(dtype), strides=self.strides,
-                  padding=self.padding, feature_group_count=self.feature_group_count,
-                  axis_names=self.axis_names)
+    if self.conv_general_dilated is not None:
+      padding = self.padding
+      if isinstance(padding, int):
+        padding = ((padding, padding),) * 2
+      y = self.conv_general_dilated(
+          x.astype(dtype), kernel.astype(dtype), (self.strides,) * 2 if isinstance(
+              self.strides, int) else tuple(self.strides), padding,
+          dimension_numbers=("NHWC", "HWIO", "NHWC"),
+          feature_group_count=self.feature_group_count)
+    else:
+      y = halo_conv(x.astype(dtype), kernel.astype(dtype), strides=self.strides,
+                    padding=self.padding, feature_group_count=self.feature_group_count,
+                    axis_names=self.axis_names)
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(dtype)
     return y

@@ -1,14 +1,48 @@
-"""Spatial sharding as a ``jmem bench`` technique: ``spatial-8`` (activations of jmem's
-ConvNeXt sharded over H x W = 2 x 4 devices)."""
+"""Spatial sharding as a technique: the `jmem.convert` object (`Spatial`) and the
+``jmem bench`` name ``spatial-8`` (activations of jmem's ConvNeXt sharded over H x W = 2 x 4
+devices, run under ``shard_map``)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 
-from jmem._technique import BenchTechnique
-from jmem.parallel.spatial import modules
+from jmem._technique import BenchTechnique, Technique
+from jmem.parallel.spatial import modules, sharded
 
-__all__ = ["BENCH_TECHNIQUES"]
+__all__ = ["Spatial", "BENCH_TECHNIQUES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spatial(Technique):
+  """Activations sharded over H and W of ``mesh``; convolutions exchange halos.
+
+  The converted model runs under plain ``jax.jit`` with its input a global array sharded
+  ``P(data_axis, axes[0], axes[1], None)`` (`jmem.parallel.spatial.sharded`): every
+  convolution the ``where=`` selects runs `halo_conv` on the device blocks in a nested
+  ``shard_map``; every other layer (BatchNorm, pooling, a global mean, attention) is
+  partitioned by XLA. A convolution that does not split into equal blocks (an uneven shard,
+  an odd width after a stride) runs on the whole image (gathered over H and W), with a
+  `SpatialFallbackWarning`.
+
+  Default sites: every 2-D convolution module (``nn.Conv``, ``nnx.Conv``,
+  `jmem.parallel.spatial.HaloConv`).
+
+  Attributes:
+    mesh: the device mesh (``AxisType.Auto`` axes: Flax's layers take no ``out_sharding``).
+    axes: the mesh axes of H and W (None: not sharded).
+    data_axis: the mesh axis of the batch, if any.
+  """
+
+  mesh: Any = None
+  axes: tuple = ("h", "w")
+  data_axis: str | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    sharded.check_mesh(self.mesh, self.axes, self.data_axis)
 
 
 def _apply(devices: int, height: int):

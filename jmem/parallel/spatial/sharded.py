@@ -1,0 +1,157 @@
+"""Spatial sharding of a model that runs under plain ``jax.jit``: its convolutions exchange
+halos themselves (`halo_conv` in a nested ``jax.shard_map``), everything else is partitioned
+by XLA.
+
+The model keeps its global semantics: its input is a global array sharded over the mesh's
+H and W axes (and the batch over a data axis, if one is given), and every layer jmem does
+not know (normalisation, pooling, a global mean, attention) is computed by XLA's own
+partitioner, which is exact for any layer. Only the convolutions are replaced: by
+`sharded_conv`, a drop-in for ``lax.conv_general_dilated`` that runs `halo_conv` on each
+device's block (4 collective-permutes + 1 all-reduce for a k7 conv sharded on W, forward
+and backward, where XLA's partitioning of the same conv emits 6 + 1).
+
+A convolution whose blocks would not be equal (an image side the mesh does not divide, a
+stride that does not divide the per-device size, a halo wider than a block) or that
+`halo_conv` does not cover (input dilation, batch groups, not 2-D) runs on the whole image:
+its input is gathered over the spatial axes (``with_sharding_constraint`` to a spec without
+them) and the output stays so, with a `SpatialFallbackWarning` once per reason. Not left to
+XLA's spatial partitioning: on XLA:CPU (JAX 0.10.2) a stride-2 convolution of 15-row blocks
+(a 30-row image on 2 devices) gets gradients off by up to 0.13 that way, where gathering is
+exact (`tests/test_convert_spatial.py`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import jax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jmem import _axes, _window
+from jmem.parallel.spatial.halo import halo_conv, plan_split
+
+__all__ = ["SpatialFallbackWarning", "sharded_conv", "check_mesh"]
+
+
+class SpatialFallbackWarning(UserWarning):
+  """A convolution of a spatially sharded model runs on the whole (gathered) image instead of
+  with jmem's halo exchange (still exact; more memory and communication). Silence with
+  ``warnings.filterwarnings("ignore", category=SpatialFallbackWarning)``."""
+
+
+_WARNED: set = set()
+
+
+def _fallback(reason: str, where: str) -> None:
+  if reason not in _WARNED:
+    _WARNED.add(reason)
+    warnings.warn(f"jmem.Spatial: the convolution at {where or '<top>'!r} {reason}, so it runs "
+                  "on the whole image, gathered over the spatial axes (exact; more memory "
+                  "and communication). Later convolutions for the same reason are not "
+                  "reported.", SpatialFallbackWarning, stacklevel=4)
+
+
+def check_mesh(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None) -> None:
+  """Raises unless ``axes`` (H, W) and ``data_axis`` name distinct axes of ``mesh``."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"jmem.Spatial needs a jax.sharding.Mesh, got {type(mesh).__name__}.")
+  axes = tuple(axes)
+  if len(axes) != 2:
+    raise ValueError(f"jmem.Spatial(axes=...) names the mesh axes of H and W (None: not "
+                     f"sharded), got {axes!r}.")
+  named = [a for a in (*axes, data_axis) if a is not None]
+  for a in named:
+    if a not in mesh.axis_names:
+      raise ValueError(f"jmem.Spatial: {a!r} is not an axis of the mesh {mesh.axis_names}.")
+  if len(set(named)) != len(named):
+    raise ValueError(f"jmem.Spatial: axes={axes!r} and data_axis={data_axis!r} must name "
+                     "different mesh axes.")
+  if not any(a is not None for a in axes):
+    raise ValueError("jmem.Spatial(axes=...) shards nothing: name the mesh axis of H or W.")
+
+
+def sharded_conv(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None = None,
+                 where: str = ""):
+  """A ``lax.conv_general_dilated`` for channels-last 2-D convolutions whose input is a
+  global array sharded over ``axes`` (H, W) of ``mesh``: `halo_conv` per device block."""
+  axes = tuple(axes)
+  size = dict(zip(mesh.axis_names, mesh.devices.shape))
+
+  def conv(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+           dimension_numbers=None, feature_group_count=1, batch_group_count=1,
+           precision=None, preferred_element_type=None, out_sharding=None):
+    def plain():
+      kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+      return lax.conv_general_dilated(
+          lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
+          rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
+          feature_group_count=feature_group_count, batch_group_count=batch_group_count,
+          precision=precision, preferred_element_type=preferred_element_type, **kw)
+
+    if _axes.varying_axes(lhs):
+      raise ValueError(
+          f"jmem.Spatial: the convolution at {where or '<top>'!r} runs inside shard_map (its "
+          f"input varies over {sorted(_axes.varying_axes(lhs))}); a Spatial model runs under "
+          "plain jax.jit on global arrays and shards its convolutions itself.")
+    reason = "has an out_sharding of its own" if out_sharding is not None else _unsupported(
+        lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+        batch_group_count, axes, data_axis, size)
+    batch = data_axis if data_axis is not None and size[data_axis] > 1 else None
+    if reason is not None:
+      _fallback(reason, where)
+      if lhs.ndim == 4 and (batch is None or lhs.shape[0] % size[batch] == 0):
+        whole = NamedSharding(mesh, P(batch))       # every device: the whole image
+        lhs = jax.lax.with_sharding_constraint(lhs, whole)
+        return jax.lax.with_sharding_constraint(plain(), whole)
+      return plain()
+    names = tuple(a if a is not None and size[a] > 1 else None for a in axes)
+    spec = P(batch, names[0], names[1], None)
+
+    def local(x, kernel):
+      return halo_conv(x, kernel, strides=tuple(window_strides), padding=padding,
+                       dilation=tuple(rhs_dilation or (1, 1)),
+                       feature_group_count=feature_group_count, axis_names=names,
+                       precision=precision, preferred_element_type=preferred_element_type)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=spec)(lhs, rhs)
+
+  return conv
+
+
+def _unsupported(lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                 batch_group_count, axes, data_axis, size) -> str | None:
+  """Why `halo_conv` cannot compute this convolution on equal blocks (None: it can)."""
+  if lhs.ndim != 4:
+    return f"is not 2-D (input of rank {lhs.ndim})"
+  if dimension_numbers is not None:
+    dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+    if tuple(dn.lhs_spec) != (0, 3, 1, 2) or tuple(dn.rhs_spec) != (3, 2, 0, 1) or \
+        tuple(dn.out_spec) != (0, 3, 1, 2):
+      return "is not channels-last (NHWC input, HWIO kernel)"
+  if lhs_dilation is not None and any(d != 1 for d in lhs_dilation):
+    return "has input dilation (a transposed convolution)"
+  if batch_group_count != 1:
+    return "has batch groups"
+  if isinstance(padding, str) and padding.upper() not in ("SAME", "VALID"):
+    return f"has {padding!r} padding"
+  if data_axis is not None and lhs.shape[0] % size[data_axis]:
+    return (f"has a batch of {lhs.shape[0]}, which the {size[data_axis]} devices of "
+            f"{data_axis!r} do not divide")
+  dilation = tuple(rhs_dilation or (1, 1))
+  window = rhs.shape[:2]
+  pads = _window.padding_pairs(padding, window, tuple(strides), dilation, lhs.shape[1:3])
+  for dim, (axis, name) in enumerate(zip(axes, ("H", "W"))):
+    n = 1 if axis is None else size[axis]
+    if n == 1:
+      continue
+    length = lhs.shape[1 + dim]
+    if length % n:
+      return (f"has {name} = {length}, which the {n} devices of {axis!r} do not divide "
+              "(uneven shards)")
+    try:
+      plan_split(length // n, n, window=window[dim], stride=strides[dim],
+                 dilation=dilation[dim], padding=pads[dim], axis_name=axis, dim_name=name)
+    except ValueError as e:
+      return f"cannot be split into equal blocks ({e})"
+  return None
