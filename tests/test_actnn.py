@@ -109,7 +109,7 @@ def test_compress_transform_grads_8bit_close_2bit_unbiased():
     assert rel < 0.03, (k, rel)
   g2 = Q.compress(_mlp, bits=2)
   grad2 = jax.jit(lambda p, key: jax.grad(
-      lambda p: jnp.sum(g2(p, x, compress_key=key) * ct))(p))
+      lambda p: jnp.sum(g2(p, x, key=key) * ct))(p))
   keys = jax.random.split(jax.random.key(9), 300)
   runs = [grad2(params, k) for k in keys]
   for k in exact:

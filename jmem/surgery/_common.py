@@ -175,7 +175,7 @@ def compress_transform(bits: int, level, key, implementation):
   variables and RNG keys, arguments 0 and 1 of ``pure``, never)."""
   return lambda pure: functools.partial(
       q.compress(pure, bits=bits, group_size=level.group_size, param_argnums=(0, 1),
-                 offload=level.offload, implementation=implementation), compress_key=key)
+                 offload=level.offload, implementation=implementation), key=key)
 
 
 def sbp_transform(technique, key, path: str):

@@ -39,7 +39,7 @@ __all__ = [
 def _compressed(reference, param_argnums, bits, group_size, key, *args, implementation=None):
   fn = q.compress(reference, bits=bits, group_size=group_size, param_argnums=param_argnums,
                   min_size=1, implementation=implementation)
-  return fn(*args, compress_key=key)
+  return fn(*args, key=key)
 
 
 # ------------------------------------------------------------ quantized-activation ops

@@ -344,9 +344,9 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
     interpret: Pallas interpret mode, as in `quantize`.
 
   Returns:
-    ``g(*args, compress_key=None)`` with ``g(*args) == f(*args)`` in the forward pass. The
+    ``g(*args, key=None)`` with ``g(*args) == f(*args)`` in the forward pass. The
     stochastic-rounding key defaults to one derived from the arguments' values (different
-    every step as the data change); pass ``compress_key`` to control it. Composes with
+    every step as the data change); pass ``key`` to control it. Composes with
     jit, grad, vmap, scan and checkpoint (it is a ``custom_vjp``).
 
   Raises:
@@ -357,7 +357,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
   kernel_kw = dict(bits=bits, group_size=group_size, implementation=implementation,
                    interpret=interpret)
 
-  def g(*args, compress_key=None):
+  def g(*args, key=None):
     # One custom_vjp per call: the residual layout (static) is shared by its fwd and bwd.
     layout: dict[str, Any] = {}
 
@@ -422,7 +422,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       return tuple(vjp_fn(ct)), None
 
     call.defvjp(fwd, bwd)
-    return call(tuple(args), compress_key)
+    return call(tuple(args), key)
 
   return g
 
