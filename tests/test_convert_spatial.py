@@ -5,8 +5,8 @@ sharded over H and W of 8 devices, its convolutions exchanging halos in a nested
 Loss, every gradient and the BatchNorm statistics equal the one-device model's to 1e-5 on
 models jmem did not write (BatchNorm, functional activations, a global mean; NNX) and on
 jmem's ConvNeXt; collective-permutes and temp bytes are no more than XLA's partitioning of
-the same step; convolutions that do not split evenly run on the gathered image with a
-warning and stay exact.
+the same step; uneven shards are padded and exact; a halo wider than a block is gathered,
+with a warning, and stays exact.
 """
 
 import warnings
@@ -105,24 +105,44 @@ def test_nnx_spatial_equals_one_device():
   _close(nnx.state(converted, nnx.BatchStat), nnx.state(plain, nnx.BatchStat))
 
 
-def test_uneven_shards_fall_back_exactly_with_a_warning():
-  """30 x 30 images, H sharded over 2 devices: the W of the first conv does not split over
-  the 4 of 'w', the stride-2 second conv's 15-row blocks do not split evenly. Both run on
-  the gathered image, exactly (XLA's own partitioning of this step is off by 0.13 on
-  XLA:CPU, JAX 0.10.2)."""
+class _Dilated(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (7, 7))(x)                       # 8 wide on 4 devices: padded to 12
+    x = nn.Conv(4, (3, 3), input_dilation=2, padding=((1, 1), (1, 1)))(x)  # gathered
+    return nn.Dense(10)(jnp.mean(nn.relu(x), axis=(1, 2)))
+
+
+def test_uneven_shards_are_exact():
+  """30 x 30 images, H over 2 devices and W over 4: the first conv's W = 30 and, after a
+  stride 2, the second conv's 15-row blocks do not split evenly; jmem pads them with zeros
+  and cuts the outputs, exactly and without a fallback (XLA's own partitioning of this step
+  is off by 0.13 on XLA:CPU, JAX 0.10.2); so is a 7 x 7 halo over 2-column blocks (padded
+  to 3). A convolution halo_conv does not cover (input dilation) runs on the gathered image,
+  with a warning, and stays exact."""
   mesh = _mesh()
-  x = jax.random.normal(jax.random.key(0), (4, 30, 30, 3))
   y = jnp.arange(4) % 10
+  x = jax.random.normal(jax.random.key(0), (4, 30, 30, 3))
   model = tp.FunctionalCNN()
   variables = model.init(jax.random.key(1), x)
-  converted = jmem.convert(model, jmem.Spatial(mesh))
   (loss0, upd0), g0 = _linen_step(model, variables, y)(variables["params"], x)
-  with pytest.warns(SpatialFallbackWarning, match=r"Conv_0.*W = 30.*uneven"):
-    (loss1, upd1), g1 = _linen_step(converted, variables, y)(
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", SpatialFallbackWarning)
+    (loss1, upd1), g1 = _linen_step(jmem.convert(model, jmem.Spatial(mesh)), variables, y)(
         variables["params"], jax.device_put(x, NamedSharding(mesh, P(None, "h", None, None))))
   np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
   _close(g1, g0)
   _close(upd1, upd0)
+
+  x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
+  model = _Dilated()
+  variables = model.init(jax.random.key(1), x)
+  (loss0, _), g0 = _linen_step(model, variables, y)(variables["params"], x)
+  with pytest.warns(SpatialFallbackWarning, match=r"'Conv_1' has input dilation.*gathered"):
+    (loss1, _), g1 = _linen_step(jmem.convert(model, jmem.Spatial(mesh)), variables, y)(
+        variables["params"], jax.device_put(x, NamedSharding(mesh, P(None, "h", "w", None))))
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+  _close(g1, g0)
 
 
 def test_spatial_refuses_what_it_cannot_do():

@@ -10,11 +10,14 @@ partitioner, which is exact for any layer. Only the convolutions are replaced: b
 device's block (4 collective-permutes + 1 all-reduce for a k7 conv sharded on W, forward
 and backward, where XLA's partitioning of the same conv emits 6 + 1).
 
-A convolution whose blocks would not be equal (an image side the mesh does not divide, a
-stride that does not divide the per-device size, a halo wider than a block) or that
-`halo_conv` does not cover (input dilation, batch groups, not 2-D) runs on the whole image:
-its input is gathered over the spatial axes (``with_sharding_constraint`` to a spec without
-them) and the output stays so, with a `SpatialFallbackWarning` once per reason. Not left to
+A spatial dim whose blocks would not be equal (a side the mesh does not divide, a stride
+that does not divide the per-device size, a halo wider than a block) is padded with zeros
+up to equal blocks: they are the convolution's own zero padding, its right padding is set
+so that every block gives ``padded / stride`` outputs, and the outputs past the true ones
+are cut off. Where even that cannot split a dim it is gathered for that convolution
+(``with_sharding_constraint`` to a spec without its axis); a convolution `halo_conv` does
+not cover at all (input dilation, batch groups, not 2-D) runs on the whole gathered image.
+Either way a `SpatialFallbackWarning` says so, once per reason. Uneven shards are not left to
 XLA's spatial partitioning: on XLA:CPU (JAX 0.10.2) a stride-2 convolution of 15-row blocks
 (a 30-row image on 2 devices) gets gradients off by up to 0.13 that way, where gathering is
 exact (`tests/test_convert_spatial.py`).
@@ -44,13 +47,13 @@ class SpatialFallbackWarning(UserWarning):
 _WARNED: set = set()
 
 
-def _fallback(reason: str, where: str) -> None:
+def _fallback(reason: str, where: str, gathered: str) -> None:
   if reason not in _WARNED:
     _WARNED.add(reason)
-    warnings.warn(f"jmem.Spatial: the convolution at {where or '<top>'!r} {reason}, so it runs "
-                  "on the whole image, gathered over the spatial axes (exact; more memory "
-                  "and communication). Later convolutions for the same reason are not "
-                  "reported.", SpatialFallbackWarning, stacklevel=4)
+    warnings.warn(f"jmem.Spatial: the convolution at {where or '<top>'!r} {reason}, so its "
+                  f"input is gathered over {gathered} (exact; more memory and "
+                  "communication). Later convolutions for the same reason are not reported.",
+                  SpatialFallbackWarning, stacklevel=4)
 
 
 def check_mesh(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None) -> None:
@@ -95,33 +98,59 @@ def sharded_conv(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None =
           f"jmem.Spatial: the convolution at {where or '<top>'!r} runs inside shard_map (its "
           f"input varies over {sorted(_axes.varying_axes(lhs))}); a Spatial model runs under "
           "plain jax.jit on global arrays and shards its convolutions itself.")
-    reason = "has an out_sharding of its own" if out_sharding is not None else _unsupported(
-        lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-        batch_group_count, axes, data_axis, size)
     batch = data_axis if data_axis is not None and size[data_axis] > 1 else None
+    reason = "has an out_sharding of its own" if out_sharding is not None else _unsupported(
+        lhs, rhs, padding, lhs_dilation, dimension_numbers, batch_group_count, batch, size)
+    names = [a if a is not None and size[a] > 1 else None for a in axes]
+    plans = {}
+    if reason is None:                 # the dims that do not split are gathered, the others
+      plans, unsplit = _split_plans(lhs, rhs, window_strides, padding, rhs_dilation, names,
+                                    size)
+      for dim, why in unsplit.items():
+        _fallback(why, where, gathered=names[dim])
+        names[dim] = None
+      if all(n is None for n in names):
+        reason = "splits on no spatial axis"
     if reason is not None:
-      _fallback(reason, where)
+      _fallback(reason, where, gathered="every spatial axis")
       if lhs.ndim == 4 and (batch is None or lhs.shape[0] % size[batch] == 0):
         whole = NamedSharding(mesh, P(batch))       # every device: the whole image
         lhs = jax.lax.with_sharding_constraint(lhs, whole)
         return jax.lax.with_sharding_constraint(plain(), whole)
       return plain()
-    names = tuple(a if a is not None and size[a] > 1 else None for a in axes)
+    # Uneven dims: zeros appended up to equal blocks (they are the convolution's own zero
+    # padding), the padding on the right set so that every block gives length/stride
+    # outputs, and the outputs past the true ones cut off.
+    window = rhs.shape[:2]
+    dilation = tuple(rhs_dilation or (1, 1))
+    pads = list(_window.padding_pairs(padding, window, tuple(window_strides), dilation,
+                                      lhs.shape[1:3]))
+    extra, outs = [(0, 0)] * 4, []
+    for dim in range(2):
+      padded, pads[dim], out = plans.get(dim, (lhs.shape[1 + dim], pads[dim], None))
+      extra[1 + dim] = (0, padded - lhs.shape[1 + dim])
+      outs.append(out)
+    if any(e != (0, 0) for e in extra):
+      lhs = jax.numpy.pad(lhs, extra)
     spec = P(batch, names[0], names[1], None)
+    lhs = jax.lax.with_sharding_constraint(lhs, NamedSharding(mesh, spec))
 
     def local(x, kernel):
-      return halo_conv(x, kernel, strides=tuple(window_strides), padding=padding,
-                       dilation=tuple(rhs_dilation or (1, 1)),
-                       feature_group_count=feature_group_count, axis_names=names,
-                       precision=precision, preferred_element_type=preferred_element_type)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=spec)(lhs, rhs)
+      return halo_conv(x, kernel, strides=tuple(window_strides), padding=tuple(pads),
+                       dilation=dilation, feature_group_count=feature_group_count,
+                       axis_names=tuple(names), precision=precision,
+                       preferred_element_type=preferred_element_type)
+    y = jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=spec)(lhs, rhs)
+    if any(o is not None for o in outs):
+      y = y[:, :outs[0] or y.shape[1], :outs[1] or y.shape[2]]
+    return y
 
   return conv
 
 
-def _unsupported(lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
-                 batch_group_count, axes, data_axis, size) -> str | None:
-  """Why `halo_conv` cannot compute this convolution on equal blocks (None: it can)."""
+def _unsupported(lhs, rhs, padding, lhs_dilation, dimension_numbers, batch_group_count,
+                 batch, size) -> str | None:
+  """Why `halo_conv` cannot compute this convolution at all (None: it can)."""
   if lhs.ndim != 4:
     return f"is not 2-D (input of rank {lhs.ndim})"
   if dimension_numbers is not None:
@@ -135,23 +164,44 @@ def _unsupported(lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, dimensi
     return "has batch groups"
   if isinstance(padding, str) and padding.upper() not in ("SAME", "VALID"):
     return f"has {padding!r} padding"
-  if data_axis is not None and lhs.shape[0] % size[data_axis]:
-    return (f"has a batch of {lhs.shape[0]}, which the {size[data_axis]} devices of "
-            f"{data_axis!r} do not divide")
+  if batch is not None and lhs.shape[0] % size[batch]:
+    return (f"has a batch of {lhs.shape[0]}, which the {size[batch]} devices of {batch!r} "
+            "do not divide")
+  return None
+
+
+def _split_plans(lhs, rhs, strides, padding, rhs_dilation, names, size):
+  """``({dim: (padded length, padding, true output length)}, {dim: why not})``: how each
+  sharded spatial dim splits into equal blocks, padded with zeros where the mesh does not
+  divide it (or the stride does not divide a block), or why it cannot (a halo wider than a
+  block)."""
   dilation = tuple(rhs_dilation or (1, 1))
   window = rhs.shape[:2]
   pads = _window.padding_pairs(padding, window, tuple(strides), dilation, lhs.shape[1:3])
-  for dim, (axis, name) in enumerate(zip(axes, ("H", "W"))):
-    n = 1 if axis is None else size[axis]
-    if n == 1:
+  plans, unsplit = {}, {}
+  for dim, (axis, name) in enumerate(zip(names, ("H", "W"))):
+    if axis is None:
       continue
-    length = lhs.shape[1 + dim]
-    if length % n:
-      return (f"has {name} = {length}, which the {n} devices of {axis!r} do not divide "
-              "(uneven shards)")
+    n, length, stride = size[axis], lhs.shape[1 + dim], strides[dim]
+    lo, hi = pads[dim]
+    extent = dilation[dim] * (window[dim] - 1) + 1
+    out = (length + lo + hi - extent) // stride + 1
     try:
-      plan_split(length // n, n, window=window[dim], stride=strides[dim],
-                 dilation=dilation[dim], padding=pads[dim], axis_name=axis, dim_name=name)
+      plan_split(length // n, n, window=window[dim], stride=stride, dilation=dilation[dim],
+                 padding=(lo, hi), axis_name=axis, dim_name=name)
+      if length % n == 0:
+        continue                                      # even: as it is
+    except ValueError:
+      pass
+    # Zeros appended up to a multiple of n * stride covering every true output's window.
+    block = n * stride
+    padded = -(-max(length, out * stride, (out - 1) * stride + extent - lo) // block) * block
+    right = extent - stride - lo                     # every block: padded/stride outputs
+    try:
+      plan_split(padded // n, n, window=window[dim], stride=stride, dilation=dilation[dim],
+                 padding=(lo, right), axis_name=axis, dim_name=name)
     except ValueError as e:
-      return f"cannot be split into equal blocks ({e})"
-  return None
+      unsplit[dim] = f"cannot split {name} = {length} into equal blocks ({e})"
+      continue
+    plans[dim] = (padded, (lo, right), out)
+  return plans, unsplit

@@ -23,9 +23,9 @@ class Spatial(Technique):
   ``P(data_axis, axes[0], axes[1], None)`` (`jmem.parallel.spatial.sharded`): every
   convolution the ``where=`` selects runs `halo_conv` on the device blocks in a nested
   ``shard_map``; every other layer (BatchNorm, pooling, a global mean, attention) is
-  partitioned by XLA. A convolution that does not split into equal blocks (an uneven shard,
-  an odd width after a stride) runs on the whole image (gathered over H and W), with a
-  `SpatialFallbackWarning`.
+  partitioned by XLA. Uneven blocks (a side the mesh does not divide, an odd width after a
+  stride) are padded with zeros and the extra outputs cut, exactly; a convolution
+  `halo_conv` does not cover runs on the gathered image, with a `SpatialFallbackWarning`.
 
   Default sites: every 2-D convolution module (``nn.Conv``, ``nnx.Conv``,
   `jmem.parallel.spatial.HaloConv`).
