@@ -173,6 +173,42 @@ def test_nnx_sbp_matches_the_stop_gradient_oracle(make, site, keep_ratio):
   assert_close(nnx.state(converted, nnx.BatchStat), nnx.state(plain, nnx.BatchStat), tol=1e-6)
 
 
+class _JointBlock(nn.Module):
+  """A space-time block over ``[B, T, N, D]``: attention over the tokens of every frame at
+  once (mixes the frames, the SBP nodes, in a layout jmem must not take for per-node)."""
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, n, d = x.shape
+    h = nn.MultiHeadDotProductAttention(num_heads=2)(nn.LayerNorm()(x).reshape(b, t * n, d))
+    return x + nn.Dense(d)(h.reshape(b, t, n, d))
+
+
+class _JointModel(nn.Module):
+  @nn.compact
+  def __call__(self, clips, train=True):
+    b, t = clips.shape[:2]
+    x = nn.Dense(8)(clips.reshape(b, t, 4, -1))
+    x = _JointBlock(name="joint")(x)
+    return nn.Dense(10)(x.reshape(b, -1))
+
+
+def test_linen_sbp_joint_attention_is_rows():
+  model = _JointModel()
+  variables = model.init(jax.random.key(1), CLIPS)
+  converted = jmem.convert(model, jmem.SBP(keep_ratio=0.25, axis=1, where=_JointBlock))
+  _, (dp, dx), _ = linen_grads(converted, variables, CLIPS)
+  _, (rp, rx), _, _ = linen_grads(model, variables, CLIPS, (_JointBlock, 0.25))
+  assert_close(dp, rp)
+  assert_close(dx, rx)
+
+
+class _Pooling(nn.Module):
+  @nn.compact
+  def __call__(self, clips):
+    return nn.Dense(4)(clips.reshape(clips.shape[:2] + (-1,))).mean(axis=1)
+
+
 class _CustomBN(nn.BatchNorm):
   @nn.compact
   def __call__(self, x, use_running_average=None):
@@ -221,6 +257,9 @@ def test_sbp_refuses_what_it_cannot_do_exactly():
   with pytest.raises(ValueError, match=r"Dropout at '_EncoderWithDropout_0/Dropout_0'"):
     run(_Wrap(_EncoderWithDropout), jmem.SBP(where=_EncoderWithDropout))
   run(_Wrap(_EncoderWithDropout), jmem.SBP(where=_EncoderWithDropout, mode="rows"))
+  for mode in (None, "rows"):
+    with pytest.raises(ValueError, match=r"'_Pooling_0' returns an output of shape \(2, 4\)"):
+      run(_Wrap(_Pooling), jmem.SBP(where=_Pooling, mode=mode))
   with pytest.raises(ValueError, match=r"mode='nodes'.*attention at 'block0/"):
     run(tp.FrameTokenViT(), jmem.SBP(where=tp.ViTBlock, mode="nodes"))
 

@@ -193,7 +193,8 @@ def sbp_transform(technique, key, path: str):
   return transform
 
 
-def sbp_attention(tape, path: str, dropout_on: bool, call, args, kwargs):
+def sbp_attention(tape, path: str, dropout_on: bool, call, args, kwargs,
+                  restrictable: bool = True):
   """An attention layer (linen ``nn.MultiHeadDotProductAttention``, ``nnx.MultiHeadAttention``:
   ``call(inputs_q, inputs_k=None, inputs_v=None, **kw)``) inside an SBP site: ``(y,)`` where
   jmem computes it, None where it runs as it is.
@@ -204,6 +205,10 @@ def sbp_attention(tape, path: str, dropout_on: bool, call, args, kwargs):
   """
   q = args[0] if args else kwargs.get("inputs_q")
   if not tape.attends_over_nodes(q.shape):
+    if not tape.attends_within_nodes(q.shape) and tape.mode == "record":
+      # It mixes the nodes in another layout (the tokens of several frames): rows mode,
+      # re-run in full with the dropped rows' cotangent at zero.
+      tape.mixing = tape.mixing or f"the attention at {path!r}"
     return None
   if dropout_on:
     raise ValueError(
@@ -213,8 +218,8 @@ def sbp_attention(tape, path: str, dropout_on: bool, call, args, kwargs):
   if tape.mode == "record":
     tape.mixing = tape.mixing or f"the attention at {path!r}"
     return None
-  if tape.rows is None:
-    return None
+  if tape.rows is None or not restrictable:
+    return None                           # re-run in full (the cotangent does the rest)
   kw = dict(zip(("inputs_q", "inputs_k", "inputs_v"), args[:3]), **kwargs)
   if kw.get("inputs_kv") is not None:
     kw["inputs_k"] = kw["inputs_v"] = kw["inputs_kv"]

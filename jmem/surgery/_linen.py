@@ -265,8 +265,9 @@ class _Trace:
 
   def _sbp_attention(self, tape, mod, path, next_fun, args, kwargs):
     deterministic = kwargs.get("deterministic", mod.deterministic)
+    # nn.SelfAttention takes no separate keys and values: re-run in full.
     return c.sbp_attention(tape, path, mod.dropout_rate > 0 and not deterministic, next_fun,
-                           args, kwargs)
+                           args, kwargs, restrictable=not isinstance(mod, nn.SelfAttention))
 
   def _hit(self, index, path, record=True):
     self.hits.setdefault(index, []).append(path)

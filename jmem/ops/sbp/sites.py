@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,15 @@ class Tape:
     its queries are shaped like the site's input and the nodes are their length axis."""
     n = len(self.node_shape)
     return (self.axis == n - 2 and tuple(queries_shape[:-1]) == tuple(self.node_shape[:-1]))
+
+  def attends_within_nodes(self, queries_shape) -> bool:
+    """Whether an attention layer with queries ``[..., L, D]`` keeps each node's tokens to
+    themselves: its batch (the leading dims) holds every (example, node) pair, as a
+    per-frame attention over ``[B * T, N, D]`` does; a joint attention over the tokens of
+    several nodes (``[B, T * N, D]``) does not."""
+    lead = math.prod(queries_shape[:-2])
+    nodes = math.prod(self.node_shape[:self.axis + 1])
+    return lead % nodes == 0
 
 
 _TAPE: contextvars.ContextVar = contextvars.ContextVar("jmem_sbp_tape", default=None)
@@ -176,6 +186,13 @@ def _site_call(pure, axis, mode, where, on_backward):
   def record(state, rngs, x, rest):
     tape = Tape("record", axis, x.shape)
     out = _run(pure, tape, state, rngs, x, rest)
+    for leaf in jax.tree.leaves(out[0]):
+      if leaf.ndim <= axis or leaf.shape[axis] != x.shape[axis]:
+        raise ValueError(
+            f"jmem.SBP: the site {where or '<top>'!r} returns an output of shape {leaf.shape} "
+            f"for {x.shape[axis]} nodes along axis {axis} of its input {x.shape}: a site must "
+            "return its nodes along the same axis (put the reduction over the nodes - a mean "
+            "over frames - outside the module that where= names).")
     return out, tape
 
   @jax.custom_vjp

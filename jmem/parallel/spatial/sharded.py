@@ -193,6 +193,10 @@ def _split_plans(lhs, rhs, strides, padding, rhs_dilation, names, size):
         continue                                      # even: as it is
     except ValueError:
       pass
+    if not 0 <= lo < extent or hi < 0:
+      unsplit[dim] = (f"cannot split {name} = {length} into equal blocks (padding {(lo, hi)} "
+                      f"with a window of {extent})")
+      continue
     # Zeros appended up to a multiple of n * stride covering every true output's window.
     block = n * stride
     padded = -(-max(length, out * stride, (out - 1) * stride + extent - lo) // block) * block
