@@ -68,8 +68,9 @@ def rngs(*, actnn: jax.Array | None = None, sbp: jax.Array | None = None):
     _RNGS.reset(token)
 
 
-def context_key(stream: str, path: str, args=()):
-  """The ``stream`` key of `rngs` for the site at ``path`` (None without one).
+def context_key(stream: str, path: str, args=(), fold: str | None = None):
+  """The ``stream`` key of `rngs` for the site at ``path`` (None without one), folded with
+  ``fold`` (default ``path``; one string for several sites gives them one key).
 
   Raises if the key is a constant of a trace whose site arguments are traced: the context
   was entered outside the jitted function, so every later call would reuse this one key.
@@ -88,7 +89,8 @@ def context_key(stream: str, path: str, args=()):
         "inside it).")
   if not jax.dtypes.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
     key = jax.random.wrap_key_data(key) if key.dtype == jnp.uint32 else key
-  return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+  fold = path if fold is None else fold
+  return jax.random.fold_in(key, zlib.crc32(fold.encode()) & 0x7FFFFFFF)
 
 
 def _under_jit() -> bool:

@@ -153,6 +153,8 @@ def test_spatial_refuses_what_it_cannot_do():
     jmem.Spatial("mesh")
   with pytest.raises(ValueError, match="shards nothing"):
     jmem.Spatial(mesh, axes=(None, None))
+  with pytest.raises(ValueError, match="AxisType.Auto"):
+    jmem.Spatial(jax.make_mesh((2, 4), ("h", "w"), axis_types=(AxisType.Explicit,) * 2))
   x = jnp.zeros((4, 16, 16, 3))
   model = tp.FunctionalCNN()
   variables = model.init(jax.random.key(1), x)

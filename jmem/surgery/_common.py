@@ -240,8 +240,8 @@ def sbp_attention(tape, path: str, dropout_on: bool, call, args, kwargs,
 
 
 def sbp_key(path: str, args):
-  """The keep key of an SBP site from `rngs` (None without one)."""
-  return context_key("sbp", path, args)
+  """The keep key of an SBP site from `rngs` (None without one): the same for every site."""
+  return context_key("sbp", path, args, fold="")
 
 
 _KIND_NAMES = {"remat": "recomputation", "sbp": "SBP", "block": "compression",

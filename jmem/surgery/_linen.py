@@ -305,7 +305,7 @@ class _Trace:
         if mod.scope.has_rng("sbp"):
           self.sbp_keys[index] = mod.make_rng("sbp")
         else:
-          self.sbp_keys[index] = c.sbp_key("", (args, kwargs))
+          self.sbp_keys[index] = c.sbp_key(path, (args, kwargs))
       transform = c.sbp_transform(t, self.sbp_keys[index], path)
     else:
       lv = t.resolved_level()

@@ -51,7 +51,7 @@ def _block_call(base, cfg):
       transform = c.remat_transform(opts)
     elif kind == "sbp":
       # One key for every site of the technique: blocks over the same tokens keep the same.
-      transform = c.sbp_transform(opts, c.sbp_key("", (arrays,)), path)
+      transform = c.sbp_transform(opts, c.sbp_key(path, (arrays,)), path)
     else:
       bits, level, implementation = opts
       key = c.context_key("actnn", path, (arrays, state))

@@ -73,6 +73,13 @@ def check_mesh(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None) ->
                      "different mesh axes.")
   if not any(a is not None for a in axes):
     raise ValueError("jmem.Spatial(axes=...) shards nothing: name the mesh axis of H or W.")
+  types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+  explicit = [a for a in named if "Explicit" in str(types.get(a, ""))]
+  if explicit:
+    raise ValueError(
+        f"jmem.Spatial: the mesh axes {explicit} are AxisType.Explicit; a Spatial model is "
+        "global code under plain jit, and Flax's layers take no out_sharding, so build the "
+        "mesh with axis_types=(AxisType.Auto,) * n.")
 
 
 def sharded_conv(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None = None,
