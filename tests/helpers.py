@@ -1,8 +1,10 @@
 """Helpers shared by several test modules (imported as ``helpers``: pytest puts tests/ on
 the path)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 # Per-dtype tolerances of exact techniques against their references.
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=5e-2, atol=5e-2)}
@@ -23,6 +25,17 @@ def assert_close_scaled(got, want, *, rtol=1e-5, atol=1e-5):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   scale = max(1.0, float(np.abs(want).max()))
   np.testing.assert_allclose(got / scale, want / scale, rtol=rtol, atol=atol)
+
+
+def assert_trees_close(got, want, tol=1e-5):
+  """Same tree; every leaf within ``tol`` of ``want`` relative to ``max(1e-3, max|want|)``
+  over the whole tree (gradients near 0, such as an attention key bias's, are noise)."""
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  if not jax.tree.leaves(want):
+    return
+  a, b = np.asarray(ravel_pytree(got)[0]), np.asarray(ravel_pytree(want)[0])
+  scale = max(1e-3, float(np.abs(b).max()))
+  np.testing.assert_allclose(a / scale, b / scale, rtol=0, atol=tol)
 
 
 def assert_close_dtype(got, want, dtype):

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.flatten_util import ravel_pytree
 
 import jmem
 import third_party_models as tp
+from helpers import assert_trees_close as assert_close
 from jmem import _context
 from jmem.ops import sbp as S
 from jmem.ops.sbp import core as sbp_core
@@ -28,15 +28,6 @@ KEY = jax.random.key(5)
 
 def xent(logits):
   return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), Y[:, None], 1))
-
-
-def assert_close(got, want, tol=1e-5):
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  if not jax.tree.leaves(want):
-    return
-  a, b = ravel_pytree(got)[0], ravel_pytree(want)[0]
-  scale = max(1e-3, float(jnp.max(jnp.abs(b))))
-  np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, rtol=0, atol=tol)
 
 
 def _stop_grad_bn(x, scale, bias, epsilon):

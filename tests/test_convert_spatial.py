@@ -17,27 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.flatten_util import ravel_pytree
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jmem
 import third_party_models as tp
+from helpers import assert_trees_close as _close
 from jmem import models
 from jmem.parallel.spatial import SpatialFallbackWarning
 
 
 def _mesh(shape=(2, 4), names=("h", "w")):
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
-
-
-def _close(got, want, tol=1e-5):
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  if not jax.tree.leaves(want):
-    return
-  a, b = ravel_pytree(got)[0], ravel_pytree(want)[0]
-  scale = max(1e-3, float(jnp.max(jnp.abs(b))))
-  np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(b) / scale, rtol=0, atol=tol)
 
 
 def _linen_step(model, variables, y, **kw):

@@ -52,7 +52,7 @@ class Tape:
 
   Attributes:
     mode: ``"record"`` (the all-node forward) or ``"replay"`` (the backward's re-run).
-    stats: per BatchNorm call, in call order, the ``(mean, var)`` its forward used.
+    stats: per BatchNorm call, in call order, the statistics its forward used.
     axis: the site's node axis; ``node_shape``: the shape of its node input ``x``.
     rows: ``idx`` of the kept nodes while replaying in ``"rows"`` mode, else None.
     mixing: set by a recognised attention layer over the node axis while recording.
@@ -68,8 +68,8 @@ class Tape:
   dropout: str | None = None
   cursor: int = 0
 
-  def record(self, mean, var) -> None:
-    self.stats.append((jax.lax.stop_gradient(mean), jax.lax.stop_gradient(var)))
+  def record(self, stats) -> None:
+    self.stats.append(jax.lax.stop_gradient(stats))
 
   def next(self):
     if self.cursor >= len(self.stats):
@@ -123,13 +123,11 @@ def taped_train_fn(train_fn: Callable, eval_fn: Callable) -> Callable:
   def fn(x, scale, bias, mask, shift):
     if tape.mode == "record":
       y, stats = train_fn(x, scale, bias, mask, shift)
-      tape.record(stats.mean, stats.var)
+      tape.record(stats)
       return y, stats
-    mean, var = tape.next()
-    y = eval_fn(x, scale, bias, mean, var)
-    # The running statistics of a re-run are discarded; these keep their shapes.
-    _, stats = jax.eval_shape(train_fn, x, scale, bias, mask, shift)
-    return y, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
+    # The forward's statistics, held constant (the re-run's running averages are discarded).
+    stats = tape.next()
+    return eval_fn(x, scale, bias, stats.mean, stats.var), stats
   return fn
 
 
