@@ -253,6 +253,40 @@ def test_sbp_refuses_what_it_cannot_do_exactly():
       run(_Wrap(_Pooling), jmem.SBP(where=_Pooling, mode=mode))
   with pytest.raises(ValueError, match=r"mode='nodes'.*attention at 'block0/"):
     run(tp.FrameTokenViT(), jmem.SBP(where=tp.ViTBlock, mode="nodes"))
+  with pytest.raises(ValueError, match=r"(?s)re-running the site '_FixedFrames_0' on its 4 kept "
+                                       r"of 8 nodes.*mode='rows'"):
+    run(_Wrap(_FixedFrames), jmem.SBP(where=_FixedFrames))
+  run(_Wrap(_FixedFrames), jmem.SBP(where=_FixedFrames, mode="rows"))
+
+
+class _FixedFrames(nn.Module):
+  """Hard-codes the clip length (8 frames): it cannot run on the kept frames alone."""
+
+  @nn.compact
+  def __call__(self, clips):
+    return nn.Dense(4)(clips.reshape(clips.shape[0], 8, -1))   # Dense: 192 inputs
+
+
+def test_sbp_under_shard_map_over_the_batch():
+  """A converted model inside ``jax.shard_map`` with the batch split over 2 devices: the
+  gradients summed over the devices equal the unsharded SBP step's (the key is replicated, so every device
+  keeps the same frames)."""
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  model = jmem.convert(tp.FrameTokenViT(), jmem.SBP(keep_ratio=0.5, where=tp.ViTBlock))
+  variables = model.init(jax.random.key(1), CLIPS)
+
+  def loss(params, x, y):
+    out = model.apply({"params": params}, x, rngs={"sbp": KEY})
+    return -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
+
+  # Under check_vma the gradient of the replicated parameters is summed over "data" by
+  # autodiff itself.
+  P = jax.sharding.PartitionSpec
+  sharded = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh,
+                                  in_specs=(P(), P("data"), P("data")),
+                                  out_specs=P()))(variables["params"], CLIPS, Y)
+  assert_close(sharded, jax.grad(loss)(variables["params"], CLIPS, Y))
 
 
 class _Wrap(nn.Module):

@@ -221,7 +221,17 @@ def _site_call(pure, axis, mode, where, on_backward):
     x_in = jnp.take(x, idx, axis=axis) if chosen == "nodes" else x
     # Traced now (inside the layers' interception), run in the backward: only the inputs of
     # the checkpointed re-run are saved.
-    _, vjp_fn = jax.vjp(jax.checkpoint(replay, prevent_cse=True), state, x_in, rest)
+    try:
+      _, vjp_fn = jax.vjp(jax.checkpoint(replay, prevent_cse=True), state, x_in, rest)
+    except Exception as e:  # pylint: disable=broad-except
+      if chosen != "nodes":     # the forward ran on every node: the count is what changed
+        raise
+      raise ValueError(
+          f"jmem.SBP: re-running the site {where or '<top>'!r} on its {x_in.shape[axis]} kept "
+          f"of {x.shape[axis]} nodes (axis {axis}) failed: {e}\nA per-node site must work for "
+          "any number of nodes; one that fixes the count (a reshape to a constant number of "
+          "frames) can run with mode='rows' (the re-run takes every node, the dropped ones' "
+          "cotangent at zero), or name an inner module with where=.") from e
     decided.update(mode=chosen,
                    rngs=jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), rngs))
     return out, (vjp_fn, idx)
