@@ -23,7 +23,8 @@ the gradient's deviation from the stop_gradient oracle on small shapes.
 converted third-party model: its per-frame ResNet-8 pretrained on single frames, then exact
 vs ``jmem.convert(model, jmem.SBP(keep_ratio=0.25, where=ResNetFrameEncoder))`` from the same
 weights, seeds and steps (the frame CNN at 0.1x the learning rate). ``--seeds`` and
-``--steps`` as given (default here: seed 0, 600 steps).
+``--steps`` as given (default here: seed 0, 600 steps); seeds run apart with the same
+settings are merged into one row (``--seeds 1,2`` after seed 0).
 
 (5) spatial: jmem.Spatial on a 2 x 4 mesh of simulated CPU devices (H x W): ConvNeXt-T
 (jmem's, 224x224, batch 8) and the third-party CNN with a global mean (128x128, batch 8),
@@ -276,6 +277,30 @@ def sbp_accuracy(seeds, steps, train_clips=8192, learning_rate=2e-3, pretrain_st
   return dict(meta=meta, rows=rows)
 
 
+def _merge_seeds(old, new):
+  """Adds the seeds of an earlier sbp-accuracy run with the same settings to ``new``.
+
+  The pretraining is seeded (seed 0) and deterministic, so seeds run apart share it; a seed
+  run again replaces its earlier figure.
+  """
+  settings = ("steps", "batch_size", "train_clips", "test_clips", "learning_rate",
+              "frames_lr_scale")
+  if not old or any(old["meta"].get(k) != new["meta"].get(k) for k in settings):
+    return new
+  rows = []
+  for o, n in zip(old["rows"], new["rows"]):
+    per = dict(zip(old["meta"]["seeds"], zip(o["accuracy_per_seed"],
+                                             o["train_seconds_per_seed"])))
+    per.update(zip(new["meta"]["seeds"], zip(n["accuracy_per_seed"],
+                                             n["train_seconds_per_seed"])))
+    seeds = sorted(per)
+    accs = [per[s][0] for s in seeds]
+    rows.append(dict(technique=n["technique"], accuracy=sum(accs) / len(accs),
+                     accuracy_per_seed=accs, train_seconds_per_seed=[per[s][1] for s in seeds]))
+  rows[1]["accuracy_minus_exact"] = rows[1]["accuracy"] - rows[0]["accuracy"]
+  return dict(meta=dict(new["meta"], seeds=seeds), rows=rows)
+
+
 def _spatial_step(model, y, x, **kw):
   variables = jax.eval_shape(lambda x: model.init(jax.random.key(1), x), x)
   state = [k for k in variables if k != "params"]
@@ -430,17 +455,24 @@ def main():
                  help="rewrite any_model.md from any_model.json without measuring")
   args = p.parse_args()
   path = os.path.join(RESULTS, "any_model.json")
-  saved = {}
-  if os.path.exists(path):
+
+  def load():
+    if not os.path.exists(path):
+      return {}
     with open(path) as f:
-      saved = json.load(f)
+      return json.load(f)
+  saved = load()
   if not args.markdown_only:
     parts = args.parts.split(",")
+    measured = {}
     for part, run in (("small", small), ("resnet50", resnet50), ("sbp", sbp_memory),
                       ("sbp-accuracy", lambda: sbp_accuracy(args.seeds, args.steps)),
                       ("spatial", spatial)):
       if part in parts:
-        saved[part.replace("-", "_")] = run()
+        measured[part.replace("-", "_")] = run()
+    saved = load()  # read again: another run may have written other parts meanwhile
+    for key, res in measured.items():
+      saved[key] = _merge_seeds(saved.get(key), res) if key == "sbp_accuracy" else res
     saved.update(jax=jax.__version__, backend=jax.default_backend())
     os.makedirs(RESULTS, exist_ok=True)
     with open(path, "w") as f:
