@@ -30,11 +30,11 @@ def _abn(x=XC, **kw):
   return iabn.inplace_abn(x, G, B, **kw)
 
 
-def _halo(width, kernel, mesh_w=8):
+def _halo(width, kernel, mesh_w=8, padding="SAME"):
   mesh = jax.make_mesh((mesh_w,), ("w",), axis_types=(jax.sharding.AxisType.Auto,))
   x = jnp.ones((1, 4, width, 1))
   k = jnp.ones((kernel, kernel, 1, 1))
-  f = jax.shard_map(lambda x: spatial.halo_conv(x, k, axis_names=(None, "w")), mesh=mesh,
+  f = jax.shard_map(lambda x: spatial.halo_conv(x, k, padding=padding, axis_names=(None, "w")), mesh=mesh,
                     in_specs=P(None, None, "w"), out_specs=P(None, None, "w"))
   return jax.jit(f).trace(x)
 
@@ -78,12 +78,13 @@ ERRORS = {
                           TypeError, "boolean"),
     "syncbn integer input": (lambda: sync_bn.sync_batch_norm(jnp.arange(32).reshape(8, 4)),
                              TypeError, "float"),
-    # Spatial: unbound axis names, halos wider than a shard, output not divisible.
+    # Spatial: unbound axis names, negative padding, output not divisible.
     "halo_conv unbound axis": (
         lambda: spatial.halo_conv(jnp.ones((1, 8, 8, 1)), jnp.ones((3, 3, 1, 1)),
                                   axis_names=(None, "w")), NameError, "not bound"),
-    "halo wider than a shard": (lambda: _halo(width=8, kernel=5), ValueError,
-                                "wider than"),
+    "halo_conv negative padding": (
+        lambda: _halo(width=16, kernel=3, padding=((1, 1), (-1, 3))), ValueError,
+        "non-negative padding"),
 }
 
 

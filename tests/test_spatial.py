@@ -27,6 +27,8 @@ CASES = [  # kernel, stride, dilation, groups, padding
     (7, 1, 1, 4, "SAME"), (3, 1, 1, 1, "SAME"), (3, 2, 1, 1, "SAME"), (1, 1, 1, 1, "SAME"),
     (5, 1, 1, 2, "SAME"), (3, 1, 2, 1, "SAME"), (2, 2, 1, 1, "VALID"), (4, 4, 1, 1, "VALID"),
     (3, 1, 1, 1, ((1, 1), (1, 1))),
+    (7, 1, 2, 4, "SAME"),      # halo 6 over 4-wide blocks (w8): from two neighbours a side
+    (3, 2, 1, 4, "SAME"),      # depthwise, stride 2, 2 outputs per input channel
 ]
 
 
@@ -83,7 +85,8 @@ def test_fewer_collectives_and_less_memory_than_xla_partitioning():
 
 
 @pytest.mark.parametrize("kind", ["max", "avg"])
-@pytest.mark.parametrize("window,strides,padding", [(3, 1, "SAME"), (3, 2, "SAME"), (2, 2, "VALID")])
+@pytest.mark.parametrize("window,strides,padding", [(3, 1, "SAME"), (3, 2, "SAME"), (2, 2, "VALID"),
+                                                    (11, 1, "SAME")])   # halo 5 over 4
 def test_pooling_with_halos(kind, window, strides, padding):
   mesh = spatial.spatial_mesh(1, 2, 4)
   x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 8, 16, 3)) - 2.0, jnp.float32)
@@ -153,8 +156,8 @@ def test_bad_input_errors():
     return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(x)
   with pytest.raises(NameError, match="not bound"):
     run(lambda v: spatial.halo_conv(v, w3, axis_names=(None, "width")), jnp.ones((1, 4, 16, 2)))
-  with pytest.raises(ValueError, match="wider than"):
-    run(lambda v: spatial.halo_conv(v, jnp.ones((7, 7, 2, 2)), axis_names=(None, "w")),
+  with pytest.raises(ValueError, match="non-negative padding"):
+    run(lambda v: spatial.halo_conv(v, w3, padding=((1, 1), (-1, 3)), axis_names=(None, "w")),
         jnp.ones((1, 4, 16, 2)))
   with pytest.raises(ValueError, match="divisible by the stride"):
     run(lambda v: spatial.halo_conv(v, w3, strides=2, axis_names=(None, "w")),

@@ -11,7 +11,7 @@ pooling) on a sharded dimension needs only a thin halo from each neighbour:
   what block ``i``'s input, extended by ``p_lo`` positions on the left and ``e - s - p_lo``
   on the right, gives with no padding. A negative right extension trims the block.
 * The halos come from the neighbours by one ``lax.ppermute`` per side and sharded
-  dimension; ``ppermute`` with a non-cyclic permutation yields zeros at the global edges,
+  dimension (a halo wider than a block: one per block it spans); ``ppermute`` with a non-cyclic permutation yields zeros at the global edges,
   which is the zero padding (pooling sets its own pad value there). H is exchanged first,
   then W on the H-extended block, so corners travel too.
 * Gradients: pooling differentiates the exchange (the transpose of ``ppermute`` sends
@@ -21,7 +21,10 @@ pooling) on a sharded dimension needs only a thin halo from each neighbour:
   output cotangents with a transposed convolution of exactly the block's size (autodiff of
   the exchange needs one over the haloed width, 1.8x slower on XLA:CPU). 4
   collective-permutes + 1 all-reduce for a k7 conv sharded on W, where XLA's automatic
-  partitioning of the same conv emits 6 + 1.
+  partitioning of the same conv emits 6 + 1. On CPU a depthwise kernel's gradient is a
+  convolution with feature groups (the batch moved into the features): the batch-grouped
+  one autodiff writes becomes a dense C x C convolution on XLA:CPU (115 MB of temp for a
+  7x7 kernel of 768 channels; 3.9 MB this way).
 
 Anything else that a spatially sharded CNN needs is here too: global average pooling (one
 psum), window pooling with halos, per-sample DropPath with one draw per sample on every
@@ -121,32 +124,48 @@ def plan_split(local_size: int, n: int, *, window: int, stride: int = 1, dilatio
   # Outputs of the neighbours whose windows reach into this block (for the input VJP).
   out_left = max(0, (extent - 1 - lo) // stride)
   out_right = (lo - 1) // stride + 1 if lo >= 1 else 0
-  if max(left, right, out_left * stride, out_right * stride) > local_size or left < 0:
+  if left < 0 or -right >= local_size:
     raise ValueError(
-        f"The halo of {dim_name} ({left} left, {right} right) is wider than the "
-        f"{local_size} positions each of the {n} devices holds on {axis_name!r}: use fewer "
-        f"devices on this axis, a larger input, or a smaller kernel/dilation.")
+        f"{dim_name} sharded over {axis_name!r} ({n} devices x {local_size}): the padding "
+        f"{padding} leaves a block {left} positions on the left and {right} on the right of "
+        f"its own (negative: cut off), which does not split into equal blocks. Use "
+        f"non-negative padding or do not shard this dim.")
   grad_padding = (out_left * stride + lo, (out_right - 1) * stride - lo + extent)
   return HaloPlan(axis_name, left, right, (0, 0), out_left, out_right, grad_padding)
 
 
 def _receive(x, *, dim, axis_name, left, right, pad_value=0.0):
-  """The strips this block gets from its left and right neighbours (None where empty)."""
+  """The strips this block gets from its left and right neighbours (None where empty).
+
+  A strip wider than a block comes from several neighbours, one ``ppermute`` per block it
+  spans (hop ``j`` sends block ``i``'s edge to block ``i + j``); past the image's edges it is
+  ``pad_value``.
+  """
   n = lax.axis_size(axis_name)
   size = x.shape[dim]
   idx = lax.axis_index(axis_name)
-  got_left = got_right = None
-  if left > 0:
-    edge = lax.slice_in_dim(x, size - left, size, axis=dim)
-    got_left = lax.ppermute(edge, axis_name, perm=[(i, i + 1) for i in range(n - 1)])
-    if pad_value != 0.0:
-      got_left = jnp.where(idx == 0, jnp.asarray(pad_value, x.dtype), got_left)
-  if right > 0:
-    edge = lax.slice_in_dim(x, 0, right, axis=dim)
-    got_right = lax.ppermute(edge, axis_name, perm=[(i + 1, i) for i in range(n - 1)])
-    if pad_value != 0.0:
-      got_right = jnp.where(idx == n - 1, jnp.asarray(pad_value, x.dtype), got_right)
-  return got_left, got_right
+
+  def strip(width, from_left):
+    parts = []
+    for hop in range(1, -(-width // size) + 1):
+      take = min(size, width - (hop - 1) * size)
+      if from_left:       # the last `take` positions of block idx - hop
+        edge = lax.slice_in_dim(x, size - take, size, axis=dim)
+        perm = [(i, i + hop) for i in range(n - hop)]
+        outside = idx < hop
+      else:               # the first `take` positions of block idx + hop
+        edge = lax.slice_in_dim(x, 0, take, axis=dim)
+        perm = [(i + hop, i) for i in range(n - hop)]
+        outside = idx >= n - hop
+      got = lax.ppermute(edge, axis_name, perm=perm) if perm else jnp.zeros_like(edge)
+      if pad_value != 0.0:
+        got = jnp.where(outside, jnp.asarray(pad_value, x.dtype), got)
+      parts.append(got)
+    if from_left:
+      parts.reverse()     # farthest block first
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=dim)
+
+  return (strip(left, True) if left > 0 else None, strip(right, False) if right > 0 else None)
 
 
 def _attach(x, strips, *, dim, right):
@@ -266,6 +285,28 @@ class _ConvSpec:
         precision=self.precision, preferred_element_type=self.preferred_element_type)
 
 
+  def depthwise_kernel_grad(self, x, dy, padding, kernel):
+    """The kernel gradient of a depthwise convolution (groups == input channels) on this
+    block as a convolution with feature groups instead of batch groups: the batch moves
+    into the features (``C`` groups of ``N``) and ``dy`` is the window, dilated by the
+    stride. Summed over the mesh axes ``x`` varies on and the kernel does not, as autodiff
+    of `conv` sums it."""
+    nd = x.ndim - 2
+    n, c, window = x.shape[0], x.shape[-1], kernel.shape[:nd]
+    x = jnp.pad(x, ((0, 0), *padding, (0, 0)))
+    lhs = jnp.moveaxis(x, 0, -1).reshape(1, *x.shape[1:-1], c * n)      # features (c, n)
+    rhs = jnp.moveaxis(dy, 0, -2)                                        # [*out, N, C*m]
+    dk = lax.conv_general_dilated(
+        lhs, rhs, window_strides=self.dilation, padding=((0, 0),) * nd,
+        rhs_dilation=self.strides, dimension_numbers=_dimension_numbers(nd),
+        feature_group_count=c, precision=self.precision,
+        preferred_element_type=self.preferred_element_type)
+    dk = dk[(0, *(slice(0, k) for k in window))].reshape(*window, 1, dy.shape[-1])
+    dk = dk.astype(kernel.dtype)
+    summed = tuple(sorted(_axes.varying_axes(x) - _axes.varying_axes(kernel)))
+    return lax.psum(dk, summed) if summed else dk
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _halo_conv(x, kernel, spec: _ConvSpec):
   x_ext, _ = _extend(x, spec.plans)
@@ -285,9 +326,21 @@ def _halo_conv_bwd(spec, res, dy):
   # sums it over the shards when the kernel is replicated (check_vma's pvary transposes to
   # psum); under pmap or check_vma=False it stays per-device, as autodiff would leave it.
   x_ext = _rebuild(x, strips, spec.plans)
-  _, vjp_kernel = jax.vjp(lambda k: spec.conv(x_ext, k, tuple(p.padding for p in spec.plans)),
-                          kernel)
-  (dk,) = vjp_kernel(dy)   # for a replicated kernel under shard_map: summed over shards
+  pads = tuple(p.padding for p in spec.plans)
+
+  def kernel_grad(x_ext, dy):
+    _, vjp_kernel = jax.vjp(lambda k: spec.conv(x_ext, k, pads), kernel)
+    return vjp_kernel(dy)[0]   # for a replicated kernel under shard_map: summed over shards
+
+  if spec.groups > 1 and spec.groups == x.shape[-1]:
+    # Depthwise: XLA:CPU computes this kernel gradient (a convolution with batch groups)
+    # as a dense one of C x C channels (for a 7x7 kernel of 768 channels a 115 MB
+    # temporary), so on CPU it is reduced tap by tap instead; elsewhere the convolution.
+    dk = lax.platform_dependent(
+        x_ext, dy, cpu=lambda v, g: spec.depthwise_kernel_grad(v, g, pads, kernel),
+        default=kernel_grad)
+  else:
+    dk = kernel_grad(x_ext, dy)
   # Input gradient: the cotangents of the neighbours' outputs that read this block, then
   # the local transposed convolution, whose output is exactly this block's size.
   dy_ext, _ = _extend(dy, spec.plans, out=True)
@@ -335,8 +388,7 @@ def halo_conv(x: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] =
 
   Raises:
     ValueError: if the global output does not split into equal blocks (e.g. a per-device
-      width that is not a multiple of the stride), a halo is wider than a block, or ``x``
-      is not split over a named axis (see ``axis_names``).
+      width that is not a multiple of the stride), or ``x`` is not split over a named axis (see ``axis_names``).
     NameError: if an axis name is not bound by an enclosing shard_map / pmap.
   """
   nd = x.ndim - 2

@@ -11,16 +11,18 @@ device's block (4 collective-permutes + 1 all-reduce for a k7 conv sharded on W,
 and backward, where XLA's partitioning of the same conv emits 6 + 1).
 
 A spatial dim whose blocks would not be equal (a side the mesh does not divide, a stride
-that does not divide the per-device size, a halo wider than a block) is padded with zeros
-up to equal blocks: they are the convolution's own zero padding, its right padding is set
-so that every block gives ``padded / stride`` outputs, and the outputs past the true ones
-are cut off. Where even that cannot split a dim it is gathered for that convolution
-(``with_sharding_constraint`` to a spec without its axis); a convolution `halo_conv` does
-not cover at all (input dilation, batch groups, not 2-D) runs on the whole gathered image.
-Either way a `SpatialFallbackWarning` says so, once per reason. Uneven shards are not left to
-XLA's spatial partitioning: on XLA:CPU (JAX 0.10.2) a stride-2 convolution of 15-row blocks
-(a 30-row image on 2 devices) gets gradients off by up to 0.13 that way, where gathering is
-exact (`tests/test_convert_spatial.py`).
+that does not divide the per-device size) is padded with zeros up to ``n`` blocks of
+``ceil(length / n)`` rounded up to the stride: XLA's own layout of such a dim, so padding it
+and cutting the outputs off move no data. The zeros are the convolution's own zero padding;
+its right padding is set so that every block gives ``block / stride`` outputs, and the
+outputs past the true ones are cut off. A halo wider than a block comes from several
+neighbours (`halo_conv`). Where a dim still cannot be split (negative padding, left padding
+past the window) it is gathered for that convolution (``with_sharding_constraint`` to a spec
+without its axis); a convolution `halo_conv` does not cover at all (input dilation, batch
+groups, not 2-D) runs on the whole gathered image. Either way a `SpatialFallbackWarning`
+says so, once per reason. Uneven shards are not left to XLA's spatial partitioning: on
+XLA:CPU (JAX 0.10.2) a stride-2 convolution of 15-row blocks (a 30-row image on 2 devices)
+gets gradients off by up to 0.13 that way, where jmem is exact (`tests/test_convert_spatial.py`).
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def sharded_conv(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None =
     reason = "has an out_sharding of its own" if out_sharding is not None else _unsupported(
         lhs, rhs, padding, lhs_dilation, dimension_numbers, batch_group_count, batch, size)
     names = [a if a is not None and size[a] > 1 else None for a in axes]
+    home = NamedSharding(mesh, P(batch, *names, None))   # the layout the model runs in
     plans = {}
     if reason is None:                 # the dims that do not split are gathered, the others
       plans, unsplit = _split_plans(lhs, rhs, window_strides, padding, rhs_dilation, names,
@@ -150,6 +153,8 @@ def sharded_conv(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None =
     y = jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=spec)(lhs, rhs)
     if any(o is not None for o in outs):
       y = y[:, :outs[0] or y.shape[1], :outs[1] or y.shape[2]]
+    if unsplit:
+      y = jax.lax.with_sharding_constraint(y, home)
     return y
 
   return conv
@@ -180,8 +185,8 @@ def _unsupported(lhs, rhs, padding, lhs_dilation, dimension_numbers, batch_group
 def _split_plans(lhs, rhs, strides, padding, rhs_dilation, names, size):
   """``({dim: (padded length, padding, true output length)}, {dim: why not})``: how each
   sharded spatial dim splits into equal blocks, padded with zeros where the mesh does not
-  divide it (or the stride does not divide a block), or why it cannot (a halo wider than a
-  block)."""
+  divide it (or the stride does not divide a block), or why it cannot (negative padding,
+  left padding past the window)."""
   dilation = tuple(rhs_dilation or (1, 1))
   window = rhs.shape[:2]
   pads = _window.padding_pairs(padding, window, tuple(strides), dilation, lhs.shape[1:3])
@@ -204,12 +209,16 @@ def _split_plans(lhs, rhs, strides, padding, rhs_dilation, names, size):
       unsplit[dim] = (f"cannot split {name} = {length} into equal blocks (padding {(lo, hi)} "
                       f"with a window of {extent})")
       continue
-    # Zeros appended up to a multiple of n * stride covering every true output's window.
-    block = n * stride
-    padded = -(-max(length, out * stride, (out - 1) * stride + extent - lo) // block) * block
-    right = extent - stride - lo                     # every block: padded/stride outputs
+    # Zeros appended up to n blocks of ceil(length / n) positions rounded up to the stride:
+    # XLA's own layout of an uneven dim (ceil(length / n) per device, the last ones padded)
+    # wherever the stride divides that block, so padding and cutting off move no data.
+    # A window past the image reads the edge's zeros, so only the true outputs must fit.
+    block = -(-length // n)
+    block = -(-block // stride) * stride
+    block = max(block, -(-out // n) * stride)
+    padded, right = n * block, extent - stride - lo  # every block: block/stride outputs
     try:
-      plan_split(padded // n, n, window=window[dim], stride=stride, dilation=dilation[dim],
+      plan_split(block, n, window=window[dim], stride=stride, dilation=dilation[dim],
                  padding=(lo, right), axis_name=axis, dim_name=name)
     except ValueError as e:
       unsplit[dim] = f"cannot split {name} = {length} into equal blocks ({e})"
