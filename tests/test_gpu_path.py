@@ -62,3 +62,25 @@ def test_converted_third_party_step_lowers_for_cuda_with_its_kernels(name):
                       jax.ShapeDtypeStruct((shape[0],), jnp.int32)).lower(
                           lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") >= 8
+
+
+def test_halo_conv_depthwise_gradient_per_platform():
+  """A depthwise `halo_conv`'s kernel gradient: for CUDA the batch-grouped convolution of
+  autodiff (cuDNN's own), for CPU the feature-grouped form jmem uses there instead."""
+  from jax.sharding import AxisType, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jmem.parallel import spatial  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((2, 4), ("h", "w"), axis_types=(AxisType.Auto,) * 2)
+  spec = P(None, "h", "w", None)
+
+  def loss(x, k):
+    y = jax.shard_map(lambda v, w: spatial.halo_conv(v, w, feature_group_count=8,
+                                                     axis_names=("h", "w")),
+                      mesh=mesh, in_specs=(spec, P()), out_specs=spec)(x, k)
+    return jnp.sum(y ** 2)
+  args = (jax.ShapeDtypeStruct((2, 8, 16, 8), jnp.float32),
+          jax.ShapeDtypeStruct((7, 7, 1, 8), jnp.float32))
+  traced = jax.jit(jax.grad(loss, (0, 1))).trace(*args)
+  cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  assert cuda.count("batch_group_count = 8") == 1
+  assert "batch_group_count" not in cpu.replace("batch_group_count = 1 ", "")
