@@ -190,3 +190,34 @@ def test_replicated_weights_under_shard_map_are_arguments_not_activations():
                                                            jnp.broadcast_to(b, (64, 32)))), b, x)
   assert any(r.source == "activation" and r.shape == (64, 32) and "broadcast" in r.description
              for r in tiled.residuals)
+
+
+def test_peak_buffers_names_the_layer_and_the_pass():
+  """A four-layer MLP's gradient: at the peak, buffers of the forward pass (saved for the
+  backward), of the backward pass and the arguments, each with its layer's path."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(3):
+        x = jnp.tanh(nn.Dense(512, name=f"wide{i}")(x))
+      return nn.Dense(10)(x)
+
+  model = MLP()
+  x = jnp.ones((256, 64))
+  params = model.init(jax.random.key(0), x)
+  f = jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2))
+  report = measure.peak_buffers(f, params, x)
+  kinds = report.by("kind")
+  assert kinds.get("argument", 0) >= 256 * 64 * 4, kinds        # x is live
+  mem = measure.compiled_memory(f, params, x)     # the heap at its peak fits the allocations
+  assert report.total_bytes <= mem.temp_bytes + mem.argument_bytes + mem.output_bytes
+  # A tanh output saved for the backward (the tanh is the MLP's own code: top level), and
+  # the backward's working set in a named layer.
+  assert any(b.kind == "forward" and b.op == "tanh" and b.bytes == 256 * 512 * 4
+             for b in report.buffers), report.table()
+  assert any(b.kind == "backward" and b.scope.startswith("wide") and b.bytes == 256 * 512 * 4
+             for b in report.buffers), report.table()
+  assert sum(report.by("scope").values()) == report.total_bytes
+  assert report.table(3).count("\n") == 4
