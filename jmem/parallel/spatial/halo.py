@@ -293,7 +293,9 @@ class _ConvSpec:
     of `conv` sums it."""
     nd = x.ndim - 2
     n, c, window = x.shape[0], x.shape[-1], kernel.shape[:nd]
-    x = jnp.pad(x, ((0, 0), *padding, (0, 0)))
+    dtype = jnp.promote_types(x.dtype, dy.dtype)    # a bf16 input, a float32 cotangent
+    x = jnp.pad(x, ((0, 0), *padding, (0, 0))).astype(dtype)
+    dy = dy.astype(dtype)
     lhs = jnp.moveaxis(x, 0, -1).reshape(1, *x.shape[1:-1], c * n)      # features (c, n)
     rhs = jnp.moveaxis(dy, 0, -2)                                        # [*out, N, C*m]
     dk = lax.conv_general_dilated(
@@ -359,11 +361,13 @@ def halo_conv(x: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] =
               precision=None, preferred_element_type=None) -> jax.Array:
   """Convolution of a spatially sharded activation with a replicated kernel.
 
-  Forward: one ``ppermute`` per side and sharded dim brings the input halos, then a local
+  Forward: one ``ppermute`` per side and sharded dim (per block the halo spans, where it is
+  wider than a block) brings the input halos, then a local
   convolution with no padding on the sharded dims. Backward (custom VJP): the kernel
   gradient reuses the forward's halos (saved as thin strips beside ``x``, no exchange) and
   is summed over the shards (one all-reduce); the input gradient gets the cotangents of the
-  neighbours' overlapping outputs (one ``ppermute`` per side) and runs a local transposed
+  neighbours' overlapping outputs (one ``ppermute`` per side and hop) and runs a local
+  transposed
   convolution of exactly the block's size. A k7 conv sharded on W: 4 collective-permutes +
   1 all-reduce for forward + backward (XLA's automatic partitioning: 6 + 1).
 

@@ -107,6 +107,11 @@ def sharded_conv(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None =
           f"jmem.Spatial: the convolution at {where or '<top>'!r} runs inside shard_map (its "
           f"input varies over {sorted(_axes.varying_axes(lhs))}); a Spatial model runs under "
           "plain jax.jit on global arrays and shards its convolutions itself.")
+    if 0 in jax.eval_shape(lambda a, b: lax.conv_general_dilated(
+        a, b, window_strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+        dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
+        batch_group_count=batch_group_count), lhs, rhs).shape:
+      return plain()                   # an empty output: nothing to shard
     batch = data_axis if data_axis is not None and size[data_axis] > 1 else None
     reason = "has an out_sharding of its own" if out_sharding is not None else _unsupported(
         lhs, rhs, padding, lhs_dilation, dimension_numbers, batch_group_count, batch, size)
@@ -152,7 +157,8 @@ def sharded_conv(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None =
                        preferred_element_type=preferred_element_type)
     y = jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=spec)(lhs, rhs)
     if any(o is not None for o in outs):
-      y = y[:, :outs[0] or y.shape[1], :outs[1] or y.shape[2]]
+      y = y[:, :y.shape[1] if outs[0] is None else outs[0],
+            :y.shape[2] if outs[1] is None else outs[1]]
     if unsplit:
       y = jax.lax.with_sharding_constraint(y, home)
     return y
