@@ -345,7 +345,8 @@ def spatial():
       print(f"{name[:30]:30s} {label[:24]:24s} permutes {counts['collective-permute']} "
             f"all-reduce {counts['all-reduce']} temp {rows[-1]['temp_bytes'] / MIB:.1f} MiB",
             flush=True)
-  # Exactness: ConvNeXt-T run on one device and sharded (2 x 4: uneven from stage 2 on).
+  # Exactness: ConvNeXt-T 64 x 64 run on one device and sharded (2 x 4: stages of 16, 8,
+  # 4 and 2 wide, the last one uneven over 4 devices).
   mesh = meshes[(2, 4)]
   model = models.convnext("convnext-t", 10)
   x = jax.random.normal(jax.random.key(0), (2, 64, 64, 3))
@@ -432,8 +433,9 @@ def _markdown(small_rows, r50_rows, sbp_rows=(), sbp_acc=None, spatial_res=None)
             "The input is a global array sharded over H and W; XLA partitions the unconverted "
             "model by itself, `jmem.Spatial` replaces its convolutions by halo exchange in a "
             "nested shard_map (compile-only, simulated CPU devices, batch 8). ConvNeXt-T at "
-            "224 on 2 x 4: from stage 2 on (14 and 7 wide) W does not split over 4 devices, "
-            "and jmem pads those blocks.", "",
+            "224 on 2 x 4: in stages 3 and 4 (counted from 1; 14 and 7 wide) W does not split "
+            "evenly over 4 devices, and jmem pads those blocks to XLA's own layout (4 and 2 "
+            "per device).", "",
             "| model | image | mesh | partitioning | collective-permutes | all-reduces | "
             "all-gathers | temp (MiB) |", "|---|---:|---|---|---:|---:|---:|---:|"]
     for r in spatial_res["rows"]:
