@@ -443,9 +443,16 @@ _WRAPPER = re.compile(r"^(jit|jvp|transpose|remat|checkpoint|vmap|pjit|custom_jv
 
 
 def _scope(op_name: str) -> str:
-  """``op_name`` without transformation wrappers (``jvp(...)``) and the final primitive."""
-  parts = [p for p in op_name.split("/") if p and not _WRAPPER.match(p)]
-  return "/".join(parts[:-1])
+  """``op_name`` without transformation wrappers (``jvp(...)``, a transformed module's
+  ``Block.fn``, jmem's ``Converted`` wrapper) and the final primitive; a path that the name
+  stack repeats (a module inside a transform) is given once, as is a name repeated next to
+  itself."""
+  parts = [p for p in op_name.split("/")[:-1]
+           if p and not _WRAPPER.match(p) and p not in ("Converted", "rematted_computation")
+           and not p.endswith((".fn", "._run"))]
+  if parts:
+    parts = parts[max(i for i, p in enumerate(parts) if p == parts[0]):]
+  return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
 
 
 def _hlo_definitions(hlo: str):
@@ -528,7 +535,8 @@ def peak_buffers(f: Callable[..., Any], *args, **kwargs) -> PeakReport:
     if kind == "argument":
       scope, op = op_name or name, "parameter"
     elif not op_name and name in users:        # named by the layer that reads it
-      scope, op = "read by " + _scope(users[name]), users[name].rsplit("/", 1)[-1]
+      scope, op = ("read by " + (_scope(users[name]) or "(top level)"),
+                   users[name].rsplit("/", 1)[-1])
     buffers.append(PeakBuffer(name, size, shape, op_name, kind, scope, op))
   return PeakReport(int(m.group(1)), tuple(buffers))
 
