@@ -139,7 +139,8 @@ def test_stt_gradients_equal_exact_with_dropped_frames_held_constant():
   fns, ref = train.model_fns(model), train.model_fns(model.clone(reference=True))
   params, state = fns.init(jax.random.key(0), x)
   rng = jax.random.key(5)
-  grad = lambda f: jax.grad(lambda p: train.make_loss(f)(p, state, x, y, rng)[0])(params)
+  grad = lambda f: jax.jit(jax.grad(lambda p: train.make_loss(f)(p, state, x, y, rng)[0]))(
+      params)
   got, want = grad(fns), grad(ref)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -186,7 +187,7 @@ def test_video_transformer_sbp_blocks():
     params, state = fns.init(jax.random.key(0), x)
     loss = lambda p, m=model: train.make_loss(train.model_fns(m))(
         p, state, x, y, jax.random.key(1))
-    (_, (logits, _)), g = jax.value_and_grad(loss, has_aux=True)(params)
+    (_, (logits, _)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(g))
     # The SBP forward is the exact forward: same logits as the keep_ratio=1 twin.
     _, (exact_logits, _) = loss(params, model.clone(keep_ratio=1.0))
