@@ -110,8 +110,8 @@ def test_uneven_shards_are_exact():
   stride 2, the second conv's 15-row blocks do not split evenly; jmem pads them with zeros
   and cuts the outputs, exactly and without a fallback (XLA's own partitioning of this step
   is off by 0.13 on XLA:CPU, JAX 0.10.2); so is a 7 x 7 halo over 2-column blocks (from
-  two neighbours a side). A convolution halo_conv does not cover (input dilation) runs on the gathered image,
-  with a warning, and stays exact."""
+  two neighbours a side). A convolution halo_conv does not cover (input dilation) runs on
+  the gathered image, with a warning, and stays exact."""
   mesh = _mesh()
   y = jnp.arange(4) % 10
   x = jax.random.normal(jax.random.key(0), (4, 30, 30, 3))

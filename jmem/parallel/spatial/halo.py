@@ -11,9 +11,10 @@ pooling) on a sharded dimension needs only a thin halo from each neighbour:
   what block ``i``'s input, extended by ``p_lo`` positions on the left and ``e - s - p_lo``
   on the right, gives with no padding. A negative right extension trims the block.
 * The halos come from the neighbours by one ``lax.ppermute`` per side and sharded
-  dimension (a halo wider than a block: one per block it spans); ``ppermute`` with a non-cyclic permutation yields zeros at the global edges,
-  which is the zero padding (pooling sets its own pad value there). H is exchanged first,
-  then W on the H-extended block, so corners travel too.
+  dimension (a halo wider than a block: one per block it spans); ``ppermute`` with a
+  non-cyclic permutation yields zeros at the global edges, which is the zero padding
+  (pooling sets its own pad value there). H is exchanged first, then W on the H-extended
+  block, so corners travel too.
 * Gradients: pooling differentiates the exchange (the transpose of ``ppermute`` sends
   each halo's cotangent back to its owner). The convolution has a custom VJP instead: it
   saves ``x`` and the thin received strips, rebuilds the haloed input for the kernel
@@ -284,7 +285,6 @@ class _ConvSpec:
         dimension_numbers=_dimension_numbers(x.ndim - 2), feature_group_count=self.groups,
         precision=self.precision, preferred_element_type=self.preferred_element_type)
 
-
   def depthwise_kernel_grad(self, x, dy, padding, kernel):
     """The kernel gradient of a depthwise convolution (groups == input channels) on this
     block as a convolution with feature groups instead of batch groups: the batch moves
@@ -337,7 +337,8 @@ def _halo_conv_bwd(spec, res, dy):
   if spec.groups > 1 and spec.groups == x.shape[-1]:
     # Depthwise: XLA:CPU computes this kernel gradient (a convolution with batch groups)
     # as a dense one of C x C channels (for a 7x7 kernel of 768 channels a 115 MB
-    # temporary), so on CPU it is reduced tap by tap instead; elsewhere the convolution.
+    # temporary), so on CPU it is a feature-grouped convolution instead; elsewhere
+    # autodiff's.
     dk = lax.platform_dependent(
         x_ext, dy, cpu=lambda v, g: spec.depthwise_kernel_grad(v, g, pads, kernel),
         default=kernel_grad)
@@ -362,13 +363,12 @@ def halo_conv(x: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] =
   """Convolution of a spatially sharded activation with a replicated kernel.
 
   Forward: one ``ppermute`` per side and sharded dim (per block the halo spans, where it is
-  wider than a block) brings the input halos, then a local
-  convolution with no padding on the sharded dims. Backward (custom VJP): the kernel
-  gradient reuses the forward's halos (saved as thin strips beside ``x``, no exchange) and
-  is summed over the shards (one all-reduce); the input gradient gets the cotangents of the
-  neighbours' overlapping outputs (one ``ppermute`` per side and hop) and runs a local
-  transposed
-  convolution of exactly the block's size. A k7 conv sharded on W: 4 collective-permutes +
+  wider than a block) brings the input halos, then a local convolution with no padding on
+  the sharded dims. Backward (custom VJP): the kernel gradient reuses the forward's halos
+  (saved as thin strips beside ``x``, no exchange) and is summed over the shards (one
+  all-reduce); the input gradient gets the cotangents of the neighbours' overlapping
+  outputs (one ``ppermute`` per side and hop) and runs a local transposed convolution of
+  exactly the block's size. A k7 conv sharded on W: 4 collective-permutes +
   1 all-reduce for forward + backward (XLA's automatic partitioning: 6 + 1).
 
   Args:
@@ -392,7 +392,8 @@ def halo_conv(x: jax.Array, kernel: jax.Array, *, strides: int | Sequence[int] =
 
   Raises:
     ValueError: if the global output does not split into equal blocks (e.g. a per-device
-      width that is not a multiple of the stride), or ``x`` is not split over a named axis (see ``axis_names``).
+      width that is not a multiple of the stride), or ``x`` is not split over a named axis
+      (see ``axis_names``).
     NameError: if an axis name is not bound by an enclosing shard_map / pmap.
   """
   nd = x.ndim - 2

@@ -22,7 +22,8 @@ without its axis); a convolution `halo_conv` does not cover at all (input dilati
 groups, not 2-D) runs on the whole gathered image. Either way a `SpatialFallbackWarning`
 says so, once per reason. Uneven shards are not left to XLA's spatial partitioning: on
 XLA:CPU (JAX 0.10.2) a stride-2 convolution of 15-row blocks (a 30-row image on 2 devices)
-gets gradients off by up to 0.13 that way, where jmem is exact (`tests/test_convert_spatial.py`).
+gets gradients off by up to 0.13 that way, where jmem is exact
+(`tests/test_convert_spatial.py`).
 """
 
 from __future__ import annotations
