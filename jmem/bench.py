@@ -33,7 +33,7 @@ from jmem.techniques import get_technique, register_technique, technique_names
 
 __all__ = [
     "Technique", "IMPLEMENTATIONS", "BenchConfig", "register_technique", "get_technique", "technique_names",
-    "run_bench", "write_results", "format_table", "step_memory", "calibration_problem",
+    "run_bench", "write_results", "format_table", "step_memory", "saved_bytes", "batch_fit", "calibration_problem",
     "make_dataset",
 ]
 
@@ -60,6 +60,10 @@ class BenchConfig:
     memory_only: compile and measure memory only, no training or timing.
     learning_rate: peak AdamW learning rate.
     timing_repeats: timed steps per technique (after two warm-up steps).
+    budgets_gib: device memory budgets (GiB) for the largest batch of each technique
+      (`jmem.measure.fit_batch`: the step compiled at ``batch_size`` and twice that gives
+      the bytes per example; the batch the line predicts is compiled to confirm it).
+      Empty: no largest batch, two compiles fewer per technique.
   """
 
   model: str = "resnet20"
@@ -73,6 +77,7 @@ class BenchConfig:
   memory_only: bool = False
   learning_rate: float = 3e-3
   timing_repeats: int = 10
+  budgets_gib: tuple[float, ...] = (16.0, 80.0)
 
   def validate(self) -> None:
     if self.model not in models_lib.MODEL_NAMES:
@@ -91,6 +96,9 @@ class BenchConfig:
       raise ValueError("Give at least one seed.")
     if self.timing_repeats < 1:
       raise ValueError(f"timing_repeats must be >= 1, got {self.timing_repeats}.")
+    for b in self.budgets_gib:
+      if not isinstance(b, (int, float)) or isinstance(b, bool) or not b > 0:
+        raise ValueError(f"Memory budgets must be positive numbers of GiB, got {b!r}.")
 
 
 def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
@@ -133,11 +141,38 @@ def step_memory(fns, optimizer, x_spec, y_spec, *, step=None) -> tuple[int, int]
       jax.ShapeDtypeStruct((1,) + x_spec.shape[1:], x_spec.dtype))
   step = step or train_lib.make_train_step(fns, optimizer, donate=False)
   temp = measure.compiled_memory(step, abstract, x_spec, y_spec).temp_bytes
+  return saved_bytes(fns, optimizer, x_spec, y_spec), temp
+
+
+def saved_bytes(fns, optimizer, x_spec, y_spec) -> int:
+  """Activation bytes the train step's loss saves for its backward pass (traced only)."""
+  abstract = jax.eval_shape(
+      lambda k, x: train_lib.init_state(fns, optimizer, k, x), jax.random.key(0),
+      jax.ShapeDtypeStruct((1,) + x_spec.shape[1:], x_spec.dtype))
   loss = train_lib.make_loss(fns)
   rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
                                    abstract.model_state, x_spec, y_spec, rng, argnums=0)
-  return report.activation_bytes, temp
+  return report.activation_bytes
+
+
+def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0)) -> measure.BatchFit:
+  """`jmem.measure.fit_batch` of the (donating) train step: device bytes at the batch of
+  ``x_spec`` and at twice it, and the largest batch under each budget (GiB)."""
+  abstract = jax.eval_shape(
+      lambda k, x: train_lib.init_state(fns, optimizer, k, x), jax.random.key(0),
+      jax.ShapeDtypeStruct((1,) + x_spec.shape[1:], x_spec.dtype))
+  step = train_lib.make_train_step(fns, optimizer, donate=True)
+
+  def compile_at(b):
+    return step.lower(abstract, jax.ShapeDtypeStruct((b,) + x_spec.shape[1:], x_spec.dtype),
+                      jax.ShapeDtypeStruct((b,) + y_spec.shape[1:], y_spec.dtype)).compile()
+  b = x_spec.shape[0]
+  return measure.fit_batch(compile_at, (b, 2 * b), [int(g * measure.GIB) for g in budgets_gib])
+
+
+def _budget_key(gib: float) -> str:
+  return f"{gib:g}GiB"
 
 
 def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
@@ -147,7 +182,11 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   Row keys: technique, model, dataset, batch_size, image_size, steps, seeds, saved_bytes,
   temp_bytes, baseline_saved_bytes, baseline_temp_bytes, saved_ratio, temp_ratio,
   step_time_s, step_time_ratio, accuracy, accuracy_per_seed (time and accuracy are None
-  with ``memory_only``).
+  with ``memory_only``); from `batch_fit`: per_example_bytes (device bytes one more example
+  costs), per_example_temp_bytes, fixed_bytes, max_batch (``{"16GiB": n, ...}``, each
+  confirmed by a compile), max_batch_ratio (exact's per-example temp bytes over the
+  technique's: the max-batch multiplier), flops and flops_ratio (XLA's cost analysis of
+  the step).
   """
   config.validate()
   names = ["exact"] + [t for t in config.techniques if t != "exact"]
@@ -171,13 +210,19 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     optimizer = train_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
     _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, "
          f"{config.image_size}x{config.image_size})", quiet)
-    step = train_lib.make_train_step(fns, optimizer, donate=False)  # measured, then timed
-    saved, temp = step_memory(fns, optimizer, x_spec, y_spec, step=step)
+    # The donating step (as `jmem train` runs it) at the batch size gives the temp bytes.
+    fit = batch_fit(fns, optimizer, x_spec, y_spec, config.budgets_gib)
+    saved, temp = saved_bytes(fns, optimizer, x_spec, y_spec), fit.temp_bytes[0]
     row: dict[str, Any] = dict(
         technique=name, model=config.model, dataset=dataset.name,
         batch_size=config.batch_size, image_size=config.image_size, steps=config.steps,
         seeds=list(config.seeds), saved_bytes=saved, temp_bytes=temp,
-        step_time_s=None, step_time_ratio=None, accuracy=None, accuracy_per_seed=None)
+        per_example_bytes=fit.per_example_bytes,
+        per_example_temp_bytes=fit.per_example_temp_bytes, fixed_bytes=fit.fixed_bytes,
+        max_batch={_budget_key(g): fit.max_batch[int(g * measure.GIB)]
+                   for g in config.budgets_gib},
+        flops=fit.flops, step_time_s=None, step_time_ratio=None, accuracy=None,
+        accuracy_per_seed=None)
     if not config.memory_only:
       accs = []
       state = None
@@ -195,6 +240,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
       row["accuracy"] = float(statistics.mean(accs))
       idx = data_lib.batch_indices(len(dataset.x_train), config.batch_size, 0, seed=0)
       xb, yb = jnp.asarray(dataset.x_train[idx]), jnp.asarray(dataset.y_train[idx])
+      step = train_lib.make_train_step(fns, optimizer, donate=False)   # timed repeatedly
       timing_steps[name] = (lambda s=step, st=state: s(st, xb, yb))
     rows.append(row)
   if timing_steps:
@@ -209,6 +255,9 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     row["baseline_temp_bytes"] = base["temp_bytes"]
     row["saved_ratio"] = row["saved_bytes"] / max(base["saved_bytes"], 1)
     row["temp_ratio"] = row["temp_bytes"] / max(base["temp_bytes"], 1)
+    row["max_batch_ratio"] = (base["per_example_temp_bytes"] / row["per_example_temp_bytes"]
+                              if row["per_example_temp_bytes"] > 0 else None)
+    row["flops_ratio"] = row["flops"] / base["flops"] if base["flops"] else None
   return rows
 
 
@@ -216,17 +265,26 @@ def _mib(n: int | None) -> str:
   return "-" if n is None else f"{n / 2**20:,.1f}"
 
 
+def _ratio(v, fmt=".2f", suffix="") -> str:
+  return "-" if v is None else f"{v:{fmt}}{suffix}"
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-  """A Markdown table of bench rows."""
-  lines = ["| technique | model | saved MiB | temp MiB | saved / exact | temp / exact "
-           "| step time / exact | test accuracy |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+  """A Markdown table of bench rows: the largest batch first, saved bytes after."""
+  budgets = list(rows[0].get("max_batch", {})) if rows else []
+  lines = ["| technique | model | MiB / example | " + "".join(
+               f"max batch {b} | " for b in budgets) + "max-batch x | FLOPs / exact | "
+           "temp MiB | temp / exact | saved MiB | saved / exact | step time / exact | "
+           "test accuracy |",
+           "|---|---|" + "---:|" * (len(budgets) + 10)]
   for r in rows:
-    t = "-" if r["step_time_ratio"] is None else f"{r['step_time_ratio']:.2f}"
     a = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
-    lines.append(f"| {r['technique']} | {r['model']} | {_mib(r['saved_bytes'])} | "
-                 f"{_mib(r['temp_bytes'])} | {r['saved_ratio']:.3f} | {r['temp_ratio']:.3f} | "
-                 f"{t} | {a} |")
+    mb = "".join(f"{r['max_batch'][b]:,} | " for b in budgets)
+    lines.append(f"| {r['technique']} | {r['model']} | {_mib(r['per_example_temp_bytes'])} | "
+                 f"{mb}{_ratio(r['max_batch_ratio'], suffix='x')} | "
+                 f"{_ratio(r['flops_ratio'], '.3f')} | {_mib(r['temp_bytes'])} | "
+                 f"{r['temp_ratio']:.3f} | {_mib(r['saved_bytes'])} | {r['saved_ratio']:.3f} | "
+                 f"{_ratio(r['step_time_ratio'])} | {a} |")
   return "\n".join(lines)
 
 

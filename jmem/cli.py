@@ -17,6 +17,18 @@ def _int_list(text: str) -> tuple[int, ...]:
     raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _budget_list(text: str) -> tuple[float, ...]:
+  try:
+    values = tuple(float(s) for s in text.split(",") if s.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"expected comma-separated GiB, e.g. 16,80 (or '' for none), got {text!r}") from None
+  bad = [v for v in values if not v > 0 or v == float("inf")]
+  if bad:
+    raise argparse.ArgumentTypeError(f"memory budgets must be positive GiB, got {bad[0]!r}")
+  return values
+
+
 def _str_list(text: str) -> tuple[str, ...]:
   return tuple(s.strip() for s in text.split(",") if s.strip())
 
@@ -46,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--seeds", type=_int_list, default=d.seeds, help="comma-separated, e.g. 0,1,2")
   b.add_argument("--learning-rate", type=float, default=d.learning_rate)
   b.add_argument("--memory-only", action="store_true", help="compile and measure; no training")
+  b.add_argument("--budgets", type=_budget_list, default=d.budgets_gib,
+                 help="device memory budgets in GiB for the largest batch of each technique, "
+                 "comma-separated (default: 16,80; '' for none: two compiles fewer each)")
   b.add_argument("--json", action="store_true", help="print rows as JSON on stdout")
   b.add_argument("--output-dir", default="jmem_results",
                  help="where bench.json, bench.md and bench_memory.png go")
@@ -77,7 +92,8 @@ def _bench(args) -> int:
       model=args.model, techniques=args.techniques, batch_size=args.batch_size,
       image_size=args.image_size, num_frames=args.num_frames, train_clips=args.train_clips,
       steps=args.steps, seeds=args.seeds,
-      memory_only=args.memory_only, learning_rate=args.learning_rate)
+      memory_only=args.memory_only, learning_rate=args.learning_rate,
+      budgets_gib=args.budgets)
   config.validate()
   output_dir = bench.check_output_dir(args.output_dir)
   rows = bench.run_bench(config, quiet=args.json, progress=not args.no_progress)

@@ -31,6 +31,8 @@ __all__ = [
     "CompiledMemory",
     "saved_residuals",
     "compiled_memory",
+    "BatchFit",
+    "fit_batch",
     "PeakBuffer",
     "PeakReport",
     "peak_buffers",
@@ -565,6 +567,117 @@ def collective_counts(f_or_text: Callable[..., Any] | str, *args, **kwargs) -> d
   for m in _COLLECTIVE_RE.finditer(text):
     counts[m.group(1)] += 1
   return counts
+
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchFit:
+  """How a compiled step's device memory grows with its batch, and the largest batches
+  that fit given budgets (`fit_batch`).
+
+  Device bytes are what the step holds at once: arguments + outputs − donated + temp
+  (`CompiledMemory.total_bytes`), so weights, optimiser state, gradients and the batch
+  itself are all in. They are fitted as ``fixed_bytes + per_example_bytes * batch``
+  through two batch sizes.
+
+  Attributes:
+    batch_sizes: the two batch sizes of the fit.
+    device_bytes: the step's device bytes at each.
+    temp_bytes: its temp bytes at each.
+    per_example_bytes: device bytes one more example costs (the slope).
+    per_example_temp_bytes: temp bytes one more example costs (activations, working set).
+    fixed_bytes: the intercept: parameters, optimiser state, gradients and other buffers
+      that do not grow with the batch.
+    flops: XLA's cost analysis of the step at ``batch_sizes[0]`` (0.0 where the backend
+      gives none).
+    max_batch: budget in bytes -> the largest batch whose compiled step was seen to fit
+      (0: none fits; the line gives the guess, compiles confirm it).
+    over_budget: budget in bytes -> the smallest batch seen NOT to fit (None: none
+      compiled): the true largest batch lies in ``[max_batch, over_budget)``.
+    compiles: compiles made (the fit's two included).
+  """
+
+  batch_sizes: tuple[int, int]
+  device_bytes: tuple[int, int]
+  temp_bytes: tuple[int, int]
+  per_example_bytes: float
+  per_example_temp_bytes: float
+  fixed_bytes: float
+  flops: float
+  max_batch: dict[int, int]
+  over_budget: dict[int, int | None]
+  compiles: int
+
+
+def fit_batch(compile_at: Callable[[int], Any], batch_sizes: tuple[int, int],
+              budgets: Sequence[int] = (16 * GIB, 80 * GIB), *,
+              max_compiles: int = 3) -> BatchFit:
+  """Device bytes of a step against its batch size, and the largest batch per budget.
+
+  Args:
+    compile_at: ``batch -> compiled step`` (a ``jax.stages.Compiled``: ``f.lower(...)
+      .compile()`` for arguments of that batch size).
+    batch_sizes: two different batch sizes to fit the line through.
+    budgets: device memory budgets in bytes.
+    max_compiles: compiles per budget to confirm its largest batch. The line's guess is
+      compiled; while it does not fit (memory need not be linear in the batch) the guess
+      moves down along the line through the closest points.
+
+  Returns:
+    A `BatchFit`.
+  """
+  b0, b1 = sorted(batch_sizes)
+  if b0 < 1 or b0 == b1:
+    raise ValueError(f"fit_batch needs two different positive batch sizes, got {batch_sizes}.")
+  seen: dict[int, tuple[int, int]] = {}
+  flops = 0.0
+
+  def measure_at(b):
+    nonlocal flops
+    compiled = compile_at(b)
+    stats = compiled.memory_analysis()
+    if stats is None:
+      raise RuntimeError(f"The {jax.default_backend()!r} backend returned no memory analysis.")
+    seen[b] = (int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                   - stats.alias_size_in_bytes + stats.temp_size_in_bytes),
+               int(stats.temp_size_in_bytes))
+    if b == b0:
+      cost = compiled.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      flops = float((cost or {}).get("flops", 0.0))
+    return seen[b][0]
+
+  measure_at(b0)
+  measure_at(b1)
+  slope = (seen[b1][0] - seen[b0][0]) / (b1 - b0)
+  fixed = seen[b0][0] - slope * b0
+  best: dict[int, int] = {}
+  above: dict[int, int | None] = {}
+  for budget in budgets:
+    fits = [b for b, (t, _) in seen.items() if t <= budget]
+    over = [b for b, (t, _) in seen.items() if t > budget]
+    guess = int((budget - fixed) // slope) if slope > 0 else max(seen)
+    for _ in range(max_compiles):
+      lo = max(fits, default=0)
+      hi = min(over, default=None)
+      if guess <= lo or (hi is not None and guess >= hi):
+        break
+      (fits if measure_at(guess) <= budget else over).append(guess)
+      if guess in over:            # the line was optimistic: refit through the closest pair
+        lo_b = max(fits, default=None)
+        pts = sorted(seen)
+        ref = lo_b if lo_b is not None else pts[0]
+        s = (seen[guess][0] - seen[ref][0]) / max(guess - ref, 1)
+        guess = ref + int((budget - seen[ref][0]) // s) if s > 0 else ref
+      else:
+        break
+    best[budget] = max(fits, default=0)
+    above[budget] = min(over, default=None)
+  return BatchFit((b0, b1), (seen[b0][0], seen[b1][0]), (seen[b0][1], seen[b1][1]),
+                  slope, (seen[b1][1] - seen[b0][1]) / (b1 - b0), fixed, flops, best,
+                  above, len(seen))
 
 
 def time_steps(steps: Mapping[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10,

@@ -13,27 +13,53 @@ from jmem import bench, cli
 
 
 def test_memory_only_rows_and_remat_saves():
-  rows = bench.run_bench(bench.BenchConfig(model="resnet20", batch_size=16, image_size=8,
-                                           memory_only=True), quiet=True)
+  budget = 0.0625                                                   # 64 MiB
+  rows = bench.run_bench(bench.BenchConfig(model="resnet8", batch_size=16, image_size=8,
+                                           memory_only=True, budgets_gib=(budget,)), quiet=True)
   assert [r["technique"] for r in rows] == ["exact", "remat"]
   exact, remat = rows
   assert remat["saved_bytes"] < 0.5 * exact["saved_bytes"]
   assert remat["temp_bytes"] < exact["temp_bytes"]
   assert remat["baseline_saved_bytes"] == exact["saved_bytes"]
   assert remat["accuracy"] is None and remat["step_time_ratio"] is None
+  # The largest batch leads: remat fits more examples into the same 64 MiB, at more FLOPs.
+  key = "0.0625GiB"
+  assert 16 < exact["max_batch"][key] < remat["max_batch"][key]
+  assert remat["max_batch_ratio"] == pytest.approx(
+      exact["per_example_temp_bytes"] / remat["per_example_temp_bytes"])
+  assert remat["max_batch_ratio"] > 1.5 and exact["max_batch_ratio"] == 1.0
+  assert remat["flops_ratio"] > 1.0 and exact["fixed_bytes"] > 0
+  # The largest batch fits its budget (compiled again here), twice it does not, and the
+  # line's next batch would not either.
+  fns, opt, x, y = _bench_problem("resnet8", exact["max_batch"][key])
+  fit = bench.batch_fit(fns, opt, x, y, ())
+  assert fit.device_bytes[0] <= budget * 2**30 < fit.device_bytes[1]
+  assert fit.fixed_bytes + fit.per_example_bytes * (exact["max_batch"][key] + 1) > \
+      budget * 2**30 * 0.99
+  assert "max batch 0.0625GiB" in bench.format_table(rows).splitlines()[0]
+
+
+def _bench_problem(model, batch):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jmem import models, train  # pylint: disable=g-import-not-at-top
+  fns = train.model_fns(models.create_model(model, 10))
+  opt = train.default_optimizer(3e-3, 300)
+  return (fns, opt, jax.ShapeDtypeStruct((batch, 8, 8, 1), jnp.float32),
+          jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
 def test_cli_bench_json_and_files(tmp_path, capsys):
   out = tmp_path / "res"
   rc = cli.main(["bench", "--model", "resnet8", "--steps", "3", "--batch-size", "16",
                  "--image-size", "8", "--seeds", "0,1", "--json", "--no-progress",
-                 "--output-dir", str(out)])
+                 "--budgets", "", "--output-dir", str(out)])
   assert rc == 0
   rows = json.loads(capsys.readouterr().out)
   required = {"technique", "model", "saved_bytes", "temp_bytes", "baseline_saved_bytes",
               "baseline_temp_bytes", "step_time_ratio", "accuracy"}
   for row in rows:
-    assert required <= set(row)
+    assert required <= set(row) and row["max_batch"] == {}
     assert 0.0 <= row["accuracy"] <= 1.0 and len(row["accuracy_per_seed"]) == 2
     assert row["step_time_ratio"] > 0
   assert rows[0]["step_time_ratio"] == 1.0
@@ -57,6 +83,8 @@ BAD_FLAGS = {
     "train-batch-0": (TRAIN + ["--batch-size", "0"], ["batch_size 0", "--batch-size"]),
     "train-batch-too-big": (TRAIN + ["--batch-size", "5000"], ["batch_size 5000", "1438"]),
     "bench-batch-0": (BENCH + ["--batch-size", "0"], ["batch_size", "got 0"]),
+    "bench-budget-negative": (BENCH + ["--budgets", "16,-1"], ["budgets", "positive", "-1"]),
+    "bench-budget-word": (BENCH + ["--budgets", "16GiB"], ["budgets", "16,80", "'16GiB'"]),
     "bench-batch-too-big": (BENCH + ["--batch-size", "5000"], ["larger than", "--batch-size"]),
     "train-steps-negative": (TRAIN + ["--steps", "-3"], ["steps", "-3"]),
     "bench-steps-negative": (BENCH + ["--steps", "-3"], ["steps", "-3"]),

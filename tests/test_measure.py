@@ -221,3 +221,36 @@ def test_peak_buffers_names_the_layer_and_the_pass():
              for b in report.buffers), report.table()
   assert sum(report.by("scope").values()) == report.total_bytes
   assert report.table(3).count("\n") == 4
+
+
+class _FakeCompiled:
+  """What `fit_batch` reads of a compiled step, for a step whose memory is given."""
+
+  def __init__(self, temp, args=1000):
+    self.temp, self.args = temp, args
+
+  def memory_analysis(self):
+    import types  # pylint: disable=g-import-not-at-top
+    return types.SimpleNamespace(argument_size_in_bytes=self.args, output_size_in_bytes=self.args,
+                                 alias_size_in_bytes=self.args, temp_size_in_bytes=self.temp)
+
+  def cost_analysis(self):
+    return {"flops": 7.0}
+
+
+def test_fit_batch_confirms_the_largest_batch_where_memory_is_not_linear():
+  # Linear: the line's guess is the answer, one compile per budget.
+  fit = measure.fit_batch(lambda b: _FakeCompiled(100 * b), (4, 8), (10_000 + 1000,))
+  assert fit.per_example_bytes == 100 and fit.fixed_bytes == 1000 and fit.flops == 7.0
+  assert fit.max_batch == {11_000: 100} and fit.compiles == 3
+  # Superlinear beyond 50 examples: the line's guess (100) does not fit; compiles walk down
+  # to a batch that does, and the answer is bounded by the smallest batch seen not to fit.
+  temp = lambda b: 100 * b + (0 if b <= 50 else 60 * (b - 50))
+  fit = measure.fit_batch(lambda b: _FakeCompiled(temp(b)), (4, 8), (11_000,), max_compiles=4)
+  best, over = fit.max_batch[11_000], fit.over_budget[11_000]
+  assert 1000 + temp(best) <= 11_000 < 1000 + temp(over) and best < over <= 100
+  assert best >= 70                                      # exact answer: 81
+  # A budget below the fixed bytes: nothing fits.
+  assert measure.fit_batch(lambda b: _FakeCompiled(100 * b), (4, 8), (500,)).max_batch == {500: 0}
+  with pytest.raises(ValueError, match="two different"):
+    measure.fit_batch(lambda b: _FakeCompiled(b), (4, 4))
