@@ -276,11 +276,11 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                f"max batch {b} | " for b in budgets) + "max-batch x | FLOPs / exact | "
            "temp MiB | temp / exact | saved MiB | saved / exact | step time / exact | "
            "test accuracy |",
-           "|---|---|" + "---:|" * (len(budgets) + 10)]
+           "|---|---|" + "---:|" * (len(budgets) + 9)]
   for r in rows:
     a = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
     mb = "".join(f"{r['max_batch'][b]:,} | " for b in budgets)
-    lines.append(f"| {r['technique']} | {r['model']} | {_mib(r['per_example_temp_bytes'])} | "
+    lines.append(f"| {r['technique']} | {r['model']} | {r['per_example_temp_bytes'] / 2**20:.3g} | "
                  f"{mb}{_ratio(r['max_batch_ratio'], suffix='x')} | "
                  f"{_ratio(r['flops_ratio'], '.3f')} | {_mib(r['temp_bytes'])} | "
                  f"{r['temp_ratio']:.3f} | {_mib(r['saved_bytes'])} | {r['saved_ratio']:.3f} | "
@@ -323,18 +323,37 @@ def write_results(rows: Sequence[dict[str, Any]], output_dir: str, *, stem: str 
 
 
 def _plot(rows, path):
+  """Left: the largest batch per technique at each budget (what a user buys); right: the
+  saved activation and compiled temp bytes at the bench's batch."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   names = [r["technique"] for r in rows]
   x = np.arange(len(rows))
-  fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows) + 2), 3.5))
+  budgets = list(rows[0].get("max_batch", {}))
+  width = max(4, 1.2 * len(rows) + 2)
+  fig, axes = plt.subplots(1, 2 if budgets else 1, figsize=(2 * width if budgets else width, 3.5),
+                           squeeze=False)
+  title = (f"{rows[0]['model']}, {rows[0]['image_size']}x{rows[0]['image_size']}")
+  if budgets:
+    ax = axes[0, 0]
+    w = 0.8 / len(budgets)
+    for k, b in enumerate(budgets):
+      ax.bar(x - 0.4 + w * (k + 0.5), [r["max_batch"][b] for r in rows], w, label=b)
+    for i, r in enumerate(rows):
+      if r.get("max_batch_ratio"):
+        ax.annotate(f"{r['max_batch_ratio']:.1f}x", (i, 0), textcoords="offset points",
+                    xytext=(0, 3), ha="center", fontsize=8)
+    ax.set_xticks(x, names)
+    ax.set_ylabel("largest batch")
+    ax.set_title(f"largest batch that fits: {title}")
+    ax.legend()
+  ax = axes[0, -1]
   ax.bar(x - 0.2, [r["saved_bytes"] / 2**20 for r in rows], 0.4, label="saved activations")
   ax.bar(x + 0.2, [r["temp_bytes"] / 2**20 for r in rows], 0.4, label="compiled temp")
   ax.set_xticks(x, names)
   ax.set_ylabel("MiB")
-  ax.set_title(f"{rows[0]['model']}, batch {rows[0]['batch_size']}, "
-               f"{rows[0]['image_size']}x{rows[0]['image_size']}")
+  ax.set_title(f"{title}, batch {rows[0]['batch_size']}")
   ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)
