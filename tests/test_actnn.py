@@ -144,14 +144,15 @@ def test_levels_on_resnet_memory_and_exact_l0():
   opt = optax.sgd(0.1)
   x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
   y = jax.ShapeDtypeStruct((64,), jnp.int32)
-  fig = {lv: bench.step_memory(train.model_fns(actnn.convert(model, lv)), opt, x, y)
-         for lv in ("L0", "L1", "L2", "L3", "L5")}
+  fns = {lv: train.model_fns(actnn.convert(model, lv)) for lv in ("L0", "L1", "L2", "L3", "L5")}
   assert actnn.convert(model, "L0") is model
-  saved = {k: v[0] / fig["L0"][0] for k, v in fig.items()}
-  temp = {k: v[1] / fig["L0"][1] for k, v in fig.items()}
+  saved = {k: bench.saved_bytes(f, opt, x, y) for k, f in fns.items()}     # traced only
+  saved = {k: v / saved["L0"] for k, v in saved.items()}
   assert saved["L1"] < 0.9 and saved["L2"] < 0.45 and saved["L3"] < 1 / 12, saved
   assert saved["L5"] < saved["L3"], saved
-  assert temp["L3"] < 0.3 and temp["L2"] < temp["L1"] < 1.0, temp
+  temp = {k: bench.step_memory(fns[k], opt, x, y)[1] for k in ("L0", "L2", "L3")}  # compiled
+  temp = {k: v / temp["L0"] for k, v in temp.items()}
+  assert temp["L3"] < 0.3 and temp["L3"] < temp["L2"] < 1.0, temp
 
 
 def _resnet_batch(name, size):
@@ -410,12 +411,12 @@ def test_allocate_bits_budget_and_near_optimal():
 
 
 def test_calibrated_level_lowers_gradient_noise_at_same_budget():
-  model, x, y, params, state = _resnet_batch("resnet20", 8)
+  model, x, y, params, state = _resnet_batch("resnet8", 8)
 
   def loss_fn(module, p, batch):
     return train.make_loss(train.model_fns(module))(p, state, *batch, jax.random.key(1))[0]
   sens, weights = actnn.sensitivities(model, loss_fn, params, (x, y))
-  assert set(sens) == {"stem"} | {f"stage{s}_block{b}" for s in (1, 2, 3) for b in (1, 2, 3)}
+  assert set(sens) == {"stem"} | {f"stage{s}_block1" for s in (1, 2, 3)}
   assert all(c > 0 for c in sens.values())
   bits = actnn.allocate_bits(sens, weights, budget=2.0)
   lv = actnn.Level("L3-mine", block_bits=2, layer_bits=tuple(bits.items()))
@@ -430,7 +431,7 @@ def test_calibrated_level_lowers_gradient_noise_at_same_budget():
   # The converted model uses the allocated widths: same budget, a different layout.
   opt = optax.sgd(0.1)
   xs, ys = jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype)
-  saved = {k: bench.step_memory(train.model_fns(actnn.convert(model, k)), opt, xs, ys)[0]
+  saved = {k: bench.saved_bytes(train.model_fns(actnn.convert(model, k)), opt, xs, ys)
            for k in ("L3", lv)}
   assert saved[lv] != saved["L3"] and saved[lv] <= 1.02 * saved["L3"], saved
   got = jax.jit(jax.grad(lambda p: loss_fn(actnn.convert(model, lv), p, (x, y))))(params)
