@@ -245,7 +245,7 @@ def test_spatial_lr_scale():
 
 
 def test_pretrained_backbone_starts_the_video_model():
-  clips = data.moving_digits(16, frame_size=24, digit_size=8, num_train=64, num_test=16)
+  clips = data.moving_digits(8, frame_size=16, digit_size=5, num_train=32, num_test=16)
   frames = data.Dataset("f", clips.x_train[:, 0], clips.y_train // 4, clips.x_test[:, 0],
                         clips.y_test // 4, 10)
   cfg = train.TrainConfig(steps=2, batch_size=16, progress=False)
