@@ -20,7 +20,21 @@ import re
 from collections.abc import Callable
 from typing import Any, Union
 
-__all__ = ["IMPLEMENTATIONS", "Where", "Technique", "check_implementation", "BenchTechnique"]
+__all__ = ["IMPLEMENTATIONS", "Where", "Technique", "check_implementation", "BenchTechnique",
+           "EXACT_RESIDUAL", "keep_exact"]
+
+# The name (``jax.ad_checkpoint.checkpoint_name``) of a residual that must stay exact when
+# another technique stores the residuals around it: InPlace-ABN's saved OUTPUT, which its
+# backward inverts (dividing by the activation's slope, so an error in it grows 100-fold).
+# ActNN's `compress` keeps residuals of this name as they are.
+EXACT_RESIDUAL = "jmem_exact_residual"
+
+
+def keep_exact(x):
+  """``x`` named `EXACT_RESIDUAL`: a residual no enclosing compression may quantize."""
+  from jax.ad_checkpoint import checkpoint_name  # pylint: disable=g-import-not-at-top
+  return checkpoint_name(x, EXACT_RESIDUAL)
+
 
 # The kernel backends of a technique with kernels (None: the kernels on a GPU, XLA
 # elsewhere).

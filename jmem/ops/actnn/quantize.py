@@ -50,6 +50,7 @@ import numpy as np
 from jmem._axes import barrier
 from jmem._context import data_key
 from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16  # pylint: disable=unused-import
+from jmem._technique import EXACT_RESIDUAL
 from jmem._technique import IMPLEMENTATIONS  # pylint: disable=unused-import
 
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
@@ -273,7 +274,9 @@ def _vjp_with_constants(f, args):
   selects from) are listed with their value: they cost a full-size buffer and carry one
   number, so `compress` stores the number and rebuilds the array in the backward pass.
   (Quantizing one also made XLA constant-fold a min/max over the whole broadcast at compile
-  time, which grows with the batch.)
+  time, which grows with the batch.) Residuals named `EXACT_RESIDUAL` (by the op that saved
+  them, e.g. InPlace-ABN's output, which its backward inverts) are listed as ``_EXACT``:
+  `compress` keeps them as they are.
   """
   box = {}
 
@@ -290,6 +293,11 @@ def _vjp_with_constants(f, args):
   producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
   constants = {}
   for i, v in enumerate(closed.jaxpr.outvars[n_y:]):
+    eqn = None if isinstance(v, jax.extend.core.Literal) else producers.get(v)
+    if (eqn is not None and eqn.primitive.name == "name"
+        and eqn.params.get("name") == EXACT_RESIDUAL):
+      constants[i] = _EXACT
+      continue
     if isinstance(v, jax.extend.core.Literal):
       value = v.val
     else:
@@ -303,12 +311,16 @@ def _vjp_with_constants(f, args):
   return y, leaves, box["treedef"], constants
 
 
-def _residual_kind(leaf, kept, min_size, constant=False) -> str:
+_EXACT = object()   # `_vjp_with_constants`'s mark of a residual named EXACT_RESIDUAL
+
+
+def _residual_kind(leaf, kept, min_size, constant=None) -> str:
   """How `compress` stores a residual: "quant" (floats), "bool" (bit-packed), "const" (a
-  broadcast scalar, rebuilt in the backward) or "keep"."""
-  if _is_arg(leaf, kept) or leaf.size == 0:
+  broadcast scalar, rebuilt in the backward) or "keep" (parameters, small, integer, or
+  named `EXACT_RESIDUAL` by the op that saved it)."""
+  if _is_arg(leaf, kept) or leaf.size == 0 or constant is _EXACT:
     return "keep"
-  if constant:
+  if constant is not None:
     return "const"
   if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size >= min_size:
     return "quant"
@@ -371,7 +383,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       key = data_key(jax.tree.leaves(args)) if key is None else key
       plan, saved = [], []
       for i, leaf in enumerate(leaves):
-        kind = _residual_kind(leaf, kept, min_size, i in constants)
+        kind = _residual_kind(leaf, kept, min_size, constants.get(i))
         if kind == "const":
           plan.append(("const", leaf.shape, (leaf.dtype, constants[i])))
           saved.append(None)
@@ -462,7 +474,7 @@ def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
     def fwd(levels, seed, args):
       y, leaves, treedef, constants = _vjp_with_constants(f, args)
       kept = _param_leaves(args, param_argnums)
-      kinds = [_residual_kind(leaf, kept, min_size, i in constants)
+      kinds = [_residual_kind(leaf, kept, min_size, constants.get(i))
                for i, leaf in enumerate(leaves)]
       if on_residuals is not None:
         on_residuals(sum(leaf.size for leaf, k in zip(leaves, kinds) if k == "quant"))

@@ -36,6 +36,7 @@ from flax import nnx
 from jax import lax
 
 from jmem import _bn_core as bn_core
+from jmem._technique import keep_exact
 from jmem._elementwise import (  # pylint: disable=unused-import
     ACTIVATIONS, ABNConfig, apply_activation, invert_activation)
 
@@ -61,9 +62,10 @@ def _abn_train(x, scale, bias, mask, shift, cfg: ABNConfig):
 
 def _abn_train_fwd(x, scale, bias, mask, shift, cfg):
   z, stats = _abn_train(x, scale, bias, mask, shift, cfg)
-  # Saved: the OUTPUT z and per-channel vectors; neither x nor the mean.
+  # Saved: the OUTPUT z and per-channel vectors; neither x nor the mean. z is inverted in
+  # the backward pass, so a compression around this site must keep it exact.
   invstd = jnp.where(stats.count > 0, lax.rsqrt(stats.var + cfg.epsilon), 0.0)
-  return (z, stats), (z, scale, bias, mask, invstd, stats.count)
+  return (z, stats), (keep_exact(z), scale, bias, mask, invstd, stats.count)
 
 
 def _abn_train_bwd(cfg, res, cts):
@@ -92,7 +94,7 @@ def _abn_eval(x, scale, bias, mean, var, cfg: ABNConfig):
 
 def _abn_eval_fwd(x, scale, bias, mean, var, cfg):
   z = _abn_eval(x, scale, bias, mean, var, cfg)
-  return z, (z, scale, bias, lax.rsqrt(var.astype(jnp.float32) + cfg.epsilon))
+  return z, (keep_exact(z), scale, bias, lax.rsqrt(var.astype(jnp.float32) + cfg.epsilon))
 
 
 def _abn_eval_bwd(cfg, res, dz):
