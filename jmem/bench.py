@@ -96,9 +96,13 @@ class BenchConfig:
       raise ValueError("Give at least one seed.")
     if self.timing_repeats < 1:
       raise ValueError(f"timing_repeats must be >= 1, got {self.timing_repeats}.")
+    if not isinstance(self.budgets_gib, (tuple, list)):
+      raise ValueError(f"budgets_gib must be a tuple of GiB, e.g. (16, 80), got "
+                       f"{self.budgets_gib!r}.")
     for b in self.budgets_gib:
-      if not isinstance(b, (int, float)) or isinstance(b, bool) or not b > 0:
-        raise ValueError(f"Memory budgets must be positive numbers of GiB, got {b!r}.")
+      if (not isinstance(b, (int, float)) or isinstance(b, bool) or not b > 0
+          or b == float("inf")):
+        raise ValueError(f"Memory budgets must be positive, finite numbers of GiB, got {b!r}.")
 
 
 def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
@@ -184,7 +188,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   step_time_s, step_time_ratio, accuracy, accuracy_per_seed (time and accuracy are None
   with ``memory_only``); from `batch_fit`: per_example_bytes (device bytes one more example
   costs), per_example_temp_bytes, fixed_bytes, max_batch (``{"16GiB": n, ...}``, each
-  confirmed by a compile), max_batch_ratio (exact's per-example temp bytes over the
+  seen to fit by a compile: a lower bound), over_budget (the smallest batch seen not to),
+  max_batch_ratio (exact's per-example temp bytes over the
   technique's: the max-batch multiplier), flops and flops_ratio (XLA's cost analysis of
   the step).
   """
@@ -221,6 +226,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
         per_example_temp_bytes=fit.per_example_temp_bytes, fixed_bytes=fit.fixed_bytes,
         max_batch={_budget_key(g): fit.max_batch[int(g * measure.GIB)]
                    for g in config.budgets_gib},
+        over_budget={_budget_key(g): fit.over_budget[int(g * measure.GIB)]
+                     for g in config.budgets_gib},
         flops=fit.flops, step_time_s=None, step_time_ratio=None, accuracy=None,
         accuracy_per_seed=None)
     if not config.memory_only:
@@ -279,7 +286,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
            "|---|---|" + "---:|" * (len(budgets) + 9)]
   for r in rows:
     a = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
-    mb = "".join(f"{r['max_batch'][b]:,} | " for b in budgets)
+    mb = "".join("- | " if r["max_batch"][b] is None else f"{r['max_batch'][b]:,} | "
+                 for b in budgets)
     lines.append(f"| {r['technique']} | {r['model']} | {r['per_example_temp_bytes'] / 2**20:.3g} | "
                  f"{mb}{_ratio(r['max_batch_ratio'], suffix='x')} | "
                  f"{_ratio(r['flops_ratio'], '.3f')} | {_mib(r['temp_bytes'])} | "
@@ -339,7 +347,7 @@ def _plot(rows, path):
     ax = axes[0, 0]
     w = 0.8 / len(budgets)
     for k, b in enumerate(budgets):
-      ax.bar(x - 0.4 + w * (k + 0.5), [r["max_batch"][b] for r in rows], w, label=b)
+      ax.bar(x - 0.4 + w * (k + 0.5), [r["max_batch"][b] or 0 for r in rows], w, label=b)
     for i, r in enumerate(rows):
       if r.get("max_batch_ratio"):
         ax.annotate(f"{r['max_batch_ratio']:.1f}x", (i, 0), textcoords="offset points",

@@ -592,10 +592,12 @@ class BatchFit:
       that do not grow with the batch.
     flops: XLA's cost analysis of the step at ``batch_sizes[0]`` (0.0 where the backend
       gives none).
-    max_batch: budget in bytes -> the largest batch whose compiled step was seen to fit
-      (0: none fits; the line gives the guess, compiles confirm it).
-    over_budget: budget in bytes -> the smallest batch seen NOT to fit (None: none
-      compiled): the true largest batch lies in ``[max_batch, over_budget)``.
+    max_batch: budget in bytes -> the largest batch whose compiled step was seen to fit:
+      the line's guess where it fits, else the best of a bracketed search (0: none fits;
+      None: memory did not grow with the batch and nothing seen went over). A lower bound:
+      the true largest batch lies in ``[max_batch, over_budget)``.
+    over_budget: budget in bytes -> the smallest batch seen NOT to fit (None: no compiled
+      batch went over the budget).
     compiles: compiles made (the fit's two included).
   """
 
@@ -606,7 +608,7 @@ class BatchFit:
   per_example_temp_bytes: float
   fixed_bytes: float
   flops: float
-  max_batch: dict[int, int]
+  max_batch: dict[int, int | None]
   over_budget: dict[int, int | None]
   compiles: int
 
@@ -622,8 +624,9 @@ def fit_batch(compile_at: Callable[[int], Any], batch_sizes: tuple[int, int],
     batch_sizes: two different batch sizes to fit the line through.
     budgets: device memory budgets in bytes.
     max_compiles: compiles per budget to confirm its largest batch. The line's guess is
-      compiled; while it does not fit (memory need not be linear in the batch) the guess
-      moves down along the line through the closest points.
+      compiled; where it does not fit (memory need not be linear in the batch) the search
+      narrows the bracket [largest seen to fit, smallest seen over] along the line through
+      its ends (halving it where the line leaves it), down to batch 1.
 
   Returns:
     A `BatchFit`.
@@ -653,27 +656,41 @@ def fit_batch(compile_at: Callable[[int], Any], batch_sizes: tuple[int, int],
   measure_at(b1)
   slope = (seen[b1][0] - seen[b0][0]) / (b1 - b0)
   fixed = seen[b0][0] - slope * b0
-  best: dict[int, int] = {}
+  best: dict[int, int | None] = {}
   above: dict[int, int | None] = {}
   for budget in budgets:
     fits = [b for b, (t, _) in seen.items() if t <= budget]
     over = [b for b, (t, _) in seen.items() if t > budget]
-    guess = int((budget - fixed) // slope) if slope > 0 else max(seen)
+
+    def between(lo, hi, budget=budget):
+      """The line through the bracket's ends (a fitting batch, one over), else halfway."""
+      if hi is None:
+        return None
+      if lo > 0:
+        s = (seen[hi][0] - seen[lo][0]) / (hi - lo)
+        g = lo + int((budget - seen[lo][0]) // s) if s > 0 else hi
+        if lo < g < hi:
+          return g
+      return (lo + hi) // 2
+
+    guess = int((budget - fixed) // slope) if slope > 0 else None
     for _ in range(max_compiles):
-      lo = max(fits, default=0)
-      hi = min(over, default=None)
-      if guess <= lo or (hi is not None and guess >= hi):
-        break
-      (fits if measure_at(guess) <= budget else over).append(guess)
-      if guess in over:            # the line was optimistic: refit through the closest pair
-        lo_b = max(fits, default=None)
-        pts = sorted(seen)
-        ref = lo_b if lo_b is not None else pts[0]
-        s = (seen[guess][0] - seen[ref][0]) / max(guess - ref, 1)
-        guess = ref + int((budget - seen[ref][0]) // s) if s > 0 else ref
-      else:
-        break
-    best[budget] = max(fits, default=0)
+      lo, hi = max(fits, default=0), min(over, default=None)
+      if hi is not None and hi - lo <= 1:
+        break                                    # the largest batch is known exactly
+      if guess is None or guess <= lo or (hi is not None and guess >= hi):
+        guess = between(lo, hi)
+        if guess is None or guess <= lo:
+          break
+      fitted = measure_at(guess) <= budget
+      (fits if fitted else over).append(guess)
+      if fitted and not over:
+        break                                    # the line's guess fits, nothing seen above
+      guess = between(max(fits, default=0), min(over, default=None))
+    if slope <= 0 and not over:
+      best[budget] = None                        # memory does not grow with the batch here
+    else:
+      best[budget] = max(fits, default=0)
     above[budget] = min(over, default=None)
   return BatchFit((b0, b1), (seen[b0][0], seen[b1][0]), (seen[b0][1], seen[b1][1]),
                   slope, (seen[b1][1] - seen[b0][1]) / (b1 - b0), fixed, flops, best,

@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jmem import _bn_core as bn_core
 from jmem._elementwise import ABNConfig, apply_activation, invert_activation
+from jmem._technique import keep_exact
 from pallas_kernels._interpret import resolve_interpret
 
 __all__ = ["Tiles", "inplace_abn_pallas"]
@@ -207,7 +208,9 @@ def _abn(x2, scale, bias, shift, cfg: ABNConfig, tiles: Tiles, interpret: bool):
 
 def _abn_fwd(x2, scale, bias, shift, cfg, tiles, interpret):
   z, stats = _abn(x2, scale, bias, shift, cfg, tiles, interpret)
-  return (z, stats), (z, scale, bias, lax.rsqrt(stats.var + cfg.epsilon), stats.count)
+  # z is inverted in the backward pass: a compression around this site keeps it exact.
+  return (z, stats), (keep_exact(z), scale, bias, lax.rsqrt(stats.var + cfg.epsilon),
+                      stats.count)
 
 
 def _abn_bwd(cfg, tiles, interpret, res, cts):

@@ -249,8 +249,17 @@ def test_fit_batch_confirms_the_largest_batch_where_memory_is_not_linear():
   fit = measure.fit_batch(lambda b: _FakeCompiled(temp(b)), (4, 8), (11_000,), max_compiles=4)
   best, over = fit.max_batch[11_000], fit.over_budget[11_000]
   assert 1000 + temp(best) <= 11_000 < 1000 + temp(over) and best < over <= 100
-  assert best >= 70                                      # exact answer: 81
+  assert best >= 78                                      # exact answer: 81
+  # Steeper beyond the fit's batches, so steep that the line's guess is far off: the search
+  # walks down to batch 1 when only it fits.
+  steep = lambda b: 100 * b + (0 if b <= 1 else 10_000 * b)
+  fit = measure.fit_batch(lambda b: _FakeCompiled(steep(b)), (4, 8), (1000 + 15_000,),
+                          max_compiles=8)
+  assert fit.max_batch[16_000] == 1 and fit.over_budget[16_000] == 2
   # A budget below the fixed bytes: nothing fits.
   assert measure.fit_batch(lambda b: _FakeCompiled(100 * b), (4, 8), (500,)).max_batch == {500: 0}
+  # Memory that does not grow with the batch: no largest batch (None), nothing compiled more.
+  flat = measure.fit_batch(lambda b: _FakeCompiled(50), (4, 8), (10_000,))
+  assert flat.max_batch == {10_000: None} and flat.compiles == 2
   with pytest.raises(ValueError, match="two different"):
     measure.fit_batch(lambda b: _FakeCompiled(b), (4, 4))

@@ -276,7 +276,9 @@ def _vjp_with_constants(f, args):
   (Quantizing one also made XLA constant-fold a min/max over the whole broadcast at compile
   time, which grows with the batch.) Residuals named `EXACT_RESIDUAL` (by the op that saved
   them, e.g. InPlace-ABN's output, which its backward inverts) are listed as ``_EXACT``:
-  `compress` keeps them as they are.
+  `compress` keeps them as they are, and the value they name where it is a residual too.
+  Only names at the top level of ``f``'s trace are seen: one inside a ``jax.jit`` called by
+  ``f`` is not (the residual then comes out of the call).
   """
   box = {}
 
@@ -291,11 +293,16 @@ def _vjp_with_constants(f, args):
   n_y = box["y"].num_leaves
   y, leaves = jax.tree.unflatten(box["y"], flat[:n_y]), list(flat[n_y:])
   producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+  # The value an EXACT_RESIDUAL name wraps is the same buffer, read elsewhere under its own
+  # variable (the next layer's input): kept once, not also quantized beside it.
+  exact = {e.invars[0] for e in closed.jaxpr.eqns
+           if e.primitive.name == "name" and e.params.get("name") == EXACT_RESIDUAL
+           and not isinstance(e.invars[0], jax.extend.core.Literal)}
   constants = {}
   for i, v in enumerate(closed.jaxpr.outvars[n_y:]):
     eqn = None if isinstance(v, jax.extend.core.Literal) else producers.get(v)
-    if (eqn is not None and eqn.primitive.name == "name"
-        and eqn.params.get("name") == EXACT_RESIDUAL):
+    if eqn is not None and (v in exact or (eqn.primitive.name == "name"
+                                           and eqn.params.get("name") == EXACT_RESIDUAL)):
       constants[i] = _EXACT
       continue
     if isinstance(v, jax.extend.core.Literal):
