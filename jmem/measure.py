@@ -201,6 +201,11 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
   seen: set[Any] = set()
   residuals: list[Residual] = []
   for v in res_vars:
+    # A checkpoint_name (e.g. InPlace-ABN's exact output) is the value it names: one buffer.
+    while not isinstance(v, jex.Literal) and getattr(
+        producers.get(v), "primitive", None) is not None and \
+        producers[v].primitive.name == "name":
+      v = producers[v].invars[0]
     if isinstance(v, jex.Literal):
       source, desc = "literal", "literal"
     else:
