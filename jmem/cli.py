@@ -23,10 +23,7 @@ def _budget_list(text: str) -> tuple[float, ...]:
   except ValueError:
     raise argparse.ArgumentTypeError(
         f"expected comma-separated GiB, e.g. 16,80 (or '' for none), got {text!r}") from None
-  bad = [v for v in values if not v > 0 or v == float("inf")]
-  if bad:
-    raise argparse.ArgumentTypeError(f"memory budgets must be positive GiB, got {bad[0]!r}")
-  return values
+  return values   # their range: BenchConfig.validate
 
 
 def _str_list(text: str) -> tuple[str, ...]:

@@ -202,10 +202,9 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
   residuals: list[Residual] = []
   for v in res_vars:
     # A checkpoint_name (e.g. InPlace-ABN's exact output) is the value it names: one buffer.
-    while not isinstance(v, jex.Literal) and getattr(
-        producers.get(v), "primitive", None) is not None and \
-        producers[v].primitive.name == "name":
-      v = producers[v].invars[0]
+    while (not isinstance(v, jex.Literal) and (eqn := producers.get(v)) is not None
+           and eqn.primitive.name == "name"):
+      v = eqn.invars[0]
     if isinstance(v, jex.Literal):
       source, desc = "literal", "literal"
     else:
@@ -367,7 +366,11 @@ def compiled_memory(f: Callable[..., Any], *args, **kwargs) -> CompiledMemory:
   Returns:
     A `CompiledMemory` from ``compiled.memory_analysis()``.
   """
-  stats = _compile(f, args, kwargs).memory_analysis()
+  return _memory_of(_compile(f, args, kwargs))
+
+
+def _memory_of(compiled) -> CompiledMemory:
+  stats = compiled.memory_analysis()
   if stats is None:
     raise RuntimeError(
         f"The {jax.default_backend()!r} backend returned no memory analysis for this "
@@ -645,12 +648,8 @@ def fit_batch(compile_at: Callable[[int], Any], batch_sizes: tuple[int, int],
   def measure_at(b):
     nonlocal flops
     compiled = compile_at(b)
-    stats = compiled.memory_analysis()
-    if stats is None:
-      raise RuntimeError(f"The {jax.default_backend()!r} backend returned no memory analysis.")
-    seen[b] = (int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-                   - stats.alias_size_in_bytes + stats.temp_size_in_bytes),
-               int(stats.temp_size_in_bytes))
+    memory = _memory_of(compiled)
+    seen[b] = (memory.total_bytes, memory.temp_bytes)
     if b == b0:
       cost = compiled.cost_analysis()
       cost = cost[0] if isinstance(cost, (list, tuple)) else cost

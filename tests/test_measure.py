@@ -232,7 +232,8 @@ class _FakeCompiled:
   def memory_analysis(self):
     import types  # pylint: disable=g-import-not-at-top
     return types.SimpleNamespace(argument_size_in_bytes=self.args, output_size_in_bytes=self.args,
-                                 alias_size_in_bytes=self.args, temp_size_in_bytes=self.temp)
+                                 alias_size_in_bytes=self.args, temp_size_in_bytes=self.temp,
+                                 generated_code_size_in_bytes=0)
 
   def cost_analysis(self):
     return {"flops": 7.0}

@@ -295,14 +295,14 @@ def _vjp_with_constants(f, args):
   producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
   # The value an EXACT_RESIDUAL name wraps is the same buffer, read elsewhere under its own
   # variable (the next layer's input): kept once, not also quantized beside it.
-  exact = {e.invars[0] for e in closed.jaxpr.eqns
-           if e.primitive.name == "name" and e.params.get("name") == EXACT_RESIDUAL
-           and not isinstance(e.invars[0], jax.extend.core.Literal)}
+  exact = set()
+  for e in closed.jaxpr.eqns:
+    if e.primitive.name == "name" and e.params.get("name") == EXACT_RESIDUAL:
+      exact.update(v for v in (e.invars[0], e.outvars[0])
+                   if not isinstance(v, jax.extend.core.Literal))
   constants = {}
   for i, v in enumerate(closed.jaxpr.outvars[n_y:]):
-    eqn = None if isinstance(v, jax.extend.core.Literal) else producers.get(v)
-    if eqn is not None and (v in exact or (eqn.primitive.name == "name"
-                                           and eqn.params.get("name") == EXACT_RESIDUAL)):
+    if not isinstance(v, jax.extend.core.Literal) and v in exact:
       constants[i] = _EXACT
       continue
     if isinstance(v, jax.extend.core.Literal):
