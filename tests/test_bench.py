@@ -179,7 +179,8 @@ def test_registry_one_registration_adds_a_bench_row():
   if name not in bench.technique_names():
     bench.register_technique(bench.Technique(name, lambda m: m, "same as exact"))
   rows = bench.run_bench(bench.BenchConfig(model="resnet8", techniques=(name,), batch_size=8,
-                                           image_size=8, memory_only=True), quiet=True)
+                                           image_size=8, memory_only=True, budgets_gib=()),
+                         quiet=True)
   assert rows[1]["technique"] == name and rows[1]["saved_ratio"] == 1.0
 
 
@@ -191,7 +192,8 @@ def test_actnn_l3_technique_calibrates_bits_before_measuring():
   from jmem.ops import actnn
   assert bench.get_technique("actnn-L3").prepare is not None
   rows = bench.run_bench(bench.BenchConfig(model="resnet8", techniques=("actnn-L3",),
-                                           batch_size=8, image_size=8, memory_only=True),
+                                           batch_size=8, image_size=8, memory_only=True,
+                                           budgets_gib=()),
                          quiet=True)
   uniform = actnn.convert(models.create_model("resnet8", 10), "L3")
   saved, _ = bench.step_memory(train.model_fns(uniform), optax.sgd(0.1),

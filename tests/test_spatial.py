@@ -173,7 +173,8 @@ def test_bad_input_errors():
 
 def test_bench_technique_spatial_8():
   rows = bench.run_bench(bench.BenchConfig(model="convnext-digits", techniques=("spatial-8",),
-                                           batch_size=8, image_size=32, memory_only=True),
+                                           batch_size=8, image_size=32, memory_only=True,
+                                           budgets_gib=()),
                          quiet=True)
   assert [r["technique"] for r in rows] == ["exact", "spatial-8"]
   assert rows[1]["temp_ratio"] < 0.25, rows[1]
