@@ -525,8 +525,7 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
                          dataset, config, default_optimizer_used=default_used, run_info=run_info)
     if config.resume:
       checkpoints.check_record(record)
-  # One compile, not one per initialiser op run eagerly (2 s a model on CPU).
-  state = jax.jit(lambda k, x: init_state(fns, optimizer, k, x))(key, x1)
+  state = init_state(fns, optimizer, key, x1)
   if initial_params is not None:
     params = override_params(state.params, initial_params)
     state = state._replace(params=params, opt_state=optimizer.init(params))
