@@ -18,3 +18,15 @@ def seeds_and_steps(description, argv=None):
   """Parses ``--seeds 0,1,2 --steps 300``; returns ``(seeds tuple, steps)``."""
   args = parser(description).parse_args(argv)
   return args.seeds, args.steps
+
+
+def write_report(stem, data, lines):
+  """Writes ``results/<stem>.json`` (``data``) and ``results/<stem>.md`` (``lines``), and
+  prints the Markdown: for reports that are not `jmem.bench` rows (`bench.write_results`)."""
+  import json  # pylint: disable=g-import-not-at-top
+  os.makedirs(RESULTS, exist_ok=True)
+  with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
+    json.dump(data, f, indent=1)
+  with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))

@@ -15,10 +15,8 @@ technique): each site's GACT sensitivity, weight and bits, and the measured grad
 |g_q - g|^2 (16 dithers) of the allocation against 2 bits everywhere.
 """
 
-import json
-import os
 
-from _common import RESULTS, parser
+from _common import RESULTS, parser, write_report
 from jmem import bench, data, models
 from jmem.ops import actnn
 from jmem.ops.actnn import technique as actnn_technique
@@ -77,8 +75,6 @@ def allocation(model_name="resnet20", image_size=16, batch=actnn_technique.CALIB
              average_bits=level.average_bits(weights), gradient_noise=noise,
              sites=[dict(site=p, sensitivity=sens[p], values=weights[p], bits=bits[p])
                     for p in sens])
-  with open(os.path.join(RESULTS, "actnn_allocation.json"), "w") as f:
-    json.dump(out, f, indent=1)
   lines = [f"# ActNN L3 per-layer bit allocation: {model_name}, {image_size}x{image_size} "
            f"digits, calibration batch {len(xy[0])}, initial weights (seed 0)", "",
            "| site | sensitivity C | values quantized | bits |", "|---|---:|---:|---:|"]
@@ -87,9 +83,7 @@ def allocation(model_name="resnet20", image_size=16, batch=actnn_technique.CALIB
             "Gradient noise, mean |g_q - g|^2 over 16 dithers (lower is better): "
             f"2 bits everywhere {noise['uniform-2bit']:.4g}, allocated "
             f"{noise['calibrated']:.4g} ({noise['calibrated'] / noise['uniform-2bit']:.2f}x)."]
-  with open(os.path.join(RESULTS, "actnn_allocation.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  write_report("actnn_allocation", out, lines)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ temporal block. Checks the stack against its approximate parts with the same key
 Writes ``results/stack_sbp_actnn.{json,md}``.
 """
 
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jmem  # noqa: E402
 import third_party_models as tp  # noqa: E402
-from _common import RESULTS  # noqa: E402
+from _common import write_report  # noqa: E402
 
 
 class Temporal(nn.Module):
@@ -82,9 +81,6 @@ def main():
     u = gs @ d
     res["z_2bit_64_keys"].append(float(jnp.abs(u.mean() - g_sbp @ d) /
                                        (u.std(ddof=1) / jnp.sqrt(64.0))))
-  os.makedirs(RESULTS, exist_ok=True)
-  with open(os.path.join(RESULTS, "stack_sbp_actnn.json"), "w") as f:
-    json.dump(res, f, indent=1)
   lines = ["# SBP (r=0.5, frame encoder) + ActNN (temporal block)", "",
            f"jax {jax.__version__}, {jax.devices()[0].platform}; clips 8x8 frames of 8x8x3.", "",
            "| bits | ActNN alone vs exact | SBP+ActNN vs SBP | ratio |", "|---:|---:|---:|---:|"]
@@ -96,9 +92,7 @@ def main():
             "z = " + ", ".join(f"{z:.2f}" for z in res["z_2bit_64_keys"]) +
             f" (|z| < 3: no bias detected; one SE is about {e2:.2f}/8 of the gradient's "
             f"norm, so a bias above ~{3 * e2 / 8:.0%} of it would show)."]
-  with open(os.path.join(RESULTS, "stack_sbp_actnn.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  write_report("stack_sbp_actnn", res, lines)
 
 
 if __name__ == "__main__":
