@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmem import _context as context
 from jmem._axes import AxisName, barrier, check_axis_name, varying_axes  # pylint: disable=unused-import
 from jmem._axes import axes_tuple as _axes_tuple
 
@@ -411,9 +412,13 @@ def normalize_with_state(x, *, axis, scale, bias, running_mean, running_var, use
   Moves the feature ``axis`` last, normalises with ``train_fn(x, scale, bias, mask, shift)``
   (returning ``(y, stats)``) or ``eval_fn(x, scale, bias, mean, var)`` and returns
   ``(y, new_running_mean, new_running_var)`` (see `update_running_stats`). Raises TypeError
-  for a non-floating ``x`` (named ``op`` in the message), in both modes.
+  for a non-floating ``x`` (named ``op`` in the message), in both modes. With no ``mask``,
+  training takes the one of an active `jmem.batch_mask` (as `jmem.convert`'s sites do), so
+  jmem's own BatchNorm modules skip the padded rows of a batch too.
   """
   check_floating(x, op)
+  if mask is None and not use_running_average:
+    mask = context.mask_for(x, context.active_mask(), op)
   if not isinstance(axis, int):
     raise ValueError(f"Only a single feature axis is supported, got axis={axis!r}.")
   xl = _to_last(x, axis)

@@ -217,7 +217,7 @@ class _Trace:
     return y
 
   def _unhandled_bn(self, mod, path):
-    if c.active_mask() is not None:
+    if c.active_mask() is not None and not getattr(mod, "_jmem_reads_batch_mask", False):
       raise ValueError(
           f"jmem.batch_mask is active but the BatchNorm-like module at {path or '<top>'!r} is "
           "not a jmem site, so it would ignore the mask: include it in a jmem.SyncBN() "
@@ -407,6 +407,10 @@ class Converted(nn.Module):
 
   model: nn.Module
   techniques: tuple
+
+  # Its sites read an active jmem.batch_mask, and its other BatchNorm-like modules refuse
+  # one (`_unhandled_bn`): `jmem.train` adds no guard of its own.
+  _jmem_guards_batch_mask = True
 
   def setup(self):
     nn.share_scope(self, self.model)

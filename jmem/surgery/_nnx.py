@@ -289,7 +289,7 @@ def _guard_call(base, cfg):
   path, status = cfg[1], cfg[2]
 
   def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
-    if c.active_mask() is not None:
+    if c.active_mask() is not None and not getattr(base, "_jmem_reads_batch_mask", False):
       raise ValueError(
           f"jmem.batch_mask is active but the BatchNorm-like module at {path!r} is not a jmem "
           "site, so it would ignore the mask: include it in a jmem.SyncBN() (axis_name=None "

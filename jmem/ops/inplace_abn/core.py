@@ -321,6 +321,8 @@ class InPlaceABN(nn.Module):
       statistics are always the exact two-pass form in float32.
   """
 
+  _jmem_reads_batch_mask = True   # training takes an active jmem.batch_mask
+
   use_running_average: bool | None = None
   axis: int = -1
   momentum: float = 0.99
@@ -377,6 +379,8 @@ class NNXInPlaceABN(nnx.Module):
   ``momentum`` is Flax's decay (PyTorch's 0.1 is 0.9 here); the running variance is biased
   (Flax's) unless ``unbiased_running_var=True`` (PyTorch's ``var * N / (N - 1)``).
   """
+
+  _jmem_reads_batch_mask = True   # training takes an active jmem.batch_mask
 
   def __init__(self, num_features: int, *, use_running_average: bool = False, axis: int = -1,
                momentum: float = 0.99, epsilon: float = 1e-5, activation: str = "leaky_relu",

@@ -230,6 +230,8 @@ class SyncBatchNorm(nn.Module):
     Other fields: as `flax.linen.BatchNorm`'s.
   """
 
+  _jmem_reads_batch_mask = True   # training takes an active jmem.batch_mask
+
   use_running_average: bool | None = None
   axis: int = -1
   momentum: float = 0.99
@@ -334,6 +336,8 @@ class NNXSyncBatchNorm(nnx.Module):
   biased (Flax's) unless ``unbiased_running_var=True`` (PyTorch's ``var * N / (N - 1)``,
   ``N`` the global valid count per channel).
   """
+
+  _jmem_reads_batch_mask = True   # training takes an active jmem.batch_mask
 
   def __init__(self, num_features: int, *, use_running_average: bool = False, axis: int = -1,
                momentum: float = 0.99, epsilon: float = 1e-5, dtype=None,
