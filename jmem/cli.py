@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 __all__ = ["main"]
@@ -28,6 +29,19 @@ def _budget_list(text: str) -> tuple[float, ...]:
 
 def _str_list(text: str) -> tuple[str, ...]:
   return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _mesh_shape(text: str) -> tuple[int, int, int]:
+  """``D`` (data parallel) or ``DxHxW`` (data x height x width)."""
+  try:
+    sizes = tuple(int(s) for s in text.lower().split("x"))
+  except ValueError:
+    sizes = ()
+  if len(sizes) not in (1, 3) or min(sizes) < 1:
+    raise argparse.ArgumentTypeError(
+        f"expected D (data parallel over D devices) or DxHxW (e.g. 2x2x2: batch over 2, image "
+        f"height over 2, width over 2), with positive sizes; got {text!r}")
+  return sizes + (1, 1) if len(sizes) == 1 else sizes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +93,25 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--checkpoint-dir", default=None)
   t.add_argument("--checkpoint-every", type=int, default=100)
   t.add_argument("--resume", action="store_true")
+  t.add_argument("--stop-after", type=int, default=None, metavar="N",
+                 help="stop after N steps as if killed (no final evaluation): to try --resume")
   t.add_argument("--no-progress", action="store_true")
+  m = t.add_argument_group(
+      "devices and processes", "A mesh over all devices of all processes; several processes "
+      "each run the same command with their own --process-id (or JMEM_COORDINATOR, "
+      "JMEM_NUM_PROCESSES, JMEM_PROCESS_ID).")
+  m.add_argument("--mesh", type=_mesh_shape, default=None, metavar="D|DxHxW",
+                 help="D: data parallel over D devices (batch sharded, parameters "
+                 "replicated); DxHxW: also the image's height and width (ConvNeXt models, "
+                 "halo exchange). Default: one device")
+  m.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="process 0's address, the same in every process")
+  m.add_argument("--num-processes", type=int, default=None)
+  m.add_argument("--process-id", type=int, default=None)
+  m.add_argument("--heartbeat-timeout", type=int, default=100, metavar="SECONDS",
+                 help="stop the others this long after a process goes silent (default 100)")
+  m.add_argument("--local-devices", type=int, default=None, metavar="N",
+                 help="CPU only: simulate N devices in this process")
   return p
 
 
@@ -104,8 +136,48 @@ def _bench(args) -> int:
   return 0
 
 
+def _on_mesh(model, shape: tuple[int, int, int], technique: str):
+  """``model`` run on a ``data x h x w`` mesh of the first devices of all processes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  from jmem import parallel, train  # pylint: disable=g-import-not-at-top
+  from jmem.parallel.spatial import spatial_mesh, spatial_model_fns  # pylint: disable=g-import-not-at-top
+  d, h, w = shape
+  n, have = d * h * w, jax.device_count()
+  text = "x".join(map(str, shape)) if h * w > 1 else str(d)
+  if n > have or (jax.process_count() > 1 and n != have):
+    raise ValueError(
+        f"--mesh {text} needs {n} devices; there are {have} ({jax.process_count()} "
+        f"process(es) x {jax.local_device_count()}){' and every one must be in the mesh' if jax.process_count() > 1 else ''}. "
+        "On CPU, --local-devices N simulates N devices per process.")
+  if isinstance(model, train.ModelFns):
+    raise ValueError(f"Technique {technique!r} runs on a mesh of its own; run it without "
+                     "--mesh (or use --technique exact with --mesh DxHxW for a spatial mesh).")
+  devices = jax.devices()[:n]
+  if hasattr(model, "axis_names") and hasattr(model, "data_axis"):   # jmem's ConvNeXt
+    return spatial_model_fns(model, spatial_mesh(d, h, w, devices=devices))
+  if h * w > 1:
+    raise ValueError(f"--mesh {text} shards the image, which needs a model with halo "
+                     f"convolutions (jmem's ConvNeXt models); {type(model).__name__} takes "
+                     f"a data axis only: --mesh {n}.")
+  return parallel.data_parallel(model, Mesh(np.asarray(devices), ("data",)))
+
+
 def _train(args) -> int:
+  import logging  # pylint: disable=g-import-not-at-top
+  from jmem import distributed  # pylint: disable=g-import-not-at-top
+  distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                         heartbeat_timeout_seconds=args.heartbeat_timeout)
   from jmem import bench, models, train  # pylint: disable=g-import-not-at-top
+  primary = distributed.is_primary()
+  if primary:            # checkpoint saves (with the path a restart needs) on stderr
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("jmem: %(message)s"))
+    logging.getLogger("jmem").addHandler(handler)
+    logging.getLogger("jmem").setLevel(logging.INFO)
+  if args.stop_after is not None and args.stop_after < 0:
+    raise ValueError(f"--stop-after must be >= 0, got {args.stop_after}.")
   config = train.TrainConfig(
       steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
       seed=args.seed, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
@@ -117,29 +189,44 @@ def _train(args) -> int:
   config.validate(len(dataset.x_train))
   model = technique.build(models.create_model(args.model, dataset.num_classes), dataset,
                           args.batch_size)
-  result = train.train(model, dataset, config, run_info={
-      "model": args.model, "technique": args.technique, "image_size": args.image_size})
+  run_info = {"model": args.model, "technique": args.technique, "image_size": args.image_size}
+  if args.mesh is not None:
+    model = _on_mesh(model, args.mesh, args.technique)
+  result = train.train(model, dataset, config, run_info=run_info, stop_after=args.stop_after)
+  if not primary:
+    return 0
   if result.resumed_from:
     print(f"resumed from step {result.resumed_from}")
   for h in result.history:
     print(json.dumps(h))
-  print(f"test accuracy: {100 * result.test_accuracy:.2f}%")
+  if args.stop_after is not None and args.stop_after < args.steps:
+    print(f"stopped after step {args.stop_after} (--stop-after)")
+  else:
+    print(f"test accuracy: {100 * result.test_accuracy:.2f}%")
   return 0
 
 
-def _simulate_host_devices(argv) -> None:
-  """Spatial techniques need 8 devices: on a CPU-only machine, simulate them (before jax)."""
-  wanted = any("spatial-" in a for a in (sys.argv[1:] if argv is None else argv))
+def _simulate_host_devices(argv, local_devices: int | None = None) -> None:
+  """Spatial techniques need 8 devices: on a CPU-only machine, simulate them; and
+  ``--local-devices N`` simulates N (read when the backend starts, so before any work)."""
   flags = os.environ.get("XLA_FLAGS", "")
-  if wanted and "host_platform_device_count" not in flags:   # read when the backend starts
+  if local_devices is not None:
+    if local_devices < 1:
+      raise ValueError(f"--local-devices must be >= 1, got {local_devices}.")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", flags)
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={local_devices}".strip())
+    return
+  wanted = any("spatial-" in a for a in (sys.argv[1:] if argv is None else argv))
+  if wanted and "host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
 
 
 def main(argv: list[str] | None = None) -> int:
-  _simulate_host_devices(argv)
   parser = _parser()
   args = parser.parse_args(argv)
   try:
+    _simulate_host_devices(argv, getattr(args, "local_devices", None))
     return {"bench": _bench, "train": _train}[args.command](args)
   except ValueError as e:
     parser.exit(2, f"jmem {args.command}: error: {e}\n")

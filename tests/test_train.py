@@ -159,7 +159,9 @@ def test_step_and_evaluate_compile_once(technique):
 
   spatial-8 compiled its step twice (the initial state on one device, the step's output
   replicated on the mesh); evaluate re-jitted on every call, once more for a partial batch.
+  On a mesh, evaluate counts the correct predictions on the devices (``count``).
   """
+  evaluation = "jit(count)" if technique == "spatial-8" else "jit(predict)"
   ds = data.digits(16)
   ds = dataclasses.replace(ds, x_test=ds.x_test[:40], y_test=ds.y_test[:40])
   model = models.create_model("convnext-digits", 10, depths=(1,), dims=(8,))
@@ -168,13 +170,13 @@ def test_step_and_evaluate_compile_once(technique):
     result = train.train(fns, ds, train.TrainConfig(steps=3, batch_size=8, eval_every=1,
                                                     progress=False))
   assert len(result.history) == 3
-  assert counts["jit(step)"] == 1 and counts["jit(predict)"] == 1, counts
+  assert counts["jit(step)"] == 1 and counts[evaluation] == 1, counts
   accuracies = []
   for i in range(3):               # batches of 16, 16 and 8 (padded)
     with _compiles() as counts:
       accuracies.append(train.evaluate(fns, result.state, ds.x_test, ds.y_test, batch_size=16))
     if i == 0:                     # a new batch size: one compile, the partial batch included
-      assert counts["jit(predict)"] == 1, counts
+      assert counts[evaluation] == 1, counts
     else:                          # nothing at all is compiled again
       assert not counts, counts
   assert accuracies == [result.test_accuracy] * 3

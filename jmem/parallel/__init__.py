@@ -1,7 +1,9 @@
 """Techniques that spread one step over devices, one package each: `jmem.parallel.sync_bn`
 (BatchNorm statistics over a mesh axis) and `jmem.parallel.spatial` (activations sharded
-over H/W with halo exchange)."""
+over H/W with halo exchange); and `data_parallel`, the batch sharded over a mesh axis (on
+one process or several, see `jmem.distributed`)."""
 
+from jmem.parallel.data_parallel import data_parallel as data_parallel
 from jmem.parallel.sync_bn import BatchStats as BatchStats
 from jmem.parallel.sync_bn import NNXSyncBatchNorm as NNXSyncBatchNorm
 from jmem.parallel.sync_bn import SyncBatchNorm as SyncBatchNorm

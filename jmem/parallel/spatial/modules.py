@@ -124,7 +124,7 @@ def spatial_model_fns(model, mesh: Mesh):
   x_spec = activation_spec(mesh)
   out_spec = P(data) if size[data] > 1 else P()
 
-  def apply(params, model_state, x, *, train, rng=None):
+  def apply(params, model_state, x, *, train, rng=None, mask=None):
     for dim, axis in zip(x.shape, (data, h, w)):
       if dim % size[axis]:
         raise ValueError(
@@ -132,9 +132,12 @@ def spatial_model_fns(model, mesh: Mesh):
             f"({dim} % {size[axis]} != 0): resize or pad the images, or change the batch size, "
             f"so that N, H and W are multiples of the data, h and w mesh sizes.")
 
-    def run(params, model_state, x, rng):
-      return local.apply(params, model_state, x, train=train, rng=rng)
-    return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), x_spec, P()),
-                         out_specs=(out_spec, P()))(params, model_state, x, rng)
+    def run(params, model_state, x, rng, *mask):
+      kw = {"mask": mask[0]} if mask else {}
+      return local.apply(params, model_state, x, train=train, rng=rng, **kw)
+    masks = () if mask is None else (mask,)
+    return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), x_spec, P()) + (out_spec,) * len(masks),
+                         out_specs=(out_spec, P()))(params, model_state, x, rng, *masks)
 
-  return train_lib.ModelFns(base.init, apply, sharded, sharding=replicated(mesh))
+  return train_lib.ModelFns(base.init, apply, sharded, sharding=replicated(mesh),
+                            batch_sharding=NamedSharding(mesh, x_spec))

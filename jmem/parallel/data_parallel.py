@@ -1,0 +1,46 @@
+"""Data parallelism over a mesh axis, the JAX way: parameters replicated, the batch sharded,
+one ``jax.jit`` (XLA inserts the all-reduces of gradients and of batch statistics)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jmem import train as train_lib
+
+__all__ = ["data_parallel"]
+
+
+def data_parallel(model, mesh: Mesh | None = None, *, axis: str = "data") -> train_lib.ModelFns:
+  """`jmem.train.ModelFns` of ``model`` trained data-parallel over ``mesh``'s ``axis``.
+
+  The training state is replicated on ``mesh`` and every batch is sharded along ``axis``
+  (``P(axis)``), so `jmem.train.train` runs one ``jax.jit`` over global arrays: XLA's SPMD
+  partitioner adds the all-reduce of the gradients, and a BatchNorm computes its statistics
+  over the global batch, as a synchronised BatchNorm does. ``mesh`` may span several
+  processes (`jmem.distributed`); each then loads only its own rows of each batch.
+
+  A batch size that ``axis`` does not divide is padded with masked rows: the loss skips them
+  and so must the model's BatchNorms, which a `jmem.convert(model, jmem.SyncBN())` model
+  (or jmem's own `SyncBatchNorm` / `InPlaceABN`) does; a BatchNorm that would count them
+  raises a ValueError naming it.
+
+  Args:
+    model: a linen module, an NNX module or `jmem.train.ModelFns` (its ``apply`` runs as is).
+    mesh: the device mesh (None: all devices, one axis named ``axis``).
+    axis: the mesh axis (or tuple of axes) the batch is split over.
+
+  Raises:
+    ValueError: ``axis`` is not an axis of ``mesh``.
+  """
+  if mesh is None:
+    mesh = Mesh(np.asarray(jax.devices()), (axis if isinstance(axis, str) else axis[0],))
+  names = (axis,) if isinstance(axis, str) else tuple(axis)
+  missing = [a for a in names if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"data_parallel: axis {missing[0]!r} is not an axis of the mesh "
+                     f"{dict(mesh.shape)}; pass axis= one of {mesh.axis_names}.")
+  fns = train_lib.model_fns(model)
+  return fns._replace(sharding=NamedSharding(mesh, P()),
+                      batch_sharding=NamedSharding(mesh, P(axis)))

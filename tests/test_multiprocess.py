@@ -1,0 +1,184 @@
+"""Several processes on JAX's distributed runtime: 2 processes x 4 simulated CPU devices on
+127.0.0.1 (gloo collectives), against this process's 8 devices.
+
+One launch of two `jmem train` processes trains (a) a data-parallel ResNet-8 with SyncBN on
+padded, masked batches (20 examples over 8 devices: process 0 holds 12 real rows, process 1
+8 real rows and 4 padding rows, its last device none real) and (b) a ConvNeXt whose
+activations are sharded over H x W = 2 x 4 (H split between the processes, halos crossing
+them); then (c) the run of (a) again, stopped after step 2 of 4. Process 1 is then killed:
+process 0 must exit non-zero within the heartbeat timeout. A second launch resumes (c) and
+must end bit-identical to (a). Every process is bounded by a timeout and killed by its PID.
+Run alone with ``pytest -m multiprocess``.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jmem import bench, cli, models, train
+
+pytestmark = pytest.mark.multiprocess
+
+HEARTBEAT_S = 10
+RESNET = ["train", "--model", "resnet8", "--technique", "sync-bn", "--image-size", "8",
+          "--batch-size", "20", "--steps", "4", "--mesh", "8", "--checkpoint-every", "2",
+          "--no-progress"]
+CONVNEXT = ["train", "--model", "convnext-digits", "--image-size", "16", "--batch-size", "8",
+            "--steps", "2", "--mesh", "1x2x4", "--checkpoint-every", "2", "--no-progress"]
+
+# Runs `jmem train` once per argument list in this process, then (with "hang") waits to be
+# killed, as a host of a real run would be.
+WORKER = r"""
+import json, sys, time
+from jmem.cli import main
+for argv in json.loads(sys.argv[1]):
+  print("EXIT", main(argv), flush=True)
+print("DONE", flush=True)
+if sys.argv[2] == "hang":
+  time.sleep(600)
+"""
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(runs, tmp_path, tag, *, hang=False):
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", JMEM_COORDINATOR=f"127.0.0.1:{port}", JMEM_NUM_PROCESSES="2",
+             # The resuming launch loads the first launch's compiled programs.
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  procs = []
+  for pid in range(2):
+    out = open(tmp_path / f"{tag}{pid}.out", "w")
+    err = open(tmp_path / f"{tag}{pid}.err", "w")
+    runs_pid = [argv + ["--local-devices", "4", "--heartbeat-timeout", str(HEARTBEAT_S)]
+                for argv in runs]
+    procs.append(subprocess.Popen(
+        [sys.executable, "-c", WORKER, json.dumps(runs_pid), "hang" if hang else "exit"],
+        env={**env, "JMEM_PROCESS_ID": str(pid)}, stdout=out, stderr=err, cwd=tmp_path))
+    out.close()
+    err.close()
+  return procs
+
+
+def _kill(procs):
+  for p in procs:
+    if p.poll() is None:
+      os.kill(p.pid, signal.SIGKILL)
+      p.wait()
+
+
+def _read(tmp_path, tag, pid, stream="out"):
+  return (tmp_path / f"{tag}{pid}.{stream}").read_text()
+
+
+def _wait_for(procs, tmp_path, tag, text, timeout):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if all(text in _read(tmp_path, tag, i) for i in range(len(procs))):
+      return
+    dead = [p for p in procs if p.poll() is not None]
+    if dead:
+      break
+    time.sleep(0.2)
+  logs = "\n".join(f"--- process {i}:\n{_read(tmp_path, tag, i)[-2000:]}"
+                   f"{_read(tmp_path, tag, i, 'err')[-3000:]}" for i in range(len(procs)))
+  raise AssertionError(f"{text!r} not printed by every process in time:\n{logs}")
+
+
+def _reference(argv):
+  """The same `jmem train` run on this process's 8 devices, as the CLI builds it."""
+  args = cli._parser().parse_args(argv)
+  dataset = bench.make_dataset(args.model, args.image_size)
+  model = bench.get_technique(args.technique).build(
+      models.create_model(args.model, dataset.num_classes), dataset, args.batch_size)
+  model = cli._on_mesh(model, args.mesh, args.technique)
+  config = train.TrainConfig(steps=args.steps, batch_size=args.batch_size, progress=False)
+  return train.train(model, dataset, config)
+
+
+def _checkpoint(directory, like):
+  ckpt = train._Checkpoints(str(directory), 2, resume=True)
+  try:
+    return ckpt.steps[-1], ckpt.restore(like)
+  finally:
+    ckpt.close()
+
+
+def _max_diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_two_processes_match_one_resume_exactly_and_die_together(tmp_path):
+  assert jax.device_count() == 8
+  full, killed = tmp_path / "full", tmp_path / "killed"
+  runs = [RESNET + ["--checkpoint-dir", str(full)],
+          CONVNEXT + ["--checkpoint-dir", str(tmp_path / "convnext")],
+          RESNET + ["--checkpoint-dir", str(killed), "--stop-after", "2"]]
+  procs = _start(runs, tmp_path, "a", hang=True)
+  try:
+    _wait_for(procs, tmp_path, "a", "DONE", timeout=400)
+    # A peer that dies stops the other: killed process 1, process 0 aborts by itself.
+    t0 = time.monotonic()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    try:
+      rc0 = procs[0].wait(timeout=HEARTBEAT_S + 30)
+    except subprocess.TimeoutExpired:
+      rc0 = None
+    survived_s = time.monotonic() - t0
+  finally:
+    _kill(procs)
+  assert rc0 is not None and rc0 != 0, (rc0, survived_s)
+  out0, out1, err0, err1 = (_read(tmp_path, "a", 0), _read(tmp_path, "a", 1),
+                            _read(tmp_path, "a", 0, "err"), _read(tmp_path, "a", 1, "err"))
+  assert out0.count("EXIT 0") == out1.count("EXIT 0") == 3, (out0, err0[-3000:], err1[-3000:])
+  # Process 0 reports, process 1 does not; process 0 names every checkpoint it saves.
+  assert out0.count("test accuracy") == 2 and "test accuracy" not in out1
+  assert "stopped after step 2" in out0
+  for step in (2, 4):
+    assert f"step {step} saved in {full / str(step)}" in err0
+  assert f"step 2 saved in {killed / '2'}" in err0 and "saved in" not in err1
+
+  # (a) and (b) against one process with 8 devices.
+  ref_a = _reference(RESNET)
+  step, state_a = _checkpoint(full, ref_a.state)
+  assert step == 4
+  assert _max_diff(state_a.params, ref_a.state.params) < 1e-5
+  assert _max_diff(state_a.model_state, ref_a.state.model_state) < 1e-5
+  accuracies = [json.loads(line)["test_accuracy"] for line in out0.splitlines()
+                if line.startswith("{")]
+  assert accuracies[0] == pytest.approx(ref_a.test_accuracy, abs=1e-9)
+  ref_b = _reference(CONVNEXT)
+  assert accuracies[1] == pytest.approx(ref_b.test_accuracy, abs=1e-9)
+  step, state_b = _checkpoint(tmp_path / "convnext", ref_b.state)
+  assert step == 2
+  assert _max_diff(state_b.params, ref_b.state.params) < 1e-5
+
+  # (c) resumed in two fresh processes: bit-identical to the uninterrupted (a).
+  assert _checkpoint(killed, ref_a.state)[0] == 2
+  procs = _start([RESNET + ["--checkpoint-dir", str(killed), "--resume"]], tmp_path, "r")
+  try:
+    for p in procs:
+      p.wait(timeout=300)
+  finally:
+    _kill(procs)
+  assert [p.returncode for p in procs] == [0, 0], _read(tmp_path, "r", 0, "err")[-3000:]
+  assert "resumed from step 2" in _read(tmp_path, "r", 0)
+  step, state_c = _checkpoint(killed, ref_a.state)
+  assert step == 4
+  for x, y in zip(jax.tree.leaves(state_c), jax.tree.leaves(state_a), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
