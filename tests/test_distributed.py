@@ -14,14 +14,17 @@ from jmem import cli, data, distributed, parallel, train
 
 
 class _TinyBN(nn.Module):
-  """A third-party model: inline conv stem, Flax's own BatchNorm, a global mean."""
+  """A third-party model: inline conv stem, Flax's own BatchNorm (or ``norm``), a global
+  mean."""
+
+  norm: type = nn.BatchNorm
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     # No bias before BatchNorm: its gradient is 0 up to rounding, which Adam's first steps
     # turn into +-learning rate (rounding differs between 1 and 8 devices).
     x = nn.Conv(8, (3, 3), use_bias=False, name="stem")(x)
-    x = nn.relu(nn.BatchNorm(use_running_average=not train, name="norm")(x))
+    x = nn.relu(self.norm(use_running_average=not train, name="norm")(x))
     return nn.Dense(10, name="head")(x.mean(axis=(1, 2)))
 
 
@@ -34,13 +37,15 @@ def _max_diff(a, b):
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-def test_padded_data_parallel_batches_equal_one_device():
+@pytest.mark.parametrize("how", ["convert", "SyncBatchNorm"])
+def test_padded_data_parallel_batches_equal_one_device(how):
   """20 examples over 8 devices: padded to 24, the 4 padding rows (one device has none
-  real) masked out of the loss and of SyncBN's statistics: the same training as 20
-  examples on one device."""
+  real) masked out of the loss and of SyncBN's statistics (a converted model's sites, or
+  jmem's own SyncBatchNorm): the same training as 20 examples on one device."""
   ds = _digits()
   config = train.TrainConfig(steps=2, batch_size=20, progress=False)
-  model = jmem.convert(_TinyBN(), jmem.SyncBN())
+  model = (jmem.convert(_TinyBN(), jmem.SyncBN()) if how == "convert" else
+           _TinyBN(norm=parallel.SyncBatchNorm))
   fns = parallel.data_parallel(model)
   assert train.padded_size(fns, 20) == 24
   one = train.train(model, ds, config)
