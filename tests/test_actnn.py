@@ -251,19 +251,6 @@ def test_pallas_kernels_mask_every_access():
   assert helpers.unmasked_kernel_accesses(roundtrip, jnp.ones((5, 300))) == []
 
 
-def test_pallas_kernels_lower_for_cuda():
-  def roundtrip(x):
-    q = Q.quantize(x, jax.random.key(1), bits=2, implementation="pallas", interpret=False)
-    return Q.dequantize(q, x.shape, x.dtype, bits=2, implementation="pallas", interpret=False)
-  from pallas_kernels import lowering_for_gpu  # pylint: disable=g-import-not-at-top
-  x = jnp.ones((32, 4096))
-  with lowering_for_gpu():
-    text = jax.jit(roundtrip).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 2
-  with pytest.raises(ValueError, match="implementation"):
-    Q.quantize(jnp.ones((2, 8)), jax.random.key(0), implementation="triton")
-
-
 def test_nnx_graph_surgery():
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jmem import surgery  # pylint: disable=g-import-not-at-top
