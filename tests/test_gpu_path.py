@@ -84,3 +84,23 @@ def test_halo_conv_depthwise_gradient_per_platform():
   cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
   assert cuda.count("batch_group_count = 8") == 1
   assert "batch_group_count" not in cpu.replace("batch_group_count = 1 ", "")
+
+
+def test_gpu_benchmark_without_a_gpu_exits_0_and_writes_nothing(tmp_path):
+  """``python benchmarks/gpu.py`` on a CPU machine: its "no GPU" message, status 0, and no
+  file anywhere it could write (its output directory, its working directory, temp)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+  cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+  cwd.mkdir()
+  tmp.mkdir()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp))
+  proc = subprocess.run([sys.executable, str(script), "--output-dir", str(tmp_path / "out")],
+                        cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "no GPU here" in proc.stdout, proc.stdout
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "tmp"]
+  assert not any(cwd.iterdir()) and not any(tmp.iterdir())
