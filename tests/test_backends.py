@@ -19,6 +19,7 @@ from jmem import _backends as backends
 from jmem import _bn_core as bn_core
 from jmem.ops import inplace_abn as iabn
 from jmem.ops.actnn import quantize as Q
+from jmem.parallel import sync_bn
 from pallas_kernels import compiled_kernels, lowering_for_gpu
 
 ACTNN = backends.implementations(*Q.OPS)
@@ -177,6 +178,34 @@ def test_bn_moments_are_exact(implementation, dtype):
   np.testing.assert_allclose(stats.var, xs.var(0), rtol=1e-4, atol=1e-9)
 
 
+@pytest.mark.parametrize("implementation", MOMENTS)
+def test_sync_batch_norm_over_eight_devices_matches_the_full_batch(implementation):
+  """`sync_batch_norm(implementation=...)` under shard_map over 8 devices: output and VJP
+  equal the single-device reference on the whole batch (one all-gather, one psum)."""
+  k = jax.random.split(jax.random.key(0), 2)
+  x = jax.random.normal(k[0], (8 * 3, 5)) * 2 + 100.0
+  ct = jax.random.normal(k[1], (8 * 3, 5))
+  g, b = jnp.linspace(0.5, 1.5, 5), jnp.linspace(-0.1, 0.1, 5)
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+  spec = jax.sharding.PartitionSpec("d")
+
+  def local(x, g, b, ct):
+    y, _ = sync_bn.sync_batch_norm(x, g, b, axis_name="d", implementation=implementation,
+                                   interpret=_interpret(implementation))
+    return jax.lax.psum(jnp.sum(y * ct), "d")
+  # check_vma=False: the Pallas interpreter (not the GPU lowering) trips the check.
+  replicated = jax.sharding.PartitionSpec()
+  loss = jax.shard_map(local, mesh=mesh, in_specs=(spec, replicated, replicated, spec),
+                       out_specs=replicated, check_vma=False)
+  put = lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s))
+  got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+      put(x, spec), put(g, replicated), put(b, replicated), put(ct, spec))
+  want = jax.value_and_grad(lambda x, g, b: jnp.sum(
+      sync_bn.sync_batch_norm_reference(x, g, b)[0] * ct), argnums=(0, 1, 2))(x, g, b)
+  for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-4)
+
+
 # --------------------------------------------------- every op, lowered for CUDA per backend
 
 def _case(op, implementation, dtype):
@@ -237,20 +266,25 @@ def test_automatic_choice_takes_the_kernels_only_for_a_gpu():
   def abn(mask):
     return jax.grad(lambda x: jnp.sum(iabn.inplace_abn(x, jnp.ones(48), jnp.zeros(48),
                                                        mask=mask)[0] ** 2))
+  def bn(mask):
+    return jax.grad(lambda x: jnp.sum(sync_bn.sync_batch_norm(x, mask=mask)[0] ** 2))
+
   def count(fn):
     return jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text().count(TRITON)
 
   with warnings.catch_warnings():
     warnings.simplefilter("error")    # off the GPU, the automatic choice says nothing
-    assert count(actnn(256)) == 0 and count(abn(None)) == 0
+    assert count(actnn(256)) == 0 and count(abn(None)) == 0 and count(bn(None)) == 0
   with lowering_for_gpu():
-    assert count(actnn(256)) == 2 and count(abn(None)) == 4
+    assert count(actnn(256)) == 2 and count(abn(None)) == 4 and count(bn(None)) == 1
   mask = jnp.ones((4, 1, 1, 1), bool)
   with compiled_kernels():
     with pytest.warns(UserWarning, match="powers of two.*slower XLA"):
       assert count(actnn(24)) == 0
     with pytest.warns(UserWarning, match="no mask.*slower XLA"):
       assert count(abn(mask)) == 0
+    with pytest.warns(UserWarning, match="no mask.*slower XLA"):
+      assert count(bn(mask)) == 0
 
 
 def _interpret_warnings(fn, *args, **kwargs):
@@ -276,6 +310,8 @@ def test_explicit_pallas_off_the_gpu_warns_once_per_call():
   assert len(_interpret_warnings(trace, grad, w, x)) == 1
   assert len(_interpret_warnings(trace, lambda x: iabn.inplace_abn(
       x, jnp.ones(64), jnp.zeros(64), implementation="pallas"), x)) == 1
+  assert len(_interpret_warnings(trace, lambda x: sync_bn.sync_batch_norm(
+      x, implementation="pallas"), x)) == 1
 
 
 def test_unknown_or_unsupported_implementations_are_refused():
@@ -283,7 +319,11 @@ def test_unknown_or_unsupported_implementations_are_refused():
   for call in (lambda: Q.quantize(x, jax.random.key(0), implementation="triton"),
                lambda: iabn.inplace_abn(x, jnp.ones(64), jnp.zeros(64), implementation="cuda"),
                lambda: jmem.ActNN("L3", implementation="mosaic"),
-               lambda: jmem.InPlaceABN(implementation="Pallas")):
+               lambda: jmem.InPlaceABN(implementation="Pallas"),
+               lambda: jmem.SyncBN(implementation="triton"),
+               lambda: sync_bn.sync_batch_norm(x, implementation="cuda"),
+               lambda: sync_bn.SyncBatchNorm(implementation="xla ").init(jax.random.key(0), x),
+               lambda: sync_bn.NNXSyncBatchNorm(64, implementation="gpu")):
     with pytest.raises(ValueError, match=r"one of \('xla', 'pallas'\)"):
       call()
   with pytest.raises(ValueError, match="group_size=24.*implementation='xla'"):
@@ -291,6 +331,9 @@ def test_unknown_or_unsupported_implementations_are_refused():
   with pytest.raises(ValueError, match="no mask.*implementation='xla'"):
     iabn.inplace_abn(x, jnp.ones(64), jnp.zeros(64), mask=jnp.ones((4, 1), bool),
                      implementation="pallas", interpret=True)
+  with pytest.raises(ValueError, match="no mask.*implementation='xla'"):
+    sync_bn.sync_batch_norm(x, mask=jnp.ones((4, 1), bool), implementation="pallas",
+                            interpret=True)
 
 
 def test_a_registered_backend_is_taken_by_every_layer(monkeypatch):
@@ -307,6 +350,7 @@ def test_a_registered_backend_is_taken_by_every_layer(monkeypatch):
   assert all(jnp.array_equal(u, v) for u, v in zip(a, b))
   assert jmem.ActNN("L3", implementation="xla_copy").implementation == "xla_copy"
   assert jmem.technique("inplace-abn:xla_copy") == jmem.InPlaceABN(implementation="xla_copy")
+  assert jmem.technique("sync-bn:xla_copy") == jmem.SyncBN(implementation="xla_copy")
   z = iabn.inplace_abn(x, jnp.ones(64), jnp.zeros(64), implementation="xla_copy")[0]
   np.testing.assert_array_equal(z, iabn.inplace_abn(x, jnp.ones(64), jnp.zeros(64),
                                                     implementation="xla")[0])
