@@ -39,7 +39,6 @@ References:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
