@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jmem import _backends
 from jmem import _context as context
 from jmem._axes import AxisName, barrier, check_axis_name, varying_axes  # pylint: disable=unused-import
 from jmem._axes import axes_tuple as _axes_tuple
@@ -258,12 +259,43 @@ def gather_moments(local: Moments, *, axis_name: AxisName = None,
 
 def batch_moments(x: jax.Array, *, axis_name: AxisName = None,
                   axis_index_groups: Sequence[Sequence[int]] | None = None,
-                  mask: jax.Array | None = None) -> Moments:
-  """`Moments` of the valid entries of ``x`` (``[..., C]``) over ``axis_name``, exact."""
+                  mask: jax.Array | None = None, implementation: str = "xla",
+                  interpret: bool | None = None) -> Moments:
+  """`Moments` of the valid entries of ``x`` (``[..., C]``) over ``axis_name``, exact.
+
+  ``implementation`` names a registered `BN_MOMENTS` backend (resolved already: the
+  caller's `jmem._backends.choose`); ``interpret`` is the Pallas interpreter switch. Only
+  the XLA reference is differentiable: the kernels run inside a custom VJP's forward.
+  """
   mask = check_mask(x, mask)
   check_axis_name(axis_name)
-  local = _local_moments(x.astype(jnp.float32), mask, tuple(range(x.ndim - 1)))
+  local = _backends.get(_backends.BN_MOMENTS, implementation)(x, mask=mask,
+                                                              interpret=interpret)
   return gather_moments(local, axis_name=axis_name, axis_index_groups=axis_index_groups)
+
+
+# BN_MOMENTS (`jmem._backends`): ``(x [..., C], *, mask, interpret) -> Moments`` of this
+# device, reduced over every axis but the last, in float32.
+
+def _moments_xla(x, *, mask=None, interpret=None):
+  del interpret
+  return _local_moments(x.astype(jnp.float32), mask, tuple(range(x.ndim - 1)))
+
+
+def _moments_pallas(x, *, mask=None, interpret=None):
+  if mask is not None:
+    raise ValueError("The Pallas BatchNorm moments kernel takes no mask.")
+  from pallas_kernels import inplace_abn as kernels  # pylint: disable=g-import-not-at-top
+  return kernels.moments(x, interpret=interpret)
+
+
+def kernels_take_no_mask(*, masked):
+  return "the Pallas kernels take no mask (this batch is masked)" if masked else None
+
+
+_backends.register(_backends.BN_MOMENTS, "xla", _moments_xla)
+_backends.register(_backends.BN_MOMENTS, "pallas", _moments_pallas, unsupported=kernels_take_no_mask,
+                   gpu_default=True)
 
 
 def batch_stats(x: jax.Array, *, axis_name: AxisName = None,

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Union
 
-__all__ = ["IMPLEMENTATIONS", "Where", "Technique", "check_implementation", "BenchTechnique",
+__all__ = ["IMPLEMENTATIONS", "Where", "Technique", "BenchTechnique",
            "EXACT_RESIDUAL", "keep_exact"]
 
 # The name (``jax.ad_checkpoint.checkpoint_name``) of a residual that must stay exact when
@@ -36,8 +36,8 @@ def keep_exact(x):
   return checkpoint_name(x, EXACT_RESIDUAL)
 
 
-# The kernel backends of a technique with kernels (None: the kernels on a GPU, XLA
-# elsewhere).
+# The built-in kernel backends of a technique with kernels (None: the kernels on a GPU, XLA
+# elsewhere). Which names an op takes is `jmem._backends`' registry: these and any added.
 IMPLEMENTATIONS = ("xla", "pallas")
 
 Where = Union[None, type, str, tuple]
@@ -84,12 +84,6 @@ class Technique:
                (isinstance(w, type) and isinstance(module, w)) for w in self.where_items)
 
 
-def check_implementation(implementation, name: str) -> None:
-  if implementation not in (None, *IMPLEMENTATIONS):
-    raise ValueError(f"{name}(implementation=...) must be one of {IMPLEMENTATIONS} or None "
-                     f"(the kernels on a GPU, XLA elsewhere), got {implementation!r}.")
-
-
 @dataclasses.dataclass(frozen=True)
 class BenchTechnique:
   """A memory-saving technique as ``jmem bench`` sees it (``jmem.bench.Technique``).
@@ -105,6 +99,8 @@ class BenchTechnique:
     has_kernels: the technique has Pallas kernels; ``apply`` and ``prepare`` then take an
       ``implementation`` keyword, chosen with a name suffix: ``"actnn-L3:pallas"``,
       ``"inplace-abn:xla"`` (no suffix: the kernels on a GPU, XLA elsewhere).
+    kernel_ops: the `jmem._backends` ops its kernels implement: a suffix must name an
+      implementation registered for all of them (empty: one of `IMPLEMENTATIONS`).
     implementation: the suffix's implementation (None: automatic).
     convert: ``convert(implementation) -> Technique | None``, the `jmem.convert` technique of
       the same name (`jmem.technique`; None from it: nothing to convert, as for
@@ -116,6 +112,7 @@ class BenchTechnique:
   description: str = ""
   prepare: Callable[..., Any] | None = None
   has_kernels: bool = False
+  kernel_ops: tuple[str, ...] = ()
   implementation: str | None = None
   convert: Callable[[str | None], Technique | None] | None = None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jmem import _backends
 from jmem._technique import IMPLEMENTATIONS, BenchTechnique, Technique
 from jmem.ops import remat
 from jmem.ops.actnn import technique as actnn_technique
@@ -60,9 +61,11 @@ def get_technique(name: str) -> BenchTechnique:
     with_kernels = [n for n, t in _TECHNIQUES.items() if t.has_kernels]
     raise ValueError(f"Technique {base!r} has no kernels, so it takes no ':{implementation}' "
                      f"suffix; techniques with kernels: {', '.join(with_kernels)}.")
-  if implementation not in IMPLEMENTATIONS:
+  names = (_backends.implementations(*record.kernel_ops) if record.kernel_ops
+           else IMPLEMENTATIONS)
+  if implementation not in names:
     raise ValueError(f"Unknown implementation {implementation!r} in {name!r}; use "
-                     f"{' or '.join(IMPLEMENTATIONS)} (or no suffix for automatic).")
+                     f"{' or '.join(names)} (or no suffix for automatic).")
   return dataclasses.replace(record, name=name, implementation=implementation)
 
 

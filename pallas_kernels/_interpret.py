@@ -49,7 +49,7 @@ def targets_gpu() -> bool:
   return jax.default_backend() == "gpu" or _FORCE_COMPILED.get()
 
 
-def resolve_interpret(interpret: bool | None, what: str) -> bool:
+def resolve_interpret(interpret: bool | None, what: str, *, stacklevel: int = 4) -> bool:
   """``interpret`` as given, or (``None``) True exactly when the backend is not a GPU.
 
   The automatic choice warns: the interpreter is far slower than the XLA path, and a slower
@@ -60,5 +60,5 @@ def resolve_interpret(interpret: bool | None, what: str) -> bool:
     if interpret:
       warnings.warn(f"{what} on a non-GPU backend runs the Pallas kernels in interpret mode, "
                     "which is much slower than implementation='xla' (the default).",
-                    stacklevel=4)
+                    stacklevel=stacklevel)
   return bool(interpret)

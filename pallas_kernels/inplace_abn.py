@@ -40,7 +40,7 @@ from jmem._elementwise import ABNConfig, apply_activation, invert_activation
 from jmem._technique import keep_exact
 from pallas_kernels._interpret import resolve_interpret
 
-__all__ = ["Tiles", "inplace_abn_pallas"]
+__all__ = ["Tiles", "inplace_abn_pallas", "moments"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +190,20 @@ def _local_moments(x2, launch: _Launch) -> bn_core.Moments:
   m0_t, corr_t, m2_t = launch.call(kern, [launch.tile], [launch.partial] * 3, [shape] * 3, x2)
   n_t = jnp.broadcast_to(launch.tile_counts(), m0_t.shape)
   return bn_core.merge_moments(bn_core.Moments(n_t, m0_t, corr_t, m2_t), axis=0)
+
+
+def moments(x: jax.Array, *, tiles: Tiles | None = None,
+            interpret: bool | None = None) -> bn_core.Moments:
+  """This device's exact per-channel `jmem._bn_core.Moments` of ``x`` (``[..., C]``).
+
+  The statistics kernel of the InPlace-ABN forward pass on its own (SyncBN's local
+  moments): per-tile moments, merged exactly in XLA. Not differentiable (run it inside a
+  custom VJP's forward). ``interpret`` as in `inplace_abn_pallas`.
+  """
+  interpret = resolve_interpret(interpret, "BatchNorm moments (implementation='pallas')")
+  x2 = x.reshape(-1, x.shape[-1])
+  return _local_moments(x2, _Launch(x2, Tiles.get_default() if tiles is None else tiles,
+                                    interpret))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))

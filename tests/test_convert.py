@@ -405,7 +405,8 @@ def test_registry_and_names():
   for name in bench.technique_names():
     record = bench.get_technique(name)
     if name in surgery.technique_names():
-      assert record.has_kernels == (name.startswith("actnn") or name == "inplace-abn")
+      assert record.has_kernels == (name.startswith("actnn") or
+                                    name in ("inplace-abn", "sync-bn"))
       converted = jmem.technique(name)
       assert converted is None if name == "exact" else isinstance(converted, jmem.Technique)
     else:

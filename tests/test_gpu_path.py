@@ -11,7 +11,8 @@ from pallas_kernels import lowering_for_gpu
 @pytest.mark.parametrize("technique,dtype", [("actnn-L3:pallas", jnp.float32),
                                              ("inplace-abn:pallas", jnp.bfloat16),
                                              ("actnn-L3", jnp.bfloat16),   # automatic
-                                             ("inplace-abn", jnp.float32)])
+                                             ("inplace-abn", jnp.float32),
+                                             ("sync-bn:pallas", jnp.bfloat16)])
 def test_train_step_lowers_for_cuda_with_its_kernels(technique, dtype):
   tech = bench.get_technique(technique)
   model = tech.apply(models.create_model("resnet8", 10, dtype=dtype),
@@ -26,7 +27,8 @@ def test_train_step_lowers_for_cuda_with_its_kernels(technique, dtype):
   with lowering_for_gpu():
     text = step.trace(state, x, y).lower(lowering_platforms=("cuda",)).as_text()
   # Each compressed residual: one quantize and one dequantize launch; InPlace-ABN: four
-  # launches per layer (statistics, normalise, backward sums, dx).
+  # launches per layer (statistics, normalise, backward sums, dx); SyncBN: one per layer
+  # (statistics; resnet8 has 9 BatchNorms).
   assert text.count("__gpu$xla.gpu.triton") >= 8
 
 
@@ -41,16 +43,16 @@ def test_technique_implementation_suffix():
       bench.get_technique(bad)
 
 
-@pytest.mark.parametrize("name", ["actnn-L3:pallas", "inplace-abn:pallas"])
+@pytest.mark.parametrize("name", ["actnn-L3:pallas", "inplace-abn:pallas", "sync-bn:pallas"])
 def test_converted_third_party_step_lowers_for_cuda_with_its_kernels(name):
   """``implementation=`` through jmem.convert's technique objects, on a model jmem did not
   write: the whole train step lowers for CUDA with the Pallas kernels in it."""
   import jmem  # pylint: disable=g-import-not-at-top
   import third_party_models as tp  # pylint: disable=g-import-not-at-top
-  make, shape = ((tp.ThirdPartyResNet, (8, 16, 16, 3)) if name.startswith("actnn")
+  make, shape = ((tp.ThirdPartyResNet, (8, 16, 16, 3)) if not name.startswith("inplace")
                  else (tp.SequentialABNCNN, (8, 8, 8, 3)))
   # The bench's inplace-abn fixes leaky_relu 0.01; this model's own pairs say what they are.
-  overrides = {} if name.startswith("actnn") else dict(activation=None, slope=None)
+  overrides = dict(activation=None, slope=None) if name.startswith("inplace") else {}
   model = jmem.convert(make(), jmem.technique(name, **overrides))
   fns = train.model_fns(model)
   opt = train.default_optimizer(1e-3, 10)
@@ -84,3 +86,23 @@ def test_halo_conv_depthwise_gradient_per_platform():
   cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
   assert cuda.count("batch_group_count = 8") == 1
   assert "batch_group_count" not in cpu.replace("batch_group_count = 1 ", "")
+
+
+def test_gpu_benchmark_without_a_gpu_exits_0_and_writes_nothing(tmp_path):
+  """``python benchmarks/gpu.py`` on a CPU machine: its "no GPU" message, status 0, and no
+  file anywhere it could write (its output directory, its working directory, temp)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+  cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+  cwd.mkdir()
+  tmp.mkdir()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp))
+  proc = subprocess.run([sys.executable, str(script), "--output-dir", str(tmp_path / "out")],
+                        cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "no GPU here" in proc.stdout, proc.stdout
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "tmp"]
+  assert not any(cwd.iterdir()) and not any(tmp.iterdir())

@@ -295,17 +295,19 @@ def test_offset_data_is_exact_without_a_shift():
 ALL_CHANNELS = tuple((m, s) for m in (1e2, 1e3, 1e4, 1e5, 1e6) for s in (1e-2, 1e-1, 1.0))
 
 
-@pytest.mark.parametrize("path", ["sync_bn-shard_map", "sync_bn-pmap", "abn-shard_map",
-                                  "abn-pmap", "abn-pallas-unmasked"])
+@pytest.mark.parametrize("path", ["sync_bn-shard_map", "sync_bn-pmap", "sync_bn-pallas-unmasked",
+                                  "abn-shard_map", "abn-pmap", "abn-pallas-unmasked"])
 def test_offset_data_large_unbalanced_counts_every_path(path):
   counts, cap = ((60, 0, 30, 100, 1, 0, 20, 90), 100)
-  if path == "abn-pallas-unmasked":
+  if path.endswith("pallas-unmasked"):
     counts, cap = (37,) * 8, 37
   x, mask = offset_data(channels=ALL_CHANNELS, counts=counts, cap=cap)
   c = x.shape[-1]
   if path.startswith("sync_bn"):
-    fn = lambda x, m: (lambda r: (r[0], r[1].mean, r[1].var))(
-        sync_bn.sync_batch_norm(x, axis_name="d", mask=m, epsilon=EPS))
+    impl = "pallas" if "pallas" in path else "xla"
+    fn = lambda x, m: (lambda r: (r[0], r[1].mean, r[1].var))(sync_bn.sync_batch_norm(
+        x, axis_name="d", mask=None if impl == "pallas" else m, epsilon=EPS,
+        implementation=impl, interpret=True if impl == "pallas" else None))
   else:
     impl = "pallas" if "pallas" in path else "xla"
     fn = lambda x, m: (lambda r: (r[0], r[1].mean, r[1].var))(iabn.inplace_abn(

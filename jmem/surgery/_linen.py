@@ -386,7 +386,8 @@ class _Trace:
     else:
       i, t = found[0]
       name, groups = c.bn_axis(t, None, mod)
-      train_fn = sync_bn._sync_train_fn(None if initializing else name, groups, mod.epsilon)  # pylint: disable=protected-access
+      train_fn = sync_bn._sync_train_fn(None if initializing else name, groups, mod.epsilon,  # pylint: disable=protected-access
+                                        t.implementation)
       eval_fn = sync_bn._bn_eval_fn(mod.epsilon)  # pylint: disable=protected-access
       unbiased = t.unbiased_running_var
       self._hit(i, path)

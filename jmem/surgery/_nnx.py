@@ -77,8 +77,8 @@ def _bn_call(base, cfg):
       abn_cfg, implementation, unbiased = opts
       train_fn, eval_fn = abn_lib._abn_fns(abn_cfg, implementation)  # pylint: disable=protected-access
     else:
-      axis_name, groups, unbiased = opts
-      train_fn = sync_bn._sync_train_fn(axis_name, groups, self.epsilon)  # pylint: disable=protected-access
+      axis_name, groups, unbiased, implementation = opts
+      train_fn = sync_bn._sync_train_fn(axis_name, groups, self.epsilon, implementation)  # pylint: disable=protected-access
       eval_fn = sync_bn._bn_eval_fn(self.epsilon)  # pylint: disable=protected-access
     return _normalize(self, x, use_ra, mask, train_fn, eval_fn, unbiased, path)
 
@@ -243,7 +243,8 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
       _, t = found[0]
       axis_name, groups = c.bn_axis(t, None, m)
       actions.append(functools.partial(_set_class, m, _subclass(
-          type(m), "bn", ("sync", path, (axis_name, groups, t.unbiased_running_var)),
+          type(m), "bn", ("sync", path, (axis_name, groups, t.unbiased_running_var,
+                                         t.implementation)),
           _bn_call)))
     for i, _ in found:
       hits[i].append(path)

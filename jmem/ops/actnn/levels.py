@@ -79,6 +79,7 @@ from flax.core import scope as core_scope
 from flax.linen import transforms as nn_transforms
 from jax.flatten_util import ravel_pytree
 
+from jmem._backends import check_implementation
 from jmem.ops.actnn import quantize as q
 
 __all__ = ["Level", "LEVELS", "get_level", "compressed", "convert", "CompressedNNX",
@@ -133,9 +134,7 @@ def compressed(target, *, bits: int = 2, group_size: int = 256, offload: bool = 
   layer_bits = dict(layer_bits or {})
   for b in {bits, *layer_bits.values()}:
     q.check_config(b, group_size)
-  if implementation not in (None, *q.IMPLEMENTATIONS):
-    raise ValueError(f"implementation must be one of {q.IMPLEMENTATIONS} or None "
-                     f"(automatic), got {implementation!r}.")
+  check_implementation(implementation, q.OPS, "compressed")
   lifted = nn_transforms.lift_transform(
       _lift_sites(_compress_site), target, bits=bits, layer_bits=layer_bits,
       group_size=group_size, offload=offload, methods=methods, implementation=implementation)
@@ -433,9 +432,7 @@ class CompressedNNX(nnx.Module):
   def __init__(self, inner: nnx.Module, *, bits: int = 2, group_size: int = 256,
                offload: bool = False, implementation: str | None = None):
     q.check_config(bits, group_size)
-    if implementation not in (None, *q.IMPLEMENTATIONS):
-      raise ValueError(f"implementation must be one of {q.IMPLEMENTATIONS} or None "
-                       f"(automatic), got {implementation!r}.")
+    check_implementation(implementation, q.OPS, "CompressedNNX")
     self.inner = inner
     self.bits, self.group_size, self.offload = bits, group_size, offload
     self.implementation = implementation

@@ -25,9 +25,10 @@ arguments (parameters, inputs) are kept as they are (they are alive anyway), boo
 bit-packed, scalars broadcast to full size (the zeros an activation's derivative selects
 from) are stored as the one number, other integers kept.
 
-Implementations: ``implementation="xla"`` (pure JAX, the reference and the default off
-GPUs), ``"pallas"`` (the fused kernels; in interpret mode, with a warning, off GPUs) or
-``None`` (the kernels on a GPU where they take the configuration, else XLA).
+Implementations (`jmem._backends`, ops `QUANTIZE_PACK` and `UNPACK_DEQUANTIZE`):
+``implementation="xla"`` (pure JAX, the reference and the default off GPUs), ``"pallas"``
+(the fused kernels; in interpret mode, with a warning, off GPUs), any other registered
+backend, or ``None`` (the kernels on a GPU where they take the configuration, else XLA).
 
 References:
   Chen et al., ActNN: Reducing Training Memory Footprint via 2-Bit Activation Compressed
@@ -38,7 +39,6 @@ References:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -47,6 +47,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jmem import _backends
 from jmem._axes import barrier
 from jmem._context import data_key
 from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16  # pylint: disable=unused-import
@@ -56,7 +57,7 @@ from jmem._technique import IMPLEMENTATIONS  # pylint: disable=unused-import
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
            "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform",
            "check_config", "fake_quantize", "probe", "truncate_to_bfloat16", "group_span",
-           "resolve_implementation"]
+           "resolve_implementation", "OPS"]
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 
@@ -81,28 +82,20 @@ def check_config(bits: int, group_size: int) -> None:
                      f"multiple of 8, got group_size={group_size!r} (bits={bits}).")
 
 
+OPS = (_backends.QUANTIZE_PACK, _backends.UNPACK_DEQUANTIZE)   # what ActNN's kernels replace
+
+
 def resolve_implementation(implementation: str | None, *, bits: int, group_size: int) -> str:
-  """``"xla"`` or ``"pallas"`` for ``implementation`` (``None``: the kernels on a GPU).
+  """The registered implementation that runs ``(bits, group_size)`` (`jmem._backends.choose`).
 
   ``None`` picks the Pallas kernels when the default backend is a GPU (or inside
   `pallas_kernels.lowering_for_gpu`) and the kernels take
   ``(bits, group_size)``; where they do not, it warns and uses XLA (never silently slower).
+  A named backend is validated against the registry; one that cannot take the
+  configuration raises ValueError.
   """
-  if implementation is None:
-    from pallas_kernels import targets_gpu  # pylint: disable=g-import-not-at-top
-    if not targets_gpu():
-      return "xla"
-    from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
-    if kernels.supports(bits, group_size):
-      return "pallas"
-    warnings.warn(f"ActNN: the Pallas kernels need group_size and group_size * bits / 8 to "
-                  f"be powers of two, got group_size={group_size}, bits={bits}; using the "
-                  "slower XLA path.", stacklevel=3)
-    return "xla"
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None (automatic), "
-                     f"got {implementation!r}.")
-  return implementation
+  return _backends.choose(implementation, OPS, "ActNN", stacklevel=4, bits=bits,
+                          group_size=group_size)
 
 
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
@@ -197,8 +190,9 @@ def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 2
     bits: 1, 2, 4 or 8.
     group_size: values per group (``group_size * bits`` a multiple of 8).
     implementation: ``"xla"``, ``"pallas"`` (the fused statistics + quantize + pack kernel
-      of `pallas_kernels.quantize`; bit-identical codes in interpret mode) or ``None``
-      (`resolve_implementation`: the kernel on a GPU).
+      of `pallas_kernels.quantize`; bit-identical codes in interpret mode), another name
+      registered in `jmem._backends`, or ``None`` (`resolve_implementation`: the kernel on
+      a GPU).
     interpret: Pallas interpret mode (``None``: on non-GPU backends, with a warning).
 
   Returns:
@@ -212,20 +206,11 @@ def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 2
     raise ValueError(f"quantize got an empty array of shape {x.shape}: nothing to compress "
                      "(keep empty residuals as they are).")
   implementation = resolve_implementation(implementation, bits=bits, group_size=group_size)
-  seed = dither_seed(key)
-  if implementation == "pallas":
-    from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
-    grouped = _range_safe_groups(x, group_size, dtype=x.dtype)
-    n, g = grouped.shape[:2]
-    codes, mn, scale = kernels.quantize_pack(grouped.reshape(n * g, group_size), seed,
-                                             bits=bits, interpret=interpret)
-    return Quantized(codes.reshape(n, -1), mn.reshape(n, g), scale.reshape(n, g))
-  grouped, mn, scale = group_statistics(x, bits=bits, group_size=group_size)
-  levels = float(2**bits - 1)
-  v = (grouped - mn[..., None]) * scale.astype(jnp.float32)[..., None]
-  index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
-  q = jnp.clip(jnp.floor(v + hash_uniform(index, seed)), 0.0, levels).astype(jnp.uint8)
-  return Quantized(_pack_planes(q, bits).reshape(q.shape[0], -1), mn, scale)
+  grouped = _range_safe_groups(x, group_size, dtype=x.dtype)
+  n, g = grouped.shape[:2]
+  codes, mn, scale = _backends.get(_backends.QUANTIZE_PACK, implementation)(
+      grouped.reshape(n * g, group_size), dither_seed(key), bits=bits, interpret=interpret)
+  return Quantized(codes.reshape(n, -1), mn.reshape(n, g), scale.reshape(n, g))
 
 
 def dequantize(qx: Quantized, shape: tuple[int, ...], dtype, *, bits: int = 2,
@@ -235,15 +220,63 @@ def dequantize(qx: Quantized, shape: tuple[int, ...], dtype, *, bits: int = 2,
   check_config(bits, group_size)
   implementation = resolve_implementation(implementation, bits=bits, group_size=group_size)
   n, g = qx.minimum.shape
-  if implementation == "pallas":
-    from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
-    x = kernels.unpack_dequantize(qx.codes.reshape(n * g, -1), qx.minimum.reshape(-1),
-                                  qx.scale.reshape(-1), bits=bits, dtype=dtype,
-                                  interpret=interpret)
-  else:
-    q = _unpack_planes(qx.codes.reshape(n, g, -1), bits).astype(jnp.float32)
-    x = q / qx.scale.astype(jnp.float32)[..., None] + qx.minimum[..., None]
+  x = _backends.get(_backends.UNPACK_DEQUANTIZE, implementation)(
+      qx.codes.reshape(n * g, -1), qx.minimum.reshape(-1), qx.scale.reshape(-1), bits=bits,
+      dtype=dtype, interpret=interpret)
   return _ungroup(x, shape, dtype)
+
+
+# ----------------------------------------------- the op's backends (`jmem._backends`)
+# QUANTIZE_PACK: ``(groups float[rows, group_size], seed uint32[], *, bits, interpret) ->
+# (codes uint8[rows, group_size * bits / 8], minimum float32[rows], scale bfloat16[rows])``.
+# UNPACK_DEQUANTIZE: ``(codes, minimum, scale, *, bits, dtype, interpret) ->
+# dtype[rows, group_size]``. ``interpret`` is the Pallas interpreter switch (None:
+# automatic, with a warning off the GPU); the XLA reference ignores it.
+
+def _quantize_pack_xla(groups, seed, *, bits, interpret=None):
+  del interpret
+  levels = float(2**bits - 1)
+  grouped = groups.astype(jnp.float32)
+  mn = jnp.min(grouped, axis=-1)
+  scale = truncate_to_bfloat16(levels / group_span(mn, jnp.max(grouped, axis=-1)))
+  v = (grouped - mn[:, None]) * scale[:, None]
+  index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
+  q = jnp.clip(jnp.floor(v + hash_uniform(index, seed)), 0.0, levels).astype(jnp.uint8)
+  return _pack_planes(q, bits), mn, scale.astype(jnp.bfloat16)
+
+
+def _unpack_dequantize_xla(codes, minimum, scale, *, bits, dtype, interpret=None):
+  del interpret
+  q = _unpack_planes(codes, bits).astype(jnp.float32)
+  return (q / scale.astype(jnp.float32)[:, None] + minimum[:, None]).astype(dtype)
+
+
+def _quantize_pack_pallas(groups, seed, *, bits, interpret=None):
+  from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
+  return kernels.quantize_pack(groups, seed, bits=bits, interpret=interpret)
+
+
+def _unpack_dequantize_pallas(codes, minimum, scale, *, bits, dtype, interpret=None):
+  from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
+  return kernels.unpack_dequantize(codes, minimum, scale, bits=bits, dtype=dtype,
+                                   interpret=interpret)
+
+
+def _triton_blocks(*, bits, group_size):
+  """Why the Triton kernels cannot take ``(bits, group_size)`` (None: they can)."""
+  from pallas_kernels import quantize as kernels  # pylint: disable=g-import-not-at-top
+  if kernels.supports(bits, group_size):
+    return None
+  return (f"the Pallas kernels need group_size and group_size * bits / 8 to be powers of "
+          f"two, got group_size={group_size}, bits={bits}")
+
+
+_backends.register(_backends.QUANTIZE_PACK, "xla", _quantize_pack_xla)
+_backends.register(_backends.UNPACK_DEQUANTIZE, "xla", _unpack_dequantize_xla)
+_backends.register(_backends.QUANTIZE_PACK, "pallas", _quantize_pack_pallas,
+                   unsupported=_triton_blocks, gpu_default=True)
+_backends.register(_backends.UNPACK_DEQUANTIZE, "pallas", _unpack_dequantize_pallas,
+                   unsupported=_triton_blocks, gpu_default=True)
 
 
 def packed_nbytes(shape: tuple[int, ...], *, bits: int = 2, group_size: int = 256) -> int:
@@ -388,6 +421,8 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       y, leaves, layout["treedef"], constants = _vjp_with_constants(f, args)
       kept = _param_leaves(args, param_argnums)
       key = data_key(jax.tree.leaves(args)) if key is None else key
+      # Resolved here, where the kernels first run; the backward reuses it.
+      layout["kw"] = kw = dict(kernel_kw, interpret=_interpret_once(implementation, interpret))
       plan, saved = [], []
       for i, leaf in enumerate(leaves):
         kind = _residual_kind(leaf, kept, min_size, constants.get(i))
@@ -397,7 +432,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
         elif kind == "quant":
           plan.append(("quant", leaf.shape, leaf.dtype))
           n = leaf.shape[0] if leaf.ndim else 1
-          saved.append(quantize(leaf.reshape(n, -1), jax.random.fold_in(key, i), **kernel_kw))
+          saved.append(quantize(leaf.reshape(n, -1), jax.random.fold_in(key, i), **kw))
         elif kind == "bool":
           plan.append(("bool", leaf.shape, None))
           saved.append(pack_bits(leaf.reshape(-1).astype(jnp.uint8), 1))
@@ -423,14 +458,14 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       if offload:
         saved = [_to_space(v, jax.memory.Space.Device) if p[0] in ("quant", "bool") else v
                  for p, v in zip(layout["plan"], saved)]
-      leaves = []
+      leaves, kw = [], layout["kw"]
       for (kind, shape, dtype), s in zip(layout["plan"], saved):
         if kind == "const":
           leaves.append(jnp.full(shape, dtype[1], dtype[0]))
         elif kind == "quant":
           n = shape[0] if len(shape) else 1
           per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-          leaves.append(dequantize(s, (n, per), dtype, **kernel_kw).reshape(shape))
+          leaves.append(dequantize(s, (n, per), dtype, **kw).reshape(shape))
         elif kind == "bool":
           leaves.append(unpack_bits(s, 1).astype(jnp.bool_).reshape(shape))
         else:
@@ -444,6 +479,16 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
     return call(tuple(args), key)
 
   return g
+
+
+def _interpret_once(implementation: str, interpret: bool | None) -> bool | None:
+  """``interpret`` resolved once per call of a compressed function: off the GPU a Pallas
+  backend warns once for the call, not once per quantized and dequantized residual."""
+  if implementation == _backends.XLA or interpret is not None:
+    return interpret
+  from pallas_kernels import resolve_interpret  # pylint: disable=g-import-not-at-top
+  return resolve_interpret(None, f"ActNN compress(implementation={implementation!r})",
+                           stacklevel=3)
 
 
 def fake_quantize(x: jax.Array, levels: jax.Array, seed: jax.Array, *,

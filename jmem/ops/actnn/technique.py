@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem import train as train_lib
-from jmem._technique import BenchTechnique, Technique, check_implementation
+from jmem._backends import check_implementation
+from jmem._technique import BenchTechnique, Technique
 from jmem.ops.actnn import levels
+from jmem.ops.actnn import quantize
 
 __all__ = ["ActNN", "calibration_problem", "CALIBRATION_BATCH", "CALIBRATION_VALUES",
            "BENCH_TECHNIQUES"]
@@ -41,7 +43,7 @@ class ActNN(Technique):
 
   def __post_init__(self):
     super().__post_init__()
-    check_implementation(self.implementation, "ActNN")
+    check_implementation(self.implementation, quantize.OPS, "ActNN")
     lv = self.resolved_level()
     if self.where is not None and lv.block_bits is None and lv.conv_bits is None and \
         lv.norm_bits is None:
@@ -112,5 +114,5 @@ _WHAT = (("L1", "4-bit conv inputs"), ("L2", "4-bit conv + BatchNorm"),
 BENCH_TECHNIQUES = tuple(
     BenchTechnique(f"actnn-{lv}", _apply(lv), f"ActNN {lv}: {what}",
                    prepare=_calibrated(lv) if lv in ("L3", "L4", "L5") else None,
-                   has_kernels=True, convert=_convert(lv))
+                   has_kernels=True, kernel_ops=quantize.OPS, convert=_convert(lv))
     for lv, what in _WHAT)

@@ -25,7 +25,6 @@ References:
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jmem import _backends
 from jmem import _bn_core as bn_core
 from jmem._technique import keep_exact
 from jmem._elementwise import (  # pylint: disable=unused-import
@@ -163,7 +163,8 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
     running_var: ``float[C]``, required in eval mode.
     implementation: ``"xla"`` (reference and CPU path), ``"pallas"`` (the training-mode
       kernels of `pallas_kernels.inplace_abn`; no mask; eval mode is one elementwise op and
-      stays XLA) or ``None`` (default: the kernels on a GPU for unmasked batches, else XLA).
+      stays XLA), another backend registered in `jmem._backends`, or ``None`` (default: the
+      kernels on a GPU for unmasked batches, else XLA with a warning for masked ones).
     interpret: Pallas interpret mode (``None``: on non-GPU backends, with a warning).
 
   Returns:
@@ -184,9 +185,7 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
   if scale.shape != (c,) or bias.shape != (c,):
     raise ValueError(f"scale and bias must have shape ({c},) for x of shape {x.shape}, got "
                      f"{scale.shape} and {bias.shape}.")
-  if implementation not in (None, "xla", "pallas"):
-    raise ValueError(f"implementation must be 'xla', 'pallas' or None (automatic), got "
-                     f"{implementation!r}.")
+  _backends.check_implementation(implementation, OPS, "inplace_abn")
   if use_running_average:
     if running_mean is None or running_var is None:
       raise ValueError("Eval mode (use_running_average=True) needs running_mean and running_var.")
@@ -196,21 +195,34 @@ def inplace_abn(x: jax.Array, scale: jax.Array, bias: jax.Array, *,
   mask = bn_core.check_mask(x, mask)
   bn_core.warn_if_unsynchronised(x, cfg.axis_name, "inplace_abn")
   shift = jnp.zeros((c,), jnp.float32) if shift is None else jnp.asarray(shift, jnp.float32)
-  if implementation is None:
-    from pallas_kernels import targets_gpu  # pylint: disable=g-import-not-at-top
-    implementation = "pallas" if targets_gpu() and mask is None else "xla"
-    if targets_gpu() and mask is not None:
-      warnings.warn("inplace_abn: the Pallas kernels take no mask; this masked batch uses the "
-                    "slower XLA path.", stacklevel=2)
-  if implementation == "pallas":
-    if mask is not None:
-      raise ValueError("implementation='pallas' does not take a mask; use implementation='xla' "
-                       "for masked batches.")
-    from pallas_kernels import inplace_abn as kernels  # pylint: disable=g-import-not-at-top
-    z, stats = kernels.inplace_abn_pallas(x, scale, bias, cfg, shift=shift, interpret=interpret)
-    return z, jax.tree.map(lax.stop_gradient, stats)
-  z, stats = _abn_train(x, scale, bias, mask, shift, cfg)
+  implementation = _backends.choose(implementation, OPS, "inplace_abn",
+                                    masked=mask is not None)
+  z, stats = _backends.get(_backends.INPLACE_ABN, implementation)(
+      x, scale, bias, cfg, mask=mask, shift=shift, interpret=interpret)
   return z, jax.tree.map(lax.stop_gradient, stats)
+
+
+# ------------------------------------------------- the op's backends (`jmem._backends`)
+# INPLACE_ABN: ``(x [..., C], scale float32[C], bias float32[C], cfg: ABNConfig, *, mask,
+# shift, interpret) -> (z like x, BatchStats)``, differentiable (custom VJP saving z).
+
+OPS = (_backends.INPLACE_ABN,)
+
+
+def _train_xla(x, scale, bias, cfg, *, mask=None, shift=None, interpret=None):
+  del interpret
+  return _abn_train(x, scale, bias, mask, shift, cfg)
+
+
+def _train_pallas(x, scale, bias, cfg, *, mask=None, shift=None, interpret=None):
+  if mask is not None:
+    raise ValueError("The Pallas InPlace-ABN kernels take no mask.")
+  from pallas_kernels import inplace_abn as kernels  # pylint: disable=g-import-not-at-top
+  return kernels.inplace_abn_pallas(x, scale, bias, cfg, shift=shift, interpret=interpret)
+
+
+_backends.register(_backends.INPLACE_ABN, "xla", _train_xla)
+_backends.register(_backends.INPLACE_ABN, "pallas", _train_pallas, unsupported=bn_core.kernels_take_no_mask, gpu_default=True)
 
 
 def inplace_abn_reference(x, scale, bias, *, activation="leaky_relu", slope=0.01, alpha=1.0,

@@ -9,7 +9,8 @@ from typing import Any
 
 import flax.linen as nn
 
-from jmem._technique import BenchTechnique, Technique, check_implementation
+from jmem._backends import check_implementation
+from jmem._technique import BenchTechnique, Technique
 from jmem.ops.inplace_abn import core
 
 __all__ = ["InPlaceABN", "BENCH_TECHNIQUES"]
@@ -44,7 +45,7 @@ class InPlaceABN(Technique):
 
   def __post_init__(self):
     super().__post_init__()
-    check_implementation(self.implementation, "InPlaceABN")
+    check_implementation(self.implementation, core.OPS, "InPlaceABN")
     if self.activation not in (None, *core.ACTIVATIONS):
       hint = (" ReLU is not invertible: use leaky_relu with a small slope."
               if self.activation == "relu" else "")
@@ -69,6 +70,6 @@ def _apply(model, implementation=None):
 BENCH_TECHNIQUES = (
     BenchTechnique("inplace-abn", _apply,
                    "In-Place Activated BatchNorm (leaky_relu 0.01), saves only outputs",
-                   has_kernels=True,
+                   has_kernels=True, kernel_ops=core.OPS,
                    convert=lambda implementation: InPlaceABN(implementation=implementation)),
 )

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jmem import _backends
 from jmem._bn_core import (  # pylint: disable=unused-import
     AxisName,
     BatchStats,
@@ -81,15 +82,22 @@ __all__ = [
 ]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _sync_bn(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon):
-  return _sync_bn_fwd(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon)[0]
+# The op SyncBN's kernel replaces: the per-device moments (`jmem._backends.BN_MOMENTS`).
+OPS = (_backends.BN_MOMENTS,)
 
 
-def _sync_bn_fwd(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _sync_bn(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon,
+             implementation, interpret):
+  return _sync_bn_fwd(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon,
+                      implementation, interpret)[0]
+
+
+def _sync_bn_fwd(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsilon,
+                 implementation, interpret):
   del shift
   moments = batch_moments(x, axis_name=axis_name, axis_index_groups=axis_index_groups,
-                          mask=mask)
+                          mask=mask, implementation=implementation, interpret=interpret)
   stats = moments.stats()
   invstd = moments.inverse_std(stats, epsilon)
   y = moments.centre(x.astype(jnp.float32)) * (invstd * scale) + bias
@@ -97,8 +105,8 @@ def _sync_bn_fwd(x, scale, bias, mask, shift, axis_name, axis_index_groups, epsi
                                       stats.count)
 
 
-def _sync_bn_bwd(axis_name, axis_index_groups, epsilon, res, cts):
-  del epsilon
+def _sync_bn_bwd(axis_name, axis_index_groups, epsilon, implementation, interpret, res, cts):
+  del epsilon, implementation, interpret   # the backward is XLA: one psum and elementwise
   param_varying = params_stay_local(axis_name, cts[0], res[1])
   res, cts = tie_to_cotangent(res, cts)
   x, scale, mask, m0, corr, invstd, count = res
@@ -128,7 +136,8 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
                     *, axis_name: AxisName = None,
                     axis_index_groups: Sequence[Sequence[int]] | None = None,
                     mask: jax.Array | None = None, shift: jax.Array | None = None,
-                    epsilon: float = 1e-5) -> tuple[jax.Array, BatchStats]:
+                    epsilon: float = 1e-5, implementation: str | None = None,
+                    interpret: bool | None = None) -> tuple[jax.Array, BatchStats]:
   """Training-mode batch norm over ``axis_name``: one all-gather forward, one psum backward.
 
   Args:
@@ -153,6 +162,13 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
     shift: ignored; accepted for compatibility (it was the pivot of an earlier one-pass
       merge whose precision depended on it; the statistics are now exact without one).
     epsilon: added to the variance; must be > 0.
+    implementation: the per-device moments (`jmem._backends.BN_MOMENTS`): ``"xla"``,
+      ``"pallas"`` (the statistics kernel of `pallas_kernels.inplace_abn`; no mask), another
+      registered backend, or ``None`` (default: the kernel on a GPU for unmasked batches,
+      else XLA, with a warning for masked ones). The merge, the collective and the
+      backward are XLA whatever the choice.
+    interpret: Pallas interpret mode (``None``: on non-GPU backends, with a warning).
+      Under ``jax.shard_map`` the interpreter needs ``check_vma=False``.
 
   Returns:
     ``(y, stats)``: ``y`` like ``x``; ``stats`` (`BatchStats`, no gradient, float32, exact
@@ -161,7 +177,8 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
   Raises:
     TypeError: ``x`` not floating point; ``mask`` not boolean.
     NameError: ``axis_name`` not bound.
-    ValueError: ``epsilon <= 0``; ``scale``/``bias``/``mask`` of the wrong shape.
+    ValueError: ``epsilon <= 0``; ``scale``/``bias``/``mask`` of the wrong shape; an
+      unknown ``implementation``, or ``"pallas"`` with a mask.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -173,10 +190,13 @@ def sync_batch_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Arra
     raise ValueError(f"epsilon must be > 0, got {epsilon}.")
   check_floating(x, "sync_batch_norm")
   check_axis_name(axis_name)
+  _backends.check_implementation(implementation, OPS, "sync_batch_norm")
   warn_if_unsynchronised(x, axis_name, "sync_batch_norm")
   scale, bias, mask, shift = _prepare(x, scale, bias, mask, shift)
+  implementation = _backends.choose(implementation, OPS, "sync_batch_norm",
+                                    masked=mask is not None)
   y, stats = _sync_bn(x, scale, bias, mask, shift, axis_name, _groups(axis_index_groups),
-                      float(epsilon))
+                      float(epsilon), implementation, interpret)
   return y, jax.tree.map(lax.stop_gradient, stats)
 
 
@@ -194,11 +214,11 @@ def sync_batch_norm_reference(x, scale=None, bias=None, *, axis_name: AxisName =
   return y.astype(x.dtype), jax.tree.map(lax.stop_gradient, stats)
 
 
-def _sync_train_fn(axis_name, axis_index_groups, epsilon):
+def _sync_train_fn(axis_name, axis_index_groups, epsilon, implementation=None):
   def fn(x, scale, bias, mask, shift):
     return sync_batch_norm(x, scale, bias, axis_name=axis_name,
                            axis_index_groups=axis_index_groups, mask=mask, shift=shift,
-                           epsilon=epsilon)
+                           epsilon=epsilon, implementation=implementation)
   return fn
 
 
@@ -227,6 +247,8 @@ class SyncBatchNorm(nn.Module):
   Attributes:
     unbiased_running_var: store the unbiased (PyTorch) running variance instead of the
       biased (Flax) one.
+    implementation: the statistics' backend, as in `sync_batch_norm` (None: the Pallas
+      kernel on a GPU for unmasked batches, else XLA).
     Other fields: as `flax.linen.BatchNorm`'s.
   """
 
@@ -247,23 +269,26 @@ class SyncBatchNorm(nn.Module):
   use_fast_variance: bool = True
   force_float32_reductions: bool = True
   unbiased_running_var: bool = False
+  implementation: str | None = None
 
   @nn.compact
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     if not self.epsilon > 0:
       raise ValueError(f"epsilon must be > 0, got {self.epsilon}.")
+    _backends.check_implementation(self.implementation, OPS, type(self).__name__)
     return linen_norm_call(
         self, x, use_running_average, mask,
         # Like flax: no collective while initialising (init may run outside the mapping).
         train_fn=_sync_train_fn(None if self.is_initializing() else self.axis_name,
-                                self.axis_index_groups, self.epsilon),
+                                self.axis_index_groups, self.epsilon, self.implementation),
         eval_fn=_bn_eval_fn(self.epsilon), use_scale=self.use_scale, use_bias=self.use_bias,
         unbiased_running_var=self.unbiased_running_var)
 
 
 @contextlib.contextmanager
 def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=None, *,
-                                unbiased_running_var: bool = False):
+                                unbiased_running_var: bool = False,
+                                implementation: str | None = None):
   """Runs every `flax.linen.BatchNorm` inside the context as jmem's `SyncBatchNorm`.
 
   Subclasses that keep BatchNorm's ``__call__`` are handled too; one with its own
@@ -276,12 +301,13 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
   `SyncBatchNorm`'s: ``momentum`` is Flax's decay (PyTorch's 0.1 is 0.9); the running
   variance is biased (Flax's, and ``flax.linen.BatchNorm``'s own) unless
   ``unbiased_running_var=True`` (PyTorch's ``var * N / (N - 1)``, ``N`` the global valid
-  count).
+  count). ``implementation``: the statistics' backend, as in `sync_batch_norm`.
 
   Examples:
     >>> with sync_batch_norm_interceptor(axis_name="batch"):
     ...   y, updates = model.apply(variables, x, mutable=["batch_stats"])  # doctest: +SKIP
   """
+  _backends.check_implementation(implementation, OPS, "sync_batch_norm_interceptor")
 
   def interceptor(next_fun, args, kwargs, context):
     mod = context.module
@@ -311,7 +337,8 @@ def sync_batch_norm_interceptor(axis_name: AxisName = None, axis_index_groups=No
     groups = axis_index_groups if axis_index_groups is not None else mod.axis_index_groups
     return linen_norm_call(
         mod, x, use_ra, kwargs.get("mask"),
-        train_fn=_sync_train_fn(name, groups, mod.epsilon), eval_fn=_bn_eval_fn(mod.epsilon),
+        train_fn=_sync_train_fn(name, groups, mod.epsilon, implementation),
+        eval_fn=_bn_eval_fn(mod.epsilon),
         use_scale=mod.use_scale, use_bias=mod.use_bias,
         unbiased_running_var=unbiased_running_var)
 
@@ -334,7 +361,8 @@ class NNXSyncBatchNorm(nnx.Module):
   statistics. Same conventions: ``momentum`` is Flax's decay (``running = momentum *
   running + (1 - momentum) * batch``; PyTorch's 0.1 is 0.9 here); the running variance is
   biased (Flax's) unless ``unbiased_running_var=True`` (PyTorch's ``var * N / (N - 1)``,
-  ``N`` the global valid count per channel).
+  ``N`` the global valid count per channel). ``implementation``: the statistics' backend,
+  as in `sync_batch_norm`.
   """
 
   _jmem_reads_batch_mask = True   # training takes an active jmem.batch_mask
@@ -345,10 +373,11 @@ class NNXSyncBatchNorm(nnx.Module):
                bias_init=nnx.initializers.zeros_init(), scale_init=nnx.initializers.ones_init(),
                axis_name: AxisName = None, axis_index_groups=None,
                use_fast_variance: bool = True, unbiased_running_var: bool = False,
-               rngs: nnx.Rngs | None = None):
+               implementation: str | None = None, rngs: nnx.Rngs | None = None):
     del use_fast_variance  # always the stable form
     if not epsilon > 0:
       raise ValueError(f"epsilon must be > 0, got {epsilon}.")
+    _backends.check_implementation(implementation, OPS, type(self).__name__)
     key = rngs.params() if rngs is not None else jax.random.key(0)
     shape = (num_features,)
     self.mean = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
@@ -360,6 +389,7 @@ class NNXSyncBatchNorm(nnx.Module):
     self.axis, self.momentum, self.epsilon, self.dtype = axis, momentum, epsilon, dtype
     self.axis_name, self.axis_index_groups = axis_name, axis_index_groups
     self.unbiased_running_var = unbiased_running_var
+    self.implementation = implementation
 
   def __call__(self, x, use_running_average: bool | None = None, *, mask=None):
     use_ra = self.use_running_average if use_running_average is None else use_running_average
@@ -367,7 +397,8 @@ class NNXSyncBatchNorm(nnx.Module):
         x, axis=self.axis, scale=None if self.scale is None else self.scale[...],
         bias=None if self.bias is None else self.bias[...], running_mean=self.mean[...],
         running_var=self.var[...], use_running_average=use_ra, mask=mask,
-        train_fn=_sync_train_fn(self.axis_name, self.axis_index_groups, self.epsilon),
+        train_fn=_sync_train_fn(self.axis_name, self.axis_index_groups, self.epsilon,
+                                self.implementation),
         eval_fn=_bn_eval_fn(self.epsilon), momentum=self.momentum,
         unbiased_running_var=self.unbiased_running_var, op=type(self).__name__)
     if not use_ra:
@@ -398,12 +429,14 @@ def replace_nnx_modules(model: nnx.Module, match: Callable[[Any], bool],
 
 
 def swap_nnx_batch_norm(model: nnx.Module, *, axis_name: AxisName = None,
-                        axis_index_groups=None, unbiased_running_var: bool = False) -> int:
+                        axis_index_groups=None, unbiased_running_var: bool = False,
+                        implementation: str | None = None) -> int:
   """Replaces every `flax.nnx.BatchNorm` in ``model`` by `NNXSyncBatchNorm`, keeping weights.
 
-  ``unbiased_running_var`` is given to every new module (see `NNXSyncBatchNorm`; the
-  default keeps ``flax.nnx.BatchNorm``'s biased running variance).
+  ``unbiased_running_var`` and ``implementation`` are given to every new module (see
+  `NNXSyncBatchNorm`; the default keeps ``flax.nnx.BatchNorm``'s biased running variance).
   """
+  _backends.check_implementation(implementation, OPS, "swap_nnx_batch_norm")
 
   def make(bn):
     new = NNXSyncBatchNorm(
@@ -412,7 +445,8 @@ def swap_nnx_batch_norm(model: nnx.Module, *, axis_name: AxisName = None,
         use_bias=bn.bias is not None, use_scale=bn.scale is not None,
         axis_name=axis_name if axis_name is not None else bn.axis_name,
         axis_index_groups=axis_index_groups if axis_index_groups is not None
-        else bn.axis_index_groups, unbiased_running_var=unbiased_running_var)
+        else bn.axis_index_groups, unbiased_running_var=unbiased_running_var,
+        implementation=implementation)
     new.mean, new.var = bn.mean, bn.var
     new.scale, new.bias = bn.scale, bn.bias
     return new

@@ -5,10 +5,12 @@ of the same computation that synchronises them across devices)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
 
+from jmem._backends import check_implementation
 from jmem._technique import BenchTechnique, Technique
 from jmem.parallel.sync_bn import core
 
@@ -26,25 +28,33 @@ class SyncBN(Technique):
   module's own fields and variables are used; ``axis_name`` (None: the module's own, and
   local statistics if it has none) needs ``shard_map``: under plain ``jit`` over sharded
   arrays XLA already computes global statistics. Masks from `jmem.surgery.batch_mask`.
+  ``implementation`` picks the per-device statistics' backend (`jmem.parallel.sync_bn.
+  sync_batch_norm`; None: the Pallas kernel on a GPU for unmasked batches, else XLA).
   """
 
   axis_name: Any = None
   axis_index_groups: Any = None
   unbiased_running_var: bool = False
+  implementation: str | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_implementation(self.implementation, core.OPS, "SyncBN")
 
 
-def _apply(model):
+def _apply(model, implementation=None):
   """jmem's own models: their ``norm`` (flax.linen.BatchNorm) becomes `SyncBatchNorm`."""
   if getattr(model, "norm", None) is not nn.BatchNorm:
     raise ValueError(f"Technique 'sync-bn' needs a model whose norm field is "
                      f"flax.linen.BatchNorm (jmem's ResNets; any other model: "
                      f"jmem.convert(model, jmem.SyncBN())); {type(model).__name__} has "
                      f"{getattr(model, 'norm', None)!r}.")
-  return model.clone(norm=core.SyncBatchNorm)
+  return model.clone(norm=functools.partial(core.SyncBatchNorm, implementation=implementation))
 
 
 BENCH_TECHNIQUES = (
     BenchTechnique("sync-bn", _apply,
                    "SyncBN's exact statistics core in place of Flax's BatchNorm (one device)",
-                   convert=lambda implementation: SyncBN()),
+                   has_kernels=True, kernel_ops=core.OPS,
+                   convert=lambda implementation: SyncBN(implementation=implementation)),
 )

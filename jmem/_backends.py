@@ -1,0 +1,151 @@
+"""The kernel backends of jmem's ops: one registry, one validation, one automatic choice.
+
+Each op that has a kernel maps implementation names to functions. ``"xla"`` is the plain
+JAX reference, registered by the op's own module; ``"pallas"`` is its Pallas kernel
+(Triton today, `pallas_kernels`), registered beside it with a lazy import. The ops:
+
+* `QUANTIZE_PACK`, `UNPACK_DEQUANTIZE`: ActNN's grouped statistics + dither + quantize +
+  pack, and its inverse (`jmem.ops.actnn.quantize`);
+* `INPLACE_ABN`: InPlace-ABN's training-mode forward and its custom VJP
+  (`jmem.ops.inplace_abn`);
+* `BN_MOMENTS`: one device's exact per-channel BatchNorm moments (`jmem._bn_core`).
+
+Callers never name a backend: they validate ``implementation=`` with `check_implementation`,
+pick one with `choose` and call `get(op, name)`. Another backend (a Mosaic GPU one,
+``"pallas_mosaic"``) is a `register` call for each op it implements; every layer above
+(modules, `jmem.convert` techniques, the bench's ``name:implementation`` suffixes) then
+takes its name.
+
+Private and low: imports nothing of jmem, so that every op module can register here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+
+__all__ = ["QUANTIZE_PACK", "UNPACK_DEQUANTIZE", "INPLACE_ABN", "BN_MOMENTS", "XLA",
+           "Backend", "register", "ops", "implementations", "check_implementation", "get",
+           "choose"]
+
+QUANTIZE_PACK = "actnn.quantize_pack"
+UNPACK_DEQUANTIZE = "actnn.unpack_dequantize"
+INPLACE_ABN = "inplace_abn.train"
+BN_MOMENTS = "bn.moments"
+
+XLA = "xla"   # every op's reference, and the automatic choice off the GPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """One implementation of one op.
+
+  Attributes:
+    fn: the implementation (its signature is the op's, see the op's module).
+    unsupported: ``unsupported(**config) -> str | None``, why this backend cannot take a
+      call's configuration (None: it can); e.g. Triton's power-of-two blocks.
+    gpu_default: the automatic choice (``implementation=None``) on a GPU.
+  """
+
+  fn: Callable
+  unsupported: Callable[..., str | None] | None = None
+  gpu_default: bool = False
+
+
+_REGISTRY: dict[str, dict[str, Backend]] = {}
+
+
+def register(op: str, implementation: str, fn: Callable, *,
+             unsupported: Callable[..., str | None] | None = None,
+             gpu_default: bool = False) -> None:
+  """Registers ``fn`` as ``op``'s ``implementation`` (replacing one of that name).
+
+  ``gpu_default=True`` makes it what ``implementation=None`` picks on a GPU (at most one
+  per op: the previous default stops being one).
+  """
+  if not isinstance(implementation, str) or not implementation or ":" in implementation:
+    raise ValueError(f"An implementation name is a non-empty string without ':' (the "
+                     f"bench's name:implementation separator), got {implementation!r}.")
+  backends = _REGISTRY.setdefault(op, {})
+  if gpu_default:
+    for name, b in backends.items():
+      if b.gpu_default:
+        backends[name] = dataclasses.replace(b, gpu_default=False)
+  backends[implementation] = Backend(fn, unsupported, gpu_default)
+
+
+def ops() -> tuple[str, ...]:
+  """Every op with a registered implementation."""
+  return tuple(_REGISTRY)
+
+
+def implementations(*op_names: str) -> tuple[str, ...]:
+  """The names registered for every one of ``op_names`` (``"xla"`` first)."""
+  if not op_names:
+    raise ValueError("implementations() needs at least one op name.")
+  for op in op_names:
+    if op not in _REGISTRY:
+      raise KeyError(f"No op {op!r} is registered; registered ops: {', '.join(_REGISTRY)}.")
+  names = [n for n in _REGISTRY[op_names[0]] if all(n in _REGISTRY[o] for o in op_names)]
+  return tuple(sorted(names, key=lambda n: n != XLA))
+
+
+def check_implementation(implementation, op_names: Sequence[str], what: str) -> None:
+  """Raises ValueError unless ``implementation`` is None or registered for every op."""
+  names = implementations(*op_names)
+  if implementation is not None and (not isinstance(implementation, str)
+                                     or implementation not in names):
+    raise ValueError(f"{what}: implementation must be one of {names} or None (the kernels "
+                     f"on a GPU, XLA elsewhere), got {implementation!r}.")
+
+
+def get(op: str, implementation: str) -> Callable:
+  """``op``'s function of name ``implementation`` (validated: a clear error otherwise)."""
+  check_implementation(implementation, (op,), op)
+  if implementation is None:
+    raise ValueError(f"get({op!r}, None): resolve None with choose() first.")
+  return _REGISTRY[op][implementation].fn
+
+
+def _gpu_default(op_names) -> str:
+  names = [n for n in implementations(*op_names)
+           if all(_REGISTRY[o][n].gpu_default for o in op_names)]
+  return names[0] if names else XLA
+
+
+def _reason(implementation, op_names, config) -> str | None:
+  for op in op_names:
+    unsupported = _REGISTRY[op][implementation].unsupported
+    reason = unsupported(**config) if unsupported is not None else None
+    if reason:
+      return reason
+  return None
+
+
+def choose(implementation, op_names: Sequence[str], what: str, *, stacklevel: int = 3,
+           **config) -> str:
+  """The implementation that runs a call of ``op_names`` with ``config``.
+
+  ``implementation`` is validated (`check_implementation`). ``None`` is the automatic
+  choice: XLA unless the default backend is a GPU (or inside
+  `pallas_kernels.compiled_kernels`, lowering for one); there, the ops' GPU default when
+  it takes ``config``, else XLA with a warning saying why (a slower path is never taken
+  silently). A named backend that cannot take ``config`` raises ValueError.
+  """
+  check_implementation(implementation, op_names, what)
+  if implementation is None:
+    from pallas_kernels import targets_gpu  # pylint: disable=g-import-not-at-top
+    if not targets_gpu():
+      return XLA
+    name = _gpu_default(op_names)
+    reason = _reason(name, op_names, config) if name != XLA else None
+    if reason:
+      warnings.warn(f"{what}: {reason}; using the slower XLA path.", stacklevel=stacklevel)
+      return XLA
+    return name
+  reason = _reason(implementation, op_names, config)
+  if reason:
+    raise ValueError(f"{what}(implementation={implementation!r}): {reason}; use "
+                     f"implementation='xla' for this call.")
+  return implementation
