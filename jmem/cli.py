@@ -172,10 +172,14 @@ def _train(args) -> int:
   from jmem import bench, models, train  # pylint: disable=g-import-not-at-top
   primary = distributed.is_primary()
   if primary:            # checkpoint saves (with the path a restart needs) on stderr
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("jmem: %(message)s"))
-    logging.getLogger("jmem").addHandler(handler)
-    logging.getLogger("jmem").setLevel(logging.INFO)
+    log = logging.getLogger("jmem")
+    if not any(getattr(h, "jmem_cli", False) for h in log.handlers):   # once per process
+      handler = logging.StreamHandler()
+      handler.setFormatter(logging.Formatter("jmem: %(message)s"))
+      handler.jmem_cli = True
+      log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False     # printed once, by this handler
   if args.stop_after is not None and args.stop_after < 0:
     raise ValueError(f"--stop-after must be >= 0, got {args.stop_after}.")
   config = train.TrainConfig(
