@@ -1,5 +1,6 @@
 """jmem: memory-saving training techniques for JAX/Flax, each with its cost measured."""
 
+from jmem import distributed as distributed
 from jmem.measure import CompiledMemory as CompiledMemory
 from jmem.measure import ResidualReport as ResidualReport
 from jmem.measure import collective_counts as collective_counts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -93,8 +94,6 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--checkpoint-dir", default=None)
   t.add_argument("--checkpoint-every", type=int, default=100)
   t.add_argument("--resume", action="store_true")
-  t.add_argument("--stop-after", type=int, default=None, metavar="N",
-                 help="stop after N steps as if killed (no final evaluation): to try --resume")
   t.add_argument("--no-progress", action="store_true")
   m = t.add_argument_group(
       "devices and processes", "A mesh over all devices of all processes; several processes "
@@ -164,8 +163,18 @@ def _on_mesh(model, shape: tuple[int, int, int], technique: str):
   return parallel.data_parallel(model, Mesh(np.asarray(devices), ("data",)))
 
 
+class _StderrHandler(logging.Handler):
+  """``jmem: message`` lines on whatever ``sys.stderr`` is when a record comes (a handler
+  that kept the stream of its first call would write to a closed one after a redirect)."""
+
+  def emit(self, record):
+    try:
+      sys.stderr.write(f"jmem: {self.format(record)}\n")
+    except Exception:  # pylint: disable=broad-except  (logging must never raise)
+      self.handleError(record)
+
+
 def _train(args) -> int:
-  import logging  # pylint: disable=g-import-not-at-top
   from jmem import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                          heartbeat_timeout_seconds=args.heartbeat_timeout)
@@ -173,15 +182,17 @@ def _train(args) -> int:
   primary = distributed.is_primary()
   if primary:            # checkpoint saves (with the path a restart needs) on stderr
     log = logging.getLogger("jmem")
-    if not any(getattr(h, "jmem_cli", False) for h in log.handlers):   # once per process
-      handler = logging.StreamHandler()
-      handler.setFormatter(logging.Formatter("jmem: %(message)s"))
-      handler.jmem_cli = True
-      log.addHandler(handler)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):   # once per process
+      log.addHandler(_StderrHandler())
     log.setLevel(logging.INFO)
     log.propagate = False     # printed once, by this handler
-  if args.stop_after is not None and args.stop_after < 0:
-    raise ValueError(f"--stop-after must be >= 0, got {args.stop_after}.")
+  import jax  # pylint: disable=g-import-not-at-top
+  if (args.local_devices is not None and jax.default_backend() == "cpu"
+      and jax.local_device_count() != args.local_devices):
+    raise ValueError(
+        f"--local-devices {args.local_devices} cannot take effect: JAX already runs with "
+        f"{jax.local_device_count()} CPU devices in this process (the count is read once, "
+        "when the backend starts). Start a fresh process.")
   config = train.TrainConfig(
       steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
       seed=args.seed, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
@@ -196,17 +207,14 @@ def _train(args) -> int:
   run_info = {"model": args.model, "technique": args.technique, "image_size": args.image_size}
   if args.mesh is not None:
     model = _on_mesh(model, args.mesh, args.technique)
-  result = train.train(model, dataset, config, run_info=run_info, stop_after=args.stop_after)
+  result = train.train(model, dataset, config, run_info=run_info)
   if not primary:
     return 0
   if result.resumed_from:
     print(f"resumed from step {result.resumed_from}")
   for h in result.history:
     print(json.dumps(h))
-  if args.stop_after is not None and args.stop_after < args.steps:
-    print(f"stopped after step {args.stop_after} (--stop-after)")
-  else:
-    print(f"test accuracy: {100 * result.test_accuracy:.2f}%")
+  print(f"test accuracy: {100 * result.test_accuracy:.2f}%")
   return 0
 
 

@@ -99,10 +99,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
           f"{jax.process_count()}, not {process_id} of {num_processes}.")
     return True
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # A loopback coordinator listens on loopback only (JAX's default is every interface).
+  loopback = host in ("localhost", "::1", "[::1]") or host.startswith("127.")
   try:
     jax.distributed.initialize(coordinator, num_processes, process_id,
                                initialization_timeout=initialization_timeout,
-                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+                               heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+                               coordinator_bind_address=coordinator if loopback else None)
   except RuntimeError as e:
     if "before any JAX" in str(e) or "must be called before" in str(e):
       raise ValueError("jmem.distributed.initialize must run before any JAX computation "

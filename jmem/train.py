@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -324,6 +325,20 @@ def _data_shards(sharding) -> int:
 def _rows_sharding(sharding) -> NamedSharding:
   """The labels' and the mask's sharding: the partitioning of ``sharding``'s first axis."""
   return NamedSharding(sharding.mesh, P(sharding.spec[0] if len(sharding.spec) else None))
+
+
+def _check_takes_mask(fns: ModelFns) -> None:
+  """Raises unless ``fns.apply`` takes ``mask=`` (needed for a padded batch)."""
+  try:
+    params = inspect.signature(fns.apply).parameters
+  except (TypeError, ValueError):
+    return
+  if "mask" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    raise ValueError(
+        "The batch must be padded (the mesh's data axis does not divide the batch size), but "
+        "this ModelFns' apply takes no mask= to keep the padding out of the model's "
+        "statistics. Use a batch size that the data axis divides, or give apply a mask "
+        "keyword (the ModelFns that jmem.train.model_fns makes have one).")
 
 
 def padded_size(fns: ModelFns, n: int) -> int:
@@ -745,6 +760,8 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
   # The global batch of a step is a function of (seed, step); on a mesh each process reads
   # its own rows of it, padded (and masked) to a multiple of the data axis.
   size = padded_size(fns, config.batch_size)
+  if size != config.batch_size:
+    _check_takes_mask(fns)
   history: list[dict[str, float]] = []
   end = config.steps if stop_after is None else min(stop_after, config.steps)
 

@@ -55,6 +55,23 @@ def test_padded_data_parallel_batches_equal_one_device(how):
   assert eight.test_accuracy == one.test_accuracy
 
 
+def test_padded_batches_on_a_data_and_spatial_mesh_equal_one_device():
+  """A data x H x W = 2 x 2 x 2 mesh (both at once): 7 examples padded to 8, each device
+  given its rows and its H/W block, the padding masked out of the loss (through the
+  shard_map): the same training as 7 examples on one device."""
+  from jmem import models  # pylint: disable=g-import-not-at-top
+  from jmem.parallel import spatial  # pylint: disable=g-import-not-at-top
+  ds = data.digits(16)
+  config = train.TrainConfig(steps=2, batch_size=7, progress=False)
+  model = models.create_model("convnext-digits", 10, depths=(1,), dims=(8,))
+  fns = spatial.spatial_model_fns(model, spatial.spatial_mesh(2, 2, 2))
+  assert train.padded_size(fns, 7) == 8
+  one = train.train(model, ds, config)
+  mesh = train.train(fns, ds, config)
+  assert _max_diff(one.state.params, mesh.state.params) < 1e-5
+  assert mesh.test_accuracy == one.test_accuracy
+
+
 def test_global_batch_rows_and_mask():
   ds = _digits()
   fns = parallel.data_parallel(_TinyBN())

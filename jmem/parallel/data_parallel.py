@@ -35,7 +35,10 @@ def data_parallel(model, mesh: Mesh | None = None, *, axis: str = "data") -> tra
     ValueError: ``axis`` is not an axis of ``mesh``.
   """
   if mesh is None:
-    mesh = Mesh(np.asarray(jax.devices()), (axis if isinstance(axis, str) else axis[0],))
+    if not isinstance(axis, str):
+      raise ValueError(f"data_parallel: axis {axis!r} names several mesh axes; pass the "
+                       "mesh that has them (mesh=None makes one axis of all devices).")
+    mesh = Mesh(np.asarray(jax.devices()), (axis,))
   names = (axis,) if isinstance(axis, str) else tuple(axis)
   missing = [a for a in names if a not in mesh.axis_names]
   if missing:
