@@ -94,6 +94,8 @@ BANDWIDTH_GOAL = 0.80
 # Nominal HBM bandwidth, bytes/s, by device kind (vendor data sheets).
 NOMINAL_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12,
                      "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12, "A100-SXM4-40GB": 1.56e12}
+# The memory limit the max batch is predicted for off the GPU (--allow-cpu).
+CPU_LIMIT = 2**26
 NOT_MEASURED = "not measured (time budget)"
 NOT_CONFIRMED = "not confirmed (time budget)"
 
@@ -616,8 +618,9 @@ def orchestrate(args) -> int:
     return 0
   env["jmem_commit"] = _git_commit()
   os.makedirs(args.output_dir, exist_ok=True)
-  # Off the GPU (--allow-cpu) there is no limit to read: a small one keeps the checks quick.
-  limit = env.get("bytes_limit") or 2**28
+  # Off the GPU (--allow-cpu) there is no limit to read: a small one keeps the checks quick
+  # (at 256 MiB, ActNN's Pallas kernels in interpret mode took 3 minutes to confirm).
+  limit = env.get("bytes_limit") or CPU_LIMIT
   results = {"env": env, "kernels": kern.get("result", {}).get("rows"),
              "copy_bandwidth": kern.get("result", {}).get("copy_bandwidth"),
              "nominal_bandwidth": kern.get("result", {}).get("nominal_bandwidth"),
@@ -687,13 +690,22 @@ def orchestrate(args) -> int:
        concurrent.futures.ThreadPoolExecutor(args.check_jobs) as check_pool:
     jobs = {}   # future -> (group, technique, "slope" | "reuse" | "check")
 
+    # A max-batch check's compile only fills the cache for its check (which compiles it
+    # itself otherwise), so it waits until every step's own compile has started.
+    waiting = []
+
     def submit_check(check):
       checks.append(check)
-      gname, t, p, a = check
-      fut = check_pool.submit(r.run, "compile", dict(group=groups[gname], technique=t,
-                                                     batches=[p, a]), preallocate=False)
-      jobs[fut] = (gname, t, "check")
-      return fut
+      waiting.append(check)
+
+    def release_checks():
+      if all(f.running() or f.done() for f, v in jobs.items() if v[2] != "check"):
+        while waiting:
+          gname, t, p, a = waiting.pop(0)
+          fut = check_pool.submit(r.run, "compile", dict(group=groups[gname], technique=t,
+                                                         batches=[p, a]), preallocate=False)
+          jobs[fut] = (gname, t, "check")
+          pending.add(fut)
     for gname, t in todo:
       g = groups[gname]
       b = g["batch"]
@@ -710,6 +722,7 @@ def orchestrate(args) -> int:
     r.log(f"compiling {len(jobs)} steps ({args.jobs} processes), by {compile_until:.0f} s "
           "at the latest")
     pending = set(jobs)
+    release_checks()
     while pending and r.elapsed() < compile_until:
       done, pending = concurrent.futures.wait(pending, timeout=compile_until - r.elapsed(),
                                               return_when=concurrent.futures.FIRST_COMPLETED)
@@ -726,11 +739,12 @@ def orchestrate(args) -> int:
         else:
           check = fitted(gname, t, res["result"])
           if check:
-            pending.add(submit_check(check))
-    if pending:
-      cancelled = sum(f.cancel() for f in pending)
+            submit_check(check)
+      release_checks()
+    if pending or waiting:
+      cancelled = sum(f.cancel() for f in pending) + len(waiting)
       stopped = r.stop("compile")
-      late = [jobs[f] for f in pending]
+      late = [jobs[f] for f in pending] + [(gn, t, "check") for gn, t, _, _ in waiting]
       r.log(f"time budget for compiling ({compile_until:.0f} s) spent: {stopped} compiles "
             f"stopped, {cancelled} not started: "
             + ", ".join(f"{gn} {t}{' (max-batch check)' if w == 'check' else ''}"
@@ -884,6 +898,10 @@ def _write(results: dict, args) -> None:
            + (" --quick --allow-cpu (pipeline check, not GPU figures)" if args.quick else "")
            + f" in {results['wall_s']:.0f} s.", ""]
   lines += [f"- {k}: {v}" for k, v in env.items()]
+  if env.get("backend") != "gpu":
+    lines += ["", f"Off the GPU there is no memory limit (the predictions use "
+              f"{_gib(CPU_LIMIT)} GiB) and nothing runs out of memory, so every max-batch check "
+              "reads 'prediction low': that checks the pipeline, not the prediction."]
   if results.get("kernel_checks"):
     lines += ["", "## Pallas kernels against the XLA path on this device", "",
               "| dtype | bits | identical codes | identical minimum | identical scale | "
@@ -975,7 +993,7 @@ def main(argv=None) -> int:
                  help="seconds; later phases are skipped (and said so) when it runs out")
   p.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                  help="parallel compile processes")
-  p.add_argument("--check-jobs", type=int, default=2,
+  p.add_argument("--check-jobs", type=int, default=max(1, min(2, (os.cpu_count() or 2) // 4)),
                  help="parallel max-batch compile processes (each autotunes at a large batch)")
   p.add_argument("--groups", default="", help="comma-separated subset of the model groups")
   p.add_argument("--quick", action="store_true", help="tiny shapes (pipeline check)")
