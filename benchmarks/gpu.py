@@ -6,71 +6,102 @@ On a machine without a GPU it prints why it skips and exits 0 (``--allow-cpu --q
 the same pipeline on tiny shapes, to check it without a GPU). On a GPU it writes
 ``gpu_<device>.json`` and ``gpu_<device>.md`` with:
 
-* Kernel bandwidth: the Pallas quantize+pack / unpack+dequantize kernels and the
-  InPlace-ABN kernels against their XLA paths, as bytes moved per second and as a fraction
-  of the device's HBM bandwidth (nominal, and measured by a device-to-device copy).
+* Kernel bandwidth: the Pallas quantize+pack / unpack+dequantize kernels, the InPlace-ABN
+  kernels and SyncBN's statistics kernel (`jmem._backends.BN_MOMENTS`, alone and inside
+  `jmem.parallel.sync_bn.sync_batch_norm`) against their XLA paths, as bytes moved per
+  second and as a fraction of the device's HBM bandwidth (nominal, and measured by a
+  device-to-device copy); each memory-bound Pallas kernel is marked as meeting the goal of
+  80% of the nominal HBM bandwidth or not.
 * Train steps of ResNet-50 at 224² (float32 and bfloat16) and of the video models: step
   time (interleaved with exact, in the same process), ``peak_bytes_in_use`` (each
-  technique run before any larger one, so the peak is its own), compiled temp bytes.
+  technique run before any larger one, so the peak is its own), compiled temp bytes, and
+  each of these and the predicted largest batch as a ratio to exact's in the same run.
 * The largest batch of each technique: predicted from the compiled memory at two batch
   sizes (the slope is what one more example costs) and the device's memory limit, then
   confirmed by running a step at the prediction (must fit) and 10% above (must not).
 * JAX, jaxlib, CUDA and driver versions.
 
+Which techniques: every name in jmem's technique registry (`jmem.techniques`, what ``jmem
+bench --techniques`` takes), each implementation of one with kernels (``actnn-L3:xla``,
+``actnn-L3:pallas``, ...), whose ``apply`` takes the group's model, less the group's
+``exclude`` patterns. So a stack (two techniques combined), once registered as a technique,
+is measured here with no change to this script; none is registered yet. Techniques that
+need several devices (``spatial-8``) or another kind of model (SBP on a ResNet, ActNN on a
+video model) do not apply and are listed as such in the output.
+
 How it stays under 10 minutes: every step is compiled once, in parallel worker processes
 that fill a persistent compilation cache; the processes that measure (one per model and
 dtype, one per max-batch check, so that ``peak_bytes_in_use`` is never another run's) load
-the compiled steps from that cache.
+the compiled steps from that cache. Everything runs in priority order (`PRIORITY`: exact,
+then the headline techniques, then the rest) against ``--time-budget``: compiling stops at
+`COMPILE_SHARE` of it, measuring at `MEASURE_SHARE`, and the max-batch checks take what is
+left, so what does not fit is the lowest-priority work, and it is written as "not measured
+(time budget)" or "not confirmed (time budget)", never left out silently.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import fnmatch
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
-# name -> (model, example shape builder args, dtype, timing batch, techniques, max-batch checks)
+# name -> model, example shape builder args, dtype, timing batch, model overrides, and which
+# registered techniques it measures: all that apply to the model, less ``exclude`` (fnmatch
+# patterns over names such as "actnn-L3:xla"), or only ``only`` where given (quick mode).
 # The timing batch B is also the second slope point; the first is B / 2.
-RESNET_TECHNIQUES = (
-    "exact", "remat", "actnn-L3:xla", "actnn-L3:pallas", "inplace-abn:xla",
-    "inplace-abn:pallas", "actnn-L2:xla", "actnn-L2:pallas", "actnn-L4:pallas",
-    "actnn-L5:pallas")
 GROUPS = {
     "resnet50-f32": dict(model="resnet50", image=224, frames=None, dtype="float32", batch=64,
-                         techniques=RESNET_TECHNIQUES, overrides={},
-                         confirm=("exact", "remat", "actnn-L3:pallas", "inplace-abn:pallas")),
+                         overrides={}, exclude=()),
     "resnet50-bf16": dict(model="resnet50", image=224, frames=None, dtype="bfloat16", batch=64,
-                          techniques=("exact", "remat", "actnn-L3:pallas", "inplace-abn:xla",
-                                      "inplace-abn:pallas"),
-                          overrides={}, confirm=("exact", "actnn-L3:pallas")),
+                          overrides={}, exclude=()),
     "video-vit": dict(model="video-vit", image=112, frames=16, dtype="float32", batch=16,
-                      techniques=("exact", "sbp-0.5", "sbp-0.25", "sbp-0.125"),
                       overrides=dict(patch=16, dim=384, depth=8, heads=6, exact_last=2),
-                      confirm=("exact", "sbp-0.25")),
+                      exclude=()),
     "stt-resnet8": dict(model="stt-resnet8", image=64, frames=16, dtype="float32", batch=32,
-                        techniques=("exact", "sbp-0.5", "sbp-0.25", "sbp-0.125"),
-                        overrides={}, confirm=("exact", "sbp-0.25")),
+                        overrides={}, exclude=()),
 }
+# Quick mode (a pipeline check on CPU): one technique of each kind, so each code path runs
+# (each is compiled at four batch sizes and run in two more processes: few, to keep it quick).
 QUICK_GROUPS = {
     "resnet8-f32": dict(model="resnet8", image=16, frames=None, dtype="float32", batch=8,
-                        techniques=("exact", "remat", "actnn-L3:xla", "actnn-L3:pallas",
-                                    "inplace-abn:xla", "inplace-abn:pallas"),
-                        overrides={}, confirm=("exact", "actnn-L3:xla")),
+                        overrides={}, exclude=(),
+                        only=("exact", "remat", "actnn-L3:pallas", "inplace-abn:pallas",
+                              "sync-bn:pallas")),
     "video-vit": dict(model="video-vit", image=24, frames=4, dtype="float32", batch=4,
-                      techniques=("exact", "sbp-0.25"), overrides={}, confirm=()),
+                      overrides={}, exclude=(), only=("exact", "sbp-0.25")),
 }
+# Compiled, measured and confirmed first (across groups: every group's exact, then every
+# group's actnn-L3:pallas, ...); techniques not named here follow in registry order.
+PRIORITY = ("exact", "actnn-L3:pallas", "inplace-abn:pallas", "remat", "sbp-0.25",
+            "actnn-L2:pallas", "actnn-L4:pallas", "actnn-L5:pallas", "actnn-L1:pallas",
+            "sync-bn:pallas", "inplace-abn:xla", "actnn-L3:xla", "sbp-0.5", "sbp-0.125")
+# Fractions of --time-budget by which compiling, then measuring, must end.
+COMPILE_SHARE = 0.45
+MEASURE_SHARE = 0.80
+# The memory-bound kernels' goal: this fraction of the device's nominal HBM bandwidth.
+BANDWIDTH_GOAL = 0.80
 # Nominal HBM bandwidth, bytes/s, by device kind (vendor data sheets).
 NOMINAL_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12,
                      "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12, "A100-SXM4-40GB": 1.56e12}
+# The memory limit the max batch is predicted for off the GPU (--allow-cpu).
+CPU_LIMIT = 2**26
+NOT_MEASURED = "not measured (time budget)"
+NOT_CONFIRMED = "not confirmed (time budget)"
+
+
+def _rank(technique: str) -> int:
+  return PRIORITY.index(technique) if technique in PRIORITY else len(PRIORITY)
 
 
 # ----------------------------------------------------------------------------- workers
@@ -135,6 +166,43 @@ def _build(group: dict, technique: str, batch: int):
   return step, abstract, x_spec, y_spec, make_state, make_batch
 
 
+def worker_plan(spec: dict) -> dict:
+  """Each group's techniques from the registry: every registered name (each implementation
+  of one with kernels) whose ``apply`` takes the group's model, in registry order."""
+  _setup_jax()
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jmem import _backends, bench, models  # pylint: disable=g-import-not-at-top
+  from jmem._technique import IMPLEMENTATIONS  # pylint: disable=g-import-not-at-top
+  out = {}
+  for gname, group in spec["groups"].items():
+    overrides = dict(group["overrides"])
+    if group["frames"] is None:
+      overrides["dtype"] = jnp.dtype(group["dtype"])
+    base = models.create_model(group["model"], 10, **overrides)
+    applies, not_applicable, excluded = [], {}, []
+    for name in bench.technique_names():
+      record = bench.get_technique(name)
+      names = ([f"{name}:{i}" for i in _backends.implementations(*record.kernel_ops)]
+               if record.has_kernels and record.kernel_ops else
+               [f"{name}:{i}" for i in IMPLEMENTATIONS] if record.has_kernels else [name])
+      for full in names:
+        if group.get("only") is not None and full not in group["only"]:
+          continue
+        if any(fnmatch.fnmatchcase(full, p) for p in group["exclude"]):
+          excluded.append(full)
+          continue
+        tech = bench.get_technique(full)
+        try:
+          tech.apply(base, **({"implementation": tech.implementation} if tech.has_kernels
+                              else {}))
+        except (ValueError, TypeError) as e:
+          not_applicable[full] = f"{type(e).__name__}: {str(e)[:200]}"
+          continue
+        applies.append(full)
+    out[gname] = dict(techniques=applies, not_applicable=not_applicable, excluded=excluded)
+  return out
+
+
 def _compile(group, technique, batch):
   t0 = time.perf_counter()
   step, abstract, x_spec, y_spec, make_state, make_batch = _build(group, technique, batch)
@@ -186,8 +254,20 @@ def worker_measure(spec: dict) -> dict:
   group, batch = spec["group"], spec["batch"]
   out: dict = {}
   runners = {}
-  for technique in spec["order"]:
+  # Peaks take ~60% of this group's share of the time, timing the rest. A technique is run
+  # only if, at the mean time per technique so far, it and every higher-priority one still
+  # to come fit in that: what the time budget drops is the lowest-priority work.
+  start, share, done = time.perf_counter(), 0.6 * spec["seconds"], 0
+  order = spec["order"]
+  for i, technique in enumerate(order):
     row = out.setdefault(technique, {})
+    elapsed = time.perf_counter() - start
+    if done and technique != "exact":   # exact always: every ratio is against it
+      ahead = sum(_rank(t) < _rank(technique) for t in order[i + 1:])
+      if elapsed + elapsed / done * (1 + ahead) > share:
+        row["not_measured"] = NOT_MEASURED
+        continue
+    done += 1
     try:
       compiled, seconds, make_state, make_batch = _compile(group, technique, batch)
       row["load_or_compile_s"] = seconds
@@ -256,6 +336,7 @@ def worker_kernels(spec: dict) -> dict:
   """Kernel timings (and the environment: versions, device, memory limit)."""
   jax = _setup_jax()
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jmem import _backends  # pylint: disable=g-import-not-at-top
   from jmem.ops import inplace_abn as abn  # pylint: disable=g-import-not-at-top
   from jmem.ops.actnn import quantize as Q  # pylint: disable=g-import-not-at-top
   from jmem.parallel import sync_bn  # pylint: disable=g-import-not-at-top
@@ -297,7 +378,7 @@ def worker_kernels(spec: dict) -> dict:
   rows.append(dict(op="copy x*2 (XLA)", dtype="float32", implementation="xla", time_s=t,
                    bytes=8 * n, bandwidth=copy_bw))
   key = jax.random.key(2)
-  checks = []
+  checks, bn_checks = [], []
   for dtype in ("float32", "bfloat16"):
     xd = x.astype(dtype)
     isz = jnp.dtype(dtype).itemsize
@@ -329,7 +410,7 @@ def worker_kernels(spec: dict) -> dict:
             ("unpack+dequantize", df, qx, n * bits // 8 + meta + n * isz)):
           t = _time(f, arg)
           rows.append(dict(op=f"{op} {bits}-bit", dtype=dtype, implementation=impl, time_s=t,
-                           bytes=nbytes, bandwidth=nbytes / t))
+                           bytes=nbytes, bandwidth=nbytes / t, memory_bound=True))
   # Partial blocks (5 samples x 2 groups = 10 rows of a 32-row block): the case an unmasked
   # kernel gets wrong on a GPU while interpret mode pads it silently.
   for shape in ((5, 300), (33, 256), (7, 3, 5, 64)):
@@ -369,21 +450,44 @@ def worker_kernels(spec: dict) -> dict:
                             ("InPlace-ABN forward+backward", fb, 3 * m * isz + 5 * m * isz)):
         t = _time(f, xa)
         rows.append(dict(op=op, dtype=dtype, implementation=impl, time_s=t, bytes=nbytes,
-                         bandwidth=nbytes / t))
-    stats = jax.jit(lambda v: sync_bn.batch_stats(v))
-    t = _time(stats, xa)
-    rows.append(dict(op="BN statistics (batch_stats)", dtype=dtype, implementation="xla",
-                     time_s=t, bytes=m * isz, bandwidth=m * isz / t))
+                         bandwidth=nbytes / t, memory_bound=True))
+    # SyncBN's statistics (`jmem._backends.BN_MOMENTS`; "pallas" is
+    # `pallas_kernels.inplace_abn.moments`): the moments alone read x once; the whole
+    # forward of `sync_batch_norm` reads x for the moments, then again to normalise, and
+    # writes y.
+    outs = {}
+    for impl in _backends.implementations(_backends.BN_MOMENTS):
+      mom = jax.jit(lambda v, i=impl: tuple(_backends.get(_backends.BN_MOMENTS, i)(v)
+                                            .stats()))   # mean, variance, count
+      sbn = jax.jit(lambda v, i=impl: sync_bn.sync_batch_norm(v, scale, bias,
+                                                              implementation=i)[0])
+      for op, f, nbytes in (("BN moments (SyncBN statistics)", mom, m * isz),
+                            ("SyncBN forward (sync_batch_norm)", sbn, 3 * m * isz)):
+        t = _time(f, xa)
+        rows.append(dict(op=op, dtype=dtype, implementation=impl, time_s=t, bytes=nbytes,
+                         bandwidth=nbytes / t, memory_bound=True))
+      outs[impl] = (sbn(xa).astype(jnp.float32), mom(xa))
+    if "pallas" in outs:   # the statistics kernel agrees with the XLA path on this device
+      (y_ref, m_ref), (y_k, m_k) = outs["xla"], outs["pallas"]
+      bn_checks.append(dict(
+          op="SyncBN moments + forward", dtype=dtype, shape=list(shape),
+          stats_max_abs_difference=max(float(jnp.max(jnp.abs(a - b)))
+                                         for a, b in zip(m_ref, m_k)),
+          output_max_abs_difference=float(jnp.max(jnp.abs(y_ref - y_k)))))
   nominal = next((v for k, v in NOMINAL_BANDWIDTH.items() if k in dev.device_kind), None)
   for r in rows:
     r["fraction_of_copy"] = r["bandwidth"] / copy_bw
     r["fraction_of_nominal"] = None if nominal is None else r["bandwidth"] / nominal
+    # The goal is the kernels' (Pallas), memory-bound ones, against the nominal peak.
+    r["meets_80pct_goal"] = (None if nominal is None or r["implementation"] != "pallas"
+                             or not r.get("memory_bound") else
+                             r["fraction_of_nominal"] >= BANDWIDTH_GOAL)
   return {"env": env, "rows": rows, "copy_bandwidth": copy_bw, "nominal_bandwidth": nominal,
-          "kernel_checks": checks}
+          "kernel_checks": checks, "bn_checks": bn_checks}
 
 
 WORKERS = {"compile": worker_compile, "measure": worker_measure, "confirm": worker_confirm,
-           "kernels": worker_kernels}
+           "kernels": worker_kernels, "plan": worker_plan}
 
 
 def _worker_main(kind: str, spec_path: str, out_path: str) -> None:
@@ -409,34 +513,70 @@ class Runner:
     self.start = time.perf_counter()
     self.log_lines: list[str] = []
     self._count = 0
+    self._lock = threading.Lock()
+    self._running: dict[int, tuple[str, subprocess.Popen]] = {}
+    self._stopped: set[int] = set()
+    self._closed: set[str] = set()
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start
 
   def left(self) -> float:
-    return self.args.time_budget - (time.perf_counter() - self.start)
+    return self.args.time_budget - self.elapsed()
 
   def log(self, msg: str) -> None:
-    line = f"[{time.perf_counter() - self.start:6.1f}s] {msg}"
+    line = f"[{self.elapsed():6.1f}s] {msg}"
     self.log_lines.append(line)
     print(line, flush=True)
 
+  def stop(self, kind: str) -> int:
+    """Kills the running workers of ``kind`` (each by the process this runner started);
+    their `run` returns ``{"ok": False, "stopped": True}``. Returns how many."""
+    with self._lock:
+      self._closed.add(kind)   # none of this kind starts from now on
+      procs = [(n, p) for n, (k, p) in self._running.items() if k == kind]
+      self._stopped.update(n for n, _ in procs)
+    for _, p in procs:
+      p.kill()
+    return len(procs)
+
   def run(self, kind: str, spec: dict, *, preallocate: bool, timeout: float | None = None):
-    self._count += 1
-    spec_path = os.path.join(self.tmp, f"spec{self._count}.json")
-    out_path = os.path.join(self.tmp, f"out{self._count}.json")
+    with self._lock:
+      self._count += 1
+      n = self._count
+    spec_path = os.path.join(self.tmp, f"spec{n}.json")
+    out_path = os.path.join(self.tmp, f"out{n}.json")
     with open(spec_path, "w") as f:
       json.dump(spec, f)
     timeout = max(10.0, min(timeout or self.left(), self.left()))
-    try:
-      proc = subprocess.run(
+    t0 = time.perf_counter()
+    with self._lock:
+      if kind in self._closed:
+        return {"ok": False, "stopped": True, "error": NOT_MEASURED}
+      proc = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), "--worker", kind, spec_path, out_path],
           env=_worker_env(self.args.allow_cpu, self.cache_dir, preallocate),
-          capture_output=True, text=True, timeout=timeout)
+          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      self._running[n] = (kind, proc)
+    try:
+      _, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.communicate()
       return {"ok": False, "error": f"worker {kind} timed out after {timeout:.0f} s"}
+    finally:
+      with self._lock:
+        self._running.pop(n, None)
+    seconds = time.perf_counter() - t0
+    if n in self._stopped:
+      return {"ok": False, "stopped": True, "error": NOT_MEASURED}
     if not os.path.exists(out_path):
       return {"ok": False, "error": f"worker {kind} exited {proc.returncode} without a result",
-              "stderr": proc.stderr[-3000:]}
+              "stderr": stderr[-3000:]}
     with open(out_path) as f:
-      return json.load(f)
+      res = json.load(f)
+    res["seconds"] = seconds
+    return res
 
 
 def _fit(mem: dict, b1: int, b2: int, limit: int) -> dict:
@@ -478,17 +618,33 @@ def orchestrate(args) -> int:
     return 0
   env["jmem_commit"] = _git_commit()
   os.makedirs(args.output_dir, exist_ok=True)
-  # Off the GPU (--allow-cpu) there is no limit to read: a small one keeps the checks quick.
-  limit = env.get("bytes_limit") or 2**28
+  # Off the GPU (--allow-cpu) there is no limit to read: a small one keeps the checks quick
+  # (at 256 MiB, ActNN's Pallas kernels in interpret mode took 3 minutes to confirm).
+  limit = env.get("bytes_limit") or CPU_LIMIT
   results = {"env": env, "kernels": kern.get("result", {}).get("rows"),
              "copy_bandwidth": kern.get("result", {}).get("copy_bandwidth"),
              "nominal_bandwidth": kern.get("result", {}).get("nominal_bandwidth"),
              "kernel_checks": kern.get("result", {}).get("kernel_checks"),
+             "bn_checks": kern.get("result", {}).get("bn_checks"),
              "groups": {}, "log": r.log_lines}
+  # Which techniques each group measures: the registry's (worker_plan), highest priority
+  # first.
+  r.log("techniques from the registry")
+  plan = r.run("plan", {"groups": groups}, preallocate=False, timeout=180)
+  if not plan.get("ok"):
+    print(f"benchmarks/gpu.py: reading the technique registry failed, so nothing was "
+          f"measured: {plan.get('error')}\n{plan.get('traceback', '')}"
+          f"{plan.get('stderr', '')}", file=sys.stderr)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 1
+  groups = {k: dict(g, techniques=sorted(plan["result"][k]["techniques"], key=_rank))
+            for k, g in groups.items()}
+  gindex = {k: i for i, k in enumerate(groups)}
   # Phases 1-2: compile every technique at B/2 and B (the slope; B is also the measured
-  # batch), then at its predicted max batch and 10% above; in parallel, filling the cache.
-  # With --reuse, slopes measured by an earlier run on the same device are taken from its
-  # JSON (only B and the checks are compiled again, for the cache).
+  # batch), then at its predicted max batch and 10% above; in parallel, filling the cache,
+  # in priority order, until COMPILE_SHARE of the budget. With --reuse, slopes measured by
+  # an earlier run on the same device are taken from its JSON (only B and the checks are
+  # compiled again, for the cache).
   reuse = {}
   if args.reuse:
     with open(args.reuse) as f:
@@ -502,97 +658,185 @@ def orchestrate(args) -> int:
           reuse[(gname, t)] = row["compiled"]
   skip = set(filter(None, args.skip.split(",")))
   for gname, g in groups.items():
-    results["groups"][gname] = {"config": dict(g), "rows": {}}
+    p = plan["result"][gname]
+    results["groups"][gname] = {"config": dict(g), "not_applicable": p["not_applicable"],
+                                "excluded": p["excluded"], "rows": {}}
     for t in g["techniques"]:
       results["groups"][gname]["rows"][t] = ({"technique": t, "skipped": True} if t in skip
                                              else {"technique": t})
+    r.log(f"{gname}: {', '.join(g['techniques'])}; not applicable: "
+          f"{', '.join(p['not_applicable']) or 'none'}")
 
   def fitted(gname, t, compiled_rows):
     g, row = groups[gname], results["groups"][gname]["rows"][t]
     row["compiled"] = compiled_rows
     row["max_batch"] = _fit(compiled_rows, g["batch"] // 2, g["batch"], limit)
     pred = row["max_batch"]["predicted_max_batch"]
-    if t in g["confirm"] and pred and pred > 0 and not args.no_confirm:
+    if args.no_confirm:
+      row["confirm"] = {"status": "not confirmed (--no-confirm)"}
+    elif not pred or pred <= 0:
+      row["confirm"] = {"status": "no prediction to confirm"}
+    else:
       return (gname, t, pred, max(pred + 1, int(pred * 1.1)))
     return None
 
-  checks, check_jobs = [], {}
+  todo = sorted(((gname, t) for gname, g in groups.items() for t in g["techniques"]
+                 if t not in skip), key=lambda k: (_rank(k[1]), gindex[k[0]]))
+  compile_until = args.time_budget * COMPILE_SHARE
+  checks = []
   # Max-batch compiles autotune with buffers of the batch's size: few at a time (eight at
   # once exhausted an H100's 80 GB).
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool, \
        concurrent.futures.ThreadPoolExecutor(args.check_jobs) as check_pool:
-    jobs = {}
-    for gname, g in groups.items():
+    jobs = {}   # future -> (group, technique, "slope" | "reuse" | "check")
+
+    # A max-batch check's compile only fills the cache for its check (which compiles it
+    # itself otherwise), so it waits until every step's own compile has started.
+    waiting = []
+
+    def submit_check(check):
+      checks.append(check)
+      waiting.append(check)
+
+    def release_checks():
+      if all(f.running() or f.done() for f, v in jobs.items() if v[2] != "check"):
+        while waiting:
+          gname, t, p, a = waiting.pop(0)
+          fut = check_pool.submit(r.run, "compile", dict(group=groups[gname], technique=t,
+                                                         batches=[p, a]), preallocate=False)
+          jobs[fut] = (gname, t, "check")
+          pending.add(fut)
+    for gname, t in todo:
+      g = groups[gname]
       b = g["batch"]
-      for t in g["techniques"]:
-        if t in skip:
-          continue
-        if (gname, t) in reuse:
-          prev = reuse[(gname, t)]
-          check = fitted(gname, t, prev)
-          results["groups"][gname]["rows"][t]["compiled_reused_from"] = args.reuse
-          if check:
-            checks.append(check)
-            check_jobs[check] = check_pool.submit(r.run, "compile", dict(
-                group=g, technique=t, batches=[check[2], check[3]]), preallocate=False)
-          jobs[(gname, t)] = pool.submit(r.run, "compile", dict(group=g, technique=t,
-                                                                 batches=[b]), preallocate=False)
-        else:
-          jobs[(gname, t)] = pool.submit(r.run, "compile", dict(group=g, technique=t,
-                                                                 batches=[b // 2, b]),
-                                         preallocate=False)
-    r.log(f"compiling {len(jobs)} steps ({args.jobs} processes)")
-    for (gname, t), fut in jobs.items():
-      res = fut.result()
-      row = results["groups"][gname]["rows"][t]
-      if not res.get("ok"):
-        row["error"] = res.get("error")
-        r.log(f"{gname} {t}: compile failed: {res.get('error')}")
-        continue
       if (gname, t) in reuse:
-        row["compiled_this_run"] = res["result"]
-        continue
-      check = fitted(gname, t, res["result"])
-      if check and r.left() > 120:
-        checks.append(check)
-        check_jobs[check] = check_pool.submit(r.run, "compile", dict(
-            group=groups[gname], technique=t, batches=[check[2], check[3]]), preallocate=False)
-    r.log(f"compiled; compiling {len(check_jobs)} max-batch checks")
-    for (gn, t, p, a), fut in check_jobs.items():
-      res = fut.result()
-      results["groups"][gn]["rows"][t]["compiled_at_max"] = res.get("result", res)
-  r.log("all compiled")
-  # Phase 3: measure each group in its own process (peaks in ascending order).
+        check = fitted(gname, t, reuse[(gname, t)])
+        results["groups"][gname]["rows"][t]["compiled_reused_from"] = args.reuse
+        if check:
+          submit_check(check)
+        jobs[pool.submit(r.run, "compile", dict(group=g, technique=t, batches=[b]),
+                         preallocate=False)] = (gname, t, "reuse")
+      else:
+        jobs[pool.submit(r.run, "compile", dict(group=g, technique=t, batches=[b // 2, b]),
+                         preallocate=False)] = (gname, t, "slope")
+    r.log(f"compiling {len(jobs)} steps ({args.jobs} processes), by {compile_until:.0f} s "
+          "at the latest")
+    pending = set(jobs)
+    release_checks()
+    while pending and r.elapsed() < compile_until:
+      done, pending = concurrent.futures.wait(pending, timeout=compile_until - r.elapsed(),
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+      for fut in sorted(done, key=lambda f: _rank(jobs[f][1])):
+        gname, t, what = jobs[fut]
+        res, row = fut.result(), results["groups"][gname]["rows"][t]
+        if what == "check":
+          row["compiled_at_max"] = res.get("result", res)
+        elif not res.get("ok"):
+          row["error"] = res.get("error")
+          r.log(f"{gname} {t}: compile failed: {res.get('error')}")
+        elif what == "reuse":
+          row["compiled_this_run"] = res["result"]
+        else:
+          check = fitted(gname, t, res["result"])
+          if check:
+            submit_check(check)
+      release_checks()
+    if pending or waiting:
+      cancelled = sum(f.cancel() for f in pending) + len(waiting)
+      stopped = r.stop("compile")
+      late = [jobs[f] for f in pending] + [(gn, t, "check") for gn, t, _, _ in waiting]
+      r.log(f"time budget for compiling ({compile_until:.0f} s) spent: {stopped} compiles "
+            f"stopped, {cancelled} not started: "
+            + ", ".join(f"{gn} {t}{' (max-batch check)' if w == 'check' else ''}"
+                        for gn, t, w in sorted(late, key=lambda k: _rank(k[1]))))
+      for gname, t, what in late:
+        row = results["groups"][gname]["rows"][t]
+        if what == "slope":
+          row["not_measured"] = NOT_MEASURED
+        elif what == "check":
+          row["compiled_at_max"] = {"skipped": "time budget: the check compiles it itself"}
+  r.log("compiling done")
+  # Phase 3: measure each group in its own process (peaks in ascending order), until
+  # MEASURE_SHARE of the budget; each group gets a share of that time by its technique count.
+  measure_until = args.time_budget * MEASURE_SHARE
+  ready = {}
   for gname, g in groups.items():
-    if r.left() < 60:
-      r.log(f"time budget spent: {gname} not measured")
-      break
     rows = results["groups"][gname]["rows"]
-    ok = [t for t in g["techniques"] if "compiled" in rows[t] and "error" not in rows[t]]
+    ready[gname] = [t for t in g["techniques"] if "compiled" in rows[t] and "error" not in rows[t]]
+  remaining = sum(len(v) for v in ready.values())
+  for gname, g in groups.items():
+    rows, ok = results["groups"][gname]["rows"], ready[gname]
+    seconds = (measure_until - r.elapsed()) * len(ok) / max(remaining, 1)
+    remaining -= len(ok)
+    if not ok:
+      continue
+    if r.left() < 60 or seconds < 10:
+      r.log(f"time budget spent: {gname} not measured")
+      for t in ok:
+        rows[t]["not_measured"] = NOT_MEASURED
+      continue
     order = sorted(ok, key=lambda t: rows[t]["compiled"][str(g["batch"])]["total_bytes"])
-    r.log(f"measuring {gname}: {', '.join(order)}")
-    res = r.run("measure", dict(group=g, batch=g["batch"], order=order,
+    r.log(f"measuring {gname} in {seconds:.0f} s at most: {', '.join(order)}")
+    res = r.run("measure", dict(group=g, batch=g["batch"], order=order, seconds=seconds,
                                 repeats=5 if args.quick else 20), preallocate=True)
     if res.get("ok"):
       for t, m in res["result"].items():
         rows[t]["run"] = m
+        if m.get("not_measured"):
+          rows[t]["not_measured"] = m["not_measured"]
+      late = [t for t, m in res["result"].items() if m.get("not_measured")]
+      if late:
+        r.log(f"time budget spent: {gname} {', '.join(late)} not measured")
     else:
       r.log(f"{gname}: measure failed: {res.get('error')} {res.get('traceback', '')}"
             f"{res.get('stderr', '')}")
-  # Phase 4: max-batch checks, one process each.
+  # Phase 4: max-batch checks, one process each, in priority order (every group's exact,
+  # then the headline techniques); a check is run only where the time left covers the
+  # slowest check of its group so far.
+  checks.sort(key=lambda c: (_rank(c[1]), gindex[c[0]]))
+  slowest, late = {}, []
   for gn, t, p, a in checks:
-    if r.left() < 40:
-      r.log("time budget spent: remaining max-batch checks skipped")
-      break
+    row = results["groups"][gn]["rows"][t]
+    if r.left() < max(40.0, slowest.get(gn, 0.0)):
+      row["confirm"] = {"status": NOT_CONFIRMED}
+      late.append(f"{gn} {t}")
+      continue
     r.log(f"max batch {gn} {t}: running {p} then {a}")
     res = r.run("confirm", dict(group=groups[gn], technique=t, batch=p, above=a),
                 preallocate=True)
-    results["groups"][gn]["rows"][t]["confirm"] = res.get("result", res)
+    slowest[gn] = max(slowest.get(gn, 0.0), res.get("seconds", 0.0))
+    row["confirm"] = res.get("result", res)
+  if late:
+    r.log(f"time budget spent: max-batch checks not run: {', '.join(late)}")
+  for gname, gr in results["groups"].items():
+    _vs_exact(gr["rows"], groups[gname]["batch"])
   r.log("done")
-  results["wall_s"] = time.perf_counter() - r.start
+  results["wall_s"] = r.elapsed()
   _write(results, args)
   shutil.rmtree(tmp, ignore_errors=True)
   return 0
+
+
+def _vs_exact(rows: dict, batch: int) -> None:
+  """Each row's figures as ratios to exact's, measured in the same run."""
+  base = rows.get("exact", {})
+
+  def ratio(row, get):
+    try:
+      num, den = get(row), get(base)
+    except (KeyError, TypeError):
+      return None
+    return None if num is None or not den else num / den
+  for row in rows.values():
+    if "compiled" not in row:
+      continue
+    b = str(batch)   # the measured batch
+    row["vs_exact"] = dict(
+        step_time=ratio(row, lambda r: r["run"]["step_time_s"]),
+        peak_bytes_in_use=ratio(row, lambda r: r["run"]["peak_bytes_in_use"]),
+        temp_bytes=ratio(row, lambda r: r["compiled"][b]["temp_bytes"]),
+        compiled_total_bytes=ratio(row, lambda r: r["compiled"][b]["total_bytes"]),
+        max_batch=ratio(row, lambda r: r["max_batch"]["predicted_max_batch"]))
 
 
 def _git_commit() -> str | None:
@@ -614,6 +858,35 @@ def _gib(b):
   return "-" if b is None else f"{b / 2**30:.2f}"
 
 
+def _x(ratio) -> str:
+  return "-" if ratio is None else f"{ratio:.2f}"
+
+
+def _confirmed(conf: dict | None) -> str:
+  """The max-batch check of a row, in words."""
+  if not conf:
+    return "-"
+  if "status" in conf:
+    return conf["status"]
+  at, above = conf.get("at_prediction"), conf.get("above")
+  if at is None or above is None:
+    return f"error: {str(conf.get('error', conf))[:100]}"
+
+  def outcome(r):
+    if r.get("fits"):
+      return f"runs at {r['batch']}"
+    if r.get("oom"):
+      return f"OOM at {r['batch']}"
+    return f"error at {r['batch']}: {r.get('error', '')[:80]}"
+  if at.get("fits") and above.get("oom"):
+    return f"yes: {outcome(at)}, {outcome(above)}"
+  if at.get("fits") and above.get("fits"):
+    return f"no (prediction low): {outcome(at)} and at {above['batch']}"
+  if at.get("oom"):
+    return f"no (prediction high): {outcome(at)}"
+  return f"no: {outcome(at)}, {outcome(above)}"
+
+
 def _write(results: dict, args) -> None:
   env = results["env"]
   stem = (f"gpu_{_slug(env.get('device_kind', 'unknown'))}" + ("_quick" if args.quick else "")
@@ -625,6 +898,10 @@ def _write(results: dict, args) -> None:
            + (" --quick --allow-cpu (pipeline check, not GPU figures)" if args.quick else "")
            + f" in {results['wall_s']:.0f} s.", ""]
   lines += [f"- {k}: {v}" for k, v in env.items()]
+  if env.get("backend") != "gpu":
+    lines += ["", f"Off the GPU there is no memory limit (the predictions use "
+              f"{_gib(CPU_LIMIT)} GiB) and nothing runs out of memory, so every max-batch check "
+              "reads 'prediction low': that checks the pipeline, not the prediction."]
   if results.get("kernel_checks"):
     lines += ["", "## Pallas kernels against the XLA path on this device", "",
               "| dtype | bits | identical codes | identical minimum | identical scale | "
@@ -635,28 +912,47 @@ def _write(results: dict, args) -> None:
                    f"{c['minimum_identical']} | {c['scale_identical_fraction']:.6f} | "
                    f"{c['dequantize_max_abs_difference']:.3g} | "
                    f"{c['mean_abs_error_over_step']:.3f} |")
+  if results.get("bn_checks"):
+    lines += ["", "## SyncBN statistics kernel against the XLA path on this device", "",
+              "| dtype | shape | max difference of mean, variance, count | max output "
+              "difference |", "|---|---|---:|---:|"]
+    for c in results["bn_checks"]:
+      lines.append(f"| {c['dtype']} | {tuple(c['shape'])} | "
+                   f"{c['stats_max_abs_difference']:.3g} | "
+                   f"{c['output_max_abs_difference']:.3g} |")
+  goal = f"{BANDWIDTH_GOAL:.0%}"
   lines += ["", "## Kernels", "",
             f"Copy bandwidth (x*2, read+write): {results['copy_bandwidth'] or 0:.3e} B/s; "
-            f"nominal HBM: {results['nominal_bandwidth']}.", "",
+            f"nominal HBM: {results['nominal_bandwidth']}. Goal: each memory-bound Pallas "
+            f"kernel at {goal} of the nominal HBM bandwidth or more"
+            + ("" if results["nominal_bandwidth"] else
+               " (no nominal bandwidth known for this device, so not judged)") + ".", "",
             "| op | dtype | implementation | time (ms) | GB moved | bandwidth (GB/s) | "
-            "/ copy | / nominal |", "|---|---|---|---:|---:|---:|---:|---:|"]
+            f"/ copy | / nominal | meets {goal} goal |",
+            "|---|---|---|---:|---:|---:|---:|---:|---|"]
   for k in results["kernels"] or []:
     nom = "-" if k["fraction_of_nominal"] is None else f"{k['fraction_of_nominal']:.2f}"
+    met = k.get("meets_80pct_goal")
     lines.append(f"| {k['op']} | {k['dtype']} | {k['implementation']} | "
                  f"{1e3 * k['time_s']:.3f} | {k['bytes'] / 1e9:.3f} | "
-                 f"{k['bandwidth'] / 1e9:.0f} | {k['fraction_of_copy']:.2f} | {nom} |")
+                 f"{k['bandwidth'] / 1e9:.0f} | {k['fraction_of_copy']:.2f} | {nom} | "
+                 f"{'-' if met is None else ('yes' if met else '**no**')} |")
   for gname, gr in results["groups"].items():
     g = gr["config"]
     lines += ["", f"## {gname}: {g['model']}, batch {g['batch']}, {g['image']}²"
               + (f", {g['frames']} frames" if g["frames"] else "") + f", {g['dtype']}"
               + (f", {g['overrides']}" if g["overrides"] else ""), "",
-              "| technique | step (ms) | / exact | loss finite | peak in use (GiB) | own peak "
-              "| compiled total (GiB) | temp (GiB) | GFLOP | MiB / example | predicted max "
-              "batch | runs at prediction | OOM at +10% |",
-              "|---|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
+              "| technique | step (ms) | step / exact | loss finite | peak in use (GiB) | "
+              "peak / exact | own peak | compiled total (GiB) | temp (GiB) | temp / exact | "
+              "GFLOP | MiB / example | predicted max batch | max batch / exact | max batch "
+              "confirmed |",
+              "|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for t, row in gr["rows"].items():
       if row.get("skipped"):
         lines.append(f"| {t} | skipped (--skip) |")
+        continue
+      if "compiled" not in row and row.get("not_measured"):
+        lines.append(f"| {t} | {row['not_measured']} (not compiled) |")
         continue
       if "compiled" not in row or "error" in row:
         lines.append(f"| {t} | error: {row.get('error', '')[:120]} |")
@@ -664,21 +960,26 @@ def _write(results: dict, args) -> None:
       c = row["compiled"][str(g["batch"])]
       run = row.get("run", {})
       mb = row.get("max_batch", {})
-      conf = row.get("confirm", {})
+      vs = row.get("vs_exact", {})
       step = "-" if "step_time_s" not in run else f"{1e3 * run['step_time_s']:.1f}"
-      ratio = "-" if "step_time_ratio" not in run else f"{run['step_time_ratio']:.3f}"
+      if row.get("not_measured"):
+        step = row["not_measured"]
       if "error" in run:
         step = f"error: {run['error'][:100]}"
       flops = "-" if c.get("flops") is None else f"{c['flops'] / 1e9:.0f}"
-      fits = conf.get("at_prediction", {}).get("fits") if conf else None
-      above = conf.get("above", {}) if conf else {}
       lines.append(
-          f"| {t} | {step} | {ratio} | {run.get('loss_finite', '-')} | "
-          f"{_gib(run.get('peak_bytes_in_use'))} | "
-          f"{run.get('peak_is_own', '-')} | {_gib(c['total_bytes'])} | {_gib(c['temp_bytes'])} "
-          f"| {flops} | {mb.get('bytes_per_example', 0) / 2**20:.1f} | "
-          f"{mb.get('predicted_max_batch', '-')} | {'-' if fits is None else fits} | "
-          f"{'-' if not above else above.get('oom', above.get('fits') is False)} |")
+          f"| {t} | {step} | {_x(vs.get('step_time'))} | {run.get('loss_finite', '-')} | "
+          f"{_gib(run.get('peak_bytes_in_use'))} | {_x(vs.get('peak_bytes_in_use'))} | "
+          f"{run.get('peak_is_own', '-')} | {_gib(c['total_bytes'])} | "
+          f"{_gib(c['temp_bytes'])} | {_x(vs.get('temp_bytes'))} | {flops} | "
+          f"{mb.get('bytes_per_example', 0) / 2**20:.1f} | "
+          f"{mb.get('predicted_max_batch', '-')} | {_x(vs.get('max_batch'))} | "
+          f"{_confirmed(row.get('confirm'))} |")
+    if gr.get("not_applicable"):
+      lines += ["", "Registered techniques that do not apply to this model (not measured):", ""]
+      lines += [f"- {t}: {why}" for t, why in gr["not_applicable"].items()]
+    if gr.get("excluded"):
+      lines += ["", f"Excluded from this group: {', '.join(gr['excluded'])}."]
   lines += ["", "## Log", "", "```"] + results["log"] + ["```", ""]
   with open(os.path.join(args.output_dir, stem + ".md"), "w") as f:
     f.write("\n".join(lines))
@@ -692,7 +993,7 @@ def main(argv=None) -> int:
                  help="seconds; later phases are skipped (and said so) when it runs out")
   p.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                  help="parallel compile processes")
-  p.add_argument("--check-jobs", type=int, default=2,
+  p.add_argument("--check-jobs", type=int, default=max(1, min(2, (os.cpu_count() or 2) // 4)),
                  help="parallel max-batch compile processes (each autotunes at a large batch)")
   p.add_argument("--groups", default="", help="comma-separated subset of the model groups")
   p.add_argument("--quick", action="store_true", help="tiny shapes (pipeline check)")

@@ -106,3 +106,62 @@ def test_gpu_benchmark_without_a_gpu_exits_0_and_writes_nothing(tmp_path):
   assert "no GPU here" in proc.stdout, proc.stdout
   assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "tmp"]
   assert not any(cwd.iterdir()) and not any(tmp.iterdir())
+
+
+def _gpu_script():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+  spec = importlib.util.spec_from_file_location("jmem_gpu_benchmark", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_gpu_benchmark_measures_every_registered_technique_that_applies():
+  """benchmarks/gpu.py takes its technique lists from the registry: every registered name
+  (each implementation of one with kernels) is measured or said not to apply, so a newly
+  registered technique (a stack) is measured with no change to the script."""
+  gpu = _gpu_script()
+  groups = {k: dict(v, only=None) for k, v in gpu.QUICK_GROUPS.items()}
+  groups["resnet8-f32"]["exclude"] = ("actnn-L5:*",)
+  plan = gpu.worker_plan({"groups": groups})
+  names = []
+  for n in bench.technique_names():
+    t = bench.get_technique(n)
+    names += [f"{n}:xla", f"{n}:pallas"] if t.has_kernels else [n]
+  for gname, p in plan.items():
+    assert sorted(p["techniques"] + list(p["not_applicable"]) + p["excluded"]) == sorted(names)
+  resnet, video = plan["resnet8-f32"], plan["video-vit"]
+  assert resnet["excluded"] == ["actnn-L5:xla", "actnn-L5:pallas"]
+  for t in ("exact", "remat", "actnn-L1:xla", "actnn-L4:pallas", "inplace-abn:xla",
+            "sync-bn:pallas"):
+    assert t in resnet["techniques"]
+  assert "spatial-8" in resnet["not_applicable"]   # one device
+  assert video["techniques"] == ["exact", "sbp-0.5", "sbp-0.25", "sbp-0.125"]
+
+
+def test_gpu_benchmark_ratios_and_max_batch_checks_in_words():
+  gpu = _gpu_script()
+  rows = {"exact": dict(compiled={"8": dict(temp_bytes=100, total_bytes=400)},
+                        max_batch=dict(predicted_max_batch=50),
+                        run=dict(step_time_s=0.2, peak_bytes_in_use=1000)),
+          "actnn-L3:pallas": dict(compiled={"8": dict(temp_bytes=25, total_bytes=200)},
+                                  max_batch=dict(predicted_max_batch=150),
+                                  run=dict(step_time_s=0.3)),
+          "remat": {"not_measured": gpu.NOT_MEASURED}}
+  gpu._vs_exact(rows, 8)  # pylint: disable=protected-access
+  vs = rows["actnn-L3:pallas"]["vs_exact"]
+  assert vs["step_time"] == pytest.approx(1.5) and vs["peak_bytes_in_use"] is None
+  assert vs["temp_bytes"] == 0.25 and vs["compiled_total_bytes"] == 0.5
+  assert vs["max_batch"] == 3.0 and "vs_exact" not in rows["remat"]
+  words = gpu._confirmed  # pylint: disable=protected-access
+  assert words({"status": gpu.NOT_CONFIRMED}) == "not confirmed (time budget)"
+  assert words({"at_prediction": {"batch": 50, "fits": True},
+                "above": {"batch": 55, "fits": False, "oom": True}}).startswith("yes")
+  assert words({"at_prediction": {"batch": 50, "fits": True},
+                "above": {"batch": 55, "fits": True}}).startswith("no (prediction low)")
+  assert words({"at_prediction": {"batch": 50, "fits": False, "oom": True},
+                "above": {"batch": 55, "fits": False, "oom": True}}).startswith(
+                    "no (prediction high)")
+  assert words({"ok": False, "error": "worker confirm timed out"}).startswith("error")
