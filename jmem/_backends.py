@@ -16,14 +16,20 @@ pick one with `choose` and call `get(op, name)`. Another backend (a Mosaic GPU o
 (modules, `jmem.convert` techniques, the bench's ``name:implementation`` suffixes) then
 takes its name.
 
-Private and low: imports nothing of jmem, so that every op module can register here.
+Private and low: imports nothing of jmem, so that every op module can register here; it
+also says whether the kernels target a GPU (`targets_gpu`, `compiled_kernels`), which the
+kernels in `pallas_kernels` read from here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
+
+import jax
 
 __all__ = ["QUANTIZE_PACK", "UNPACK_DEQUANTIZE", "INPLACE_ABN", "BN_MOMENTS", "XLA",
            "Backend", "register", "ops", "implementations", "check_implementation", "get",
@@ -130,13 +136,16 @@ def choose(implementation, op_names: Sequence[str], what: str, *, stacklevel: in
   ``implementation`` is validated (`check_implementation`). ``None`` is the automatic
   choice: XLA unless the default backend is a GPU (or inside
   `pallas_kernels.compiled_kernels`, lowering for one); there, the ops' GPU default when
-  it takes ``config``, else XLA with a warning saying why (a slower path is never taken
-  silently). A named backend that cannot take ``config`` raises ValueError.
+  it takes ``config`` (and no `automatic_xla` context says otherwise), else XLA with a
+  warning saying why (a slower path is never taken silently). A named backend that cannot take ``config`` raises ValueError.
   """
   check_implementation(implementation, op_names, what)
   if implementation is None:
-    from pallas_kernels import targets_gpu  # pylint: disable=g-import-not-at-top
     if not targets_gpu():
+      return XLA
+    if _AUTOMATIC_XLA.get() is not None:
+      warnings.warn(f"{what}: {_AUTOMATIC_XLA.get()}; using the XLA path (name "
+                    "implementation='pallas' to run the kernels anyway).", stacklevel=stacklevel)
       return XLA
     name = _gpu_default(op_names)
     reason = _reason(name, op_names, config) if name != XLA else None
@@ -149,3 +158,44 @@ def choose(implementation, op_names: Sequence[str], what: str, *, stacklevel: in
     raise ValueError(f"{what}(implementation={implementation!r}): {reason}; use "
                      f"implementation='xla' for this call.")
   return implementation
+
+
+# ---------------------------------------------------------------- is the target a GPU?
+
+_FORCE_COMPILED = contextvars.ContextVar("jmem_pallas_force_compiled", default=False)
+
+
+@contextlib.contextmanager
+def compiled_kernels():
+  """Within this context ``interpret=None`` means compiled kernels on every backend.
+
+  For lowering a whole step for a GPU from a machine without one:
+  ``with compiled_kernels(): jax.jit(step).trace(*a).lower(lowering_platforms=("cuda",))``.
+  """
+  token = _FORCE_COMPILED.set(True)
+  try:
+    yield
+  finally:
+    _FORCE_COMPILED.reset(token)
+
+
+_AUTOMATIC_XLA = contextvars.ContextVar("jmem_automatic_xla", default=None)
+
+
+@contextlib.contextmanager
+def automatic_xla(reason: str):
+  """Within this context ``implementation=None`` picks XLA even on a GPU, warning with
+  ``reason`` (e.g. a batch that ``jax.jit`` shards over devices: XLA's partitioner cannot
+  split a Pallas call, it would gather the operands onto every device)."""
+  token = _AUTOMATIC_XLA.set(reason)
+  try:
+    yield
+  finally:
+    _AUTOMATIC_XLA.reset(token)
+
+
+def targets_gpu() -> bool:
+  """Whether ``implementation=None`` should pick the kernels: on a GPU backend, and inside
+  `compiled_kernels` / `pallas_kernels.lowering_for_gpu` (lowering for a GPU from another
+  machine)."""
+  return jax.default_backend() == "gpu" or _FORCE_COMPILED.get()

@@ -282,20 +282,13 @@ def _moments_xla(x, *, mask=None, interpret=None):
   return _local_moments(x.astype(jnp.float32), mask, tuple(range(x.ndim - 1)))
 
 
-def _moments_pallas(x, *, mask=None, interpret=None):
-  if mask is not None:
-    raise ValueError("The Pallas BatchNorm moments kernel takes no mask.")
-  from pallas_kernels import inplace_abn as kernels  # pylint: disable=g-import-not-at-top
-  return kernels.moments(x, interpret=interpret)
-
-
 def kernels_take_no_mask(*, masked):
   return "the Pallas kernels take no mask (this batch is masked)" if masked else None
 
 
 _backends.register(_backends.BN_MOMENTS, "xla", _moments_xla)
-_backends.register(_backends.BN_MOMENTS, "pallas", _moments_pallas, unsupported=kernels_take_no_mask,
-                   gpu_default=True)
+# Its "pallas" backend is registered by `jmem.parallel.sync_bn`, above this module and the
+# kernel module (`pallas_kernels.inplace_abn`, which builds on this one's Moments).
 
 
 def batch_stats(x: jax.Array, *, axis_name: AxisName = None,

@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--techniques", type=_str_list, default=d.techniques,
                  help=f"comma-separated, from: {', '.join(bench.technique_names())} "
                  f"(default: {','.join(d.techniques)}); ':xla' or ':pallas' after a technique "
-                 "with kernels (actnn-*, inplace-abn) picks its implementation")
+                 "with kernels (actnn-*, inplace-abn, sync-bn) picks its implementation")
   b.add_argument("--batch-size", type=int, default=d.batch_size)
   b.add_argument("--image-size", type=int, default=d.image_size,
                  help="image side, or frame side for video models (at least 22 for 16 frames)")

@@ -9,4 +9,4 @@ a GPU they run in interpret mode (with a warning) or can be lowered for CUDA ins
 from pallas_kernels._interpret import compiled_kernels as compiled_kernels
 from pallas_kernels._interpret import lowering_for_gpu as lowering_for_gpu
 from pallas_kernels._interpret import resolve_interpret as resolve_interpret
-from pallas_kernels._interpret import targets_gpu as targets_gpu
+from jmem._backends import targets_gpu as targets_gpu

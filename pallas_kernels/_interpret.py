@@ -1,26 +1,13 @@
 """Choosing Pallas interpret mode, shared by the kernels."""
 
 import contextlib
-import contextvars
 import warnings
 
 import jax
 
-_FORCE_COMPILED = contextvars.ContextVar("jmem_pallas_force_compiled", default=False)
-
-
-@contextlib.contextmanager
-def compiled_kernels():
-  """Within this context ``interpret=None`` means compiled kernels on every backend.
-
-  For lowering a whole step for a GPU from a machine without one:
-  ``with compiled_kernels(): jax.jit(step).trace(*a).lower(lowering_platforms=("cuda",))``.
-  """
-  token = _FORCE_COMPILED.set(True)
-  try:
-    yield
-  finally:
-    _FORCE_COMPILED.reset(token)
+# Whether the kernels target a GPU lives below every op, in jmem._backends (its automatic
+# choice reads it); the kernels share it from there.
+from jmem._backends import _FORCE_COMPILED, compiled_kernels
 
 
 @contextlib.contextmanager
@@ -41,12 +28,6 @@ def lowering_for_gpu(device_kind: str = "NVIDIA H100 80GB HBM3"):
       stack.enter_context(jax.sharding.use_abstract_mesh(
           jax.sharding.AbstractMesh((1,), ("_gpu",), abstract_device=device)))
     yield
-
-
-def targets_gpu() -> bool:
-  """Whether ``implementation=None`` should pick the kernels: on a GPU backend, and inside
-  `compiled_kernels` / `lowering_for_gpu` (lowering for a GPU from another machine)."""
-  return jax.default_backend() == "gpu" or _FORCE_COMPILED.get()
 
 
 def resolve_interpret(interpret: bool | None, what: str, *, stacklevel: int = 4) -> bool:

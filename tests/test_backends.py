@@ -287,6 +287,24 @@ def test_automatic_choice_takes_the_kernels_only_for_a_gpu():
       assert count(bn(mask)) == 0
 
 
+def test_automatic_choice_is_made_where_the_step_is_traced():
+  """A compressed function built outside `lowering_for_gpu` picks the kernels inside it
+  (the choice was once fixed when the wrapper was built: no kernels in the lowering); an
+  `automatic_xla` context (data_parallel's sharded batch) makes it XLA, with a warning."""
+  x = jnp.ones((4, 8, 8, 48))
+  g = Q.compress(lambda x: jnp.sin(x) * x, bits=2)
+
+  def count():
+    return jax.jit(jax.grad(lambda x: jnp.sum(g(x)))).trace(x).lower(
+        lowering_platforms=("cuda",)).as_text().count(TRITON)
+
+  with lowering_for_gpu():
+    assert count() > 0
+    with backends.automatic_xla("a sharded batch"):
+      with pytest.warns(UserWarning, match="a sharded batch; using the XLA path"):
+        assert count() == 0
+
+
 def _interpret_warnings(fn, *args, **kwargs):
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

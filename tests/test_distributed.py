@@ -110,6 +110,23 @@ def test_padding_refused_by_a_batchnorm_that_ignores_masks():
               train.TrainConfig(steps=1, batch_size=16, progress=False))
 
 
+def test_data_parallel_makes_the_kernels_automatic_choice_xla():
+  """Under data_parallel's sharded batch the kernels' automatic choice is XLA (XLA's
+  partitioner cannot split a Pallas call); on one device nothing changes."""
+  from jmem import _backends  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def apply(params, model_state, x, *, train, rng=None, mask=None):
+    seen.append(_backends._AUTOMATIC_XLA.get())
+    return x, model_state
+
+  fns = train.ModelFns(lambda k, x: ({}, {}), apply, None)
+  parallel.data_parallel(fns).apply({}, {}, 0, train=True)
+  one = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+  parallel.data_parallel(fns, one).apply({}, {}, 0, train=True)
+  assert "sharded over 8 devices" in seen[0] and seen[1] is None
+
+
 def test_data_parallel_bad_axis():
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("batch",))
   with pytest.raises(ValueError, match="axis 'data' is not an axis of the mesh"):

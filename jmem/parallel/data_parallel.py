@@ -3,10 +3,13 @@ one ``jax.jit`` (XLA inserts the all-reduces of gradients and of batch statistic
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jmem import _backends
 from jmem import train as train_lib
 
 __all__ = ["data_parallel"]
@@ -20,6 +23,9 @@ def data_parallel(model, mesh: Mesh | None = None, *, axis: str = "data") -> tra
   partitioner adds the all-reduce of the gradients, and a BatchNorm computes its statistics
   over the global batch, as a synchronised BatchNorm does. ``mesh`` may span several
   processes (`jmem.distributed`); each then loads only its own rows of each batch.
+
+  On a GPU the kernels' automatic choice (``implementation=None`` of ActNN, InPlace-ABN,
+  SyncBN) is XLA here, with a warning: XLA cannot split a Pallas call over the sharded batch.
 
   A batch size that ``axis`` does not divide is padded with masked rows: the loss skips them
   and so must the model's BatchNorms, which a `jmem.convert(model, jmem.SyncBN())` model
@@ -45,5 +51,14 @@ def data_parallel(model, mesh: Mesh | None = None, *, axis: str = "data") -> tra
     raise ValueError(f"data_parallel: axis {missing[0]!r} is not an axis of the mesh "
                      f"{dict(mesh.shape)}; pass axis= one of {mesh.axis_names}.")
   fns = train_lib.model_fns(model)
-  return fns._replace(sharding=NamedSharding(mesh, P()),
+  shards = math.prod(mesh.shape[a] for a in names)
+  reason = (f"the batch is sharded over {shards} devices by jax.jit (data_parallel), and "
+            "XLA cannot split a Pallas kernel over it (it would gather the operands onto "
+            "every device)")
+
+  def apply(*args, **kwargs):   # traced inside the step: the kernels' automatic choice
+    with _backends.automatic_xla(reason):
+      return fns.apply(*args, **kwargs)
+  return fns._replace(apply=apply if shards > 1 else fns.apply,
+                      sharding=NamedSharding(mesh, P()),
                       batch_sharding=NamedSharding(mesh, P(axis)))

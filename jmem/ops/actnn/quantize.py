@@ -405,9 +405,9 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
     ValueError: unsupported ``bits``, bad ``group_size`` or unknown ``implementation``.
   """
   check_config(bits, group_size)
-  implementation = resolve_implementation(implementation, bits=bits, group_size=group_size)
-  kernel_kw = dict(bits=bits, group_size=group_size, implementation=implementation,
-                   interpret=interpret)
+  if implementation is not None:   # a named backend is checked now; None is chosen when traced
+    implementation = resolve_implementation(implementation, bits=bits, group_size=group_size)
+  kernel_kw = dict(bits=bits, group_size=group_size)
 
   def g(*args, key=None):
     # One custom_vjp per call: the residual layout (static) is shared by its fwd and bwd.
@@ -421,8 +421,11 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       y, leaves, layout["treedef"], constants = _vjp_with_constants(f, args)
       kept = _param_leaves(args, param_argnums)
       key = data_key(jax.tree.leaves(args)) if key is None else key
-      # Resolved here, where the kernels first run; the backward reuses it.
-      layout["kw"] = kw = dict(kernel_kw, interpret=_interpret_once(implementation, interpret))
+      # Resolved here, where the kernels first run (so a wrapper built outside
+      # `lowering_for_gpu` still picks the kernels inside it); the backward reuses it.
+      impl = implementation or resolve_implementation(None, bits=bits, group_size=group_size)
+      layout["kw"] = kw = dict(kernel_kw, implementation=impl,
+                               interpret=_interpret_once(impl, interpret))
       plan, saved = [], []
       for i, leaf in enumerate(leaves):
         kind = _residual_kind(leaf, kept, min_size, constants.get(i))

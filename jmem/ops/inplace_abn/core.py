@@ -222,7 +222,8 @@ def _train_pallas(x, scale, bias, cfg, *, mask=None, shift=None, interpret=None)
 
 
 _backends.register(_backends.INPLACE_ABN, "xla", _train_xla)
-_backends.register(_backends.INPLACE_ABN, "pallas", _train_pallas, unsupported=bn_core.kernels_take_no_mask, gpu_default=True)
+_backends.register(_backends.INPLACE_ABN, "pallas", _train_pallas,
+                   unsupported=bn_core.kernels_take_no_mask, gpu_default=True)
 
 
 def inplace_abn_reference(x, scale, bias, *, activation="leaky_relu", slope=0.01, alpha=1.0,

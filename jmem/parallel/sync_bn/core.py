@@ -72,6 +72,7 @@ from jmem._bn_core import (  # pylint: disable=unused-import
     linen_norm_call,
     output_dtype,
     promote_input,
+    kernels_take_no_mask,
 )
 
 __all__ = [
@@ -84,6 +85,19 @@ __all__ = [
 
 # The op SyncBN's kernel replaces: the per-device moments (`jmem._backends.BN_MOMENTS`).
 OPS = (_backends.BN_MOMENTS,)
+
+
+def _moments_pallas(x, *, mask=None, interpret=None):
+  if mask is not None:
+    raise ValueError("The Pallas BatchNorm moments kernel takes no mask.")
+  from pallas_kernels import inplace_abn as kernels  # pylint: disable=g-import-not-at-top
+  return kernels.moments(x, interpret=interpret)
+
+
+# Registered here rather than in jmem._bn_core (which holds the "xla" one): the kernel
+# module imports _bn_core, and imports point down.
+_backends.register(_backends.BN_MOMENTS, "pallas", _moments_pallas,
+                   unsupported=kernels_take_no_mask, gpu_default=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
