@@ -606,11 +606,7 @@ def orchestrate(args) -> int:
   kern = r.run("kernels", kspec, preallocate=True, timeout=240)
   if not kern.get("ok"):
     # Without the environment nothing else can be trusted to run on the right device.
-    print(f"benchmarks/gpu.py: the first worker (environment and kernels) failed, so nothing "
-          f"was measured: {kern.get('error')}\n{kern.get('traceback', '')}"
-          f"{kern.get('stderr', '')}", file=sys.stderr)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return 1
+    return _nothing_measured("the first worker (environment and kernels) failed", kern, tmp)
   env = kern["result"]["env"]
   if env["backend"] != "gpu" and not args.allow_cpu:
     print(f"benchmarks/gpu.py: no GPU here (JAX backend {env['backend']!r}); nothing to "
@@ -634,11 +630,7 @@ def orchestrate(args) -> int:
   r.log("techniques from the registry")
   plan = r.run("plan", {"groups": groups}, preallocate=False, timeout=180)
   if not plan.get("ok"):
-    print(f"benchmarks/gpu.py: reading the technique registry failed, so nothing was "
-          f"measured: {plan.get('error')}\n{plan.get('traceback', '')}"
-          f"{plan.get('stderr', '')}", file=sys.stderr)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return 1
+    return _nothing_measured("reading the technique registry failed", plan, tmp)
   groups = {k: dict(g, techniques=sorted(plan["result"][k]["techniques"], key=_rank))
             for k, g in groups.items()}
   gindex = {k: i for i, k in enumerate(groups)}
@@ -839,6 +831,14 @@ def _vs_exact(rows: dict, batch: int) -> None:
         temp_bytes=ratio(row, lambda r: r["compiled"][b]["temp_bytes"]),
         compiled_total_bytes=ratio(row, lambda r: r["compiled"][b]["total_bytes"]),
         max_batch=ratio(row, lambda r: r["max_batch"]["predicted_max_batch"]))
+
+
+def _nothing_measured(what: str, worker: dict, tmp: str) -> int:
+  """Reports a failed worker that the rest depends on, cleans up, and returns exit 1."""
+  print(f"benchmarks/gpu.py: {what}, so nothing was measured: {worker.get('error')}\n"
+        f"{worker.get('traceback', '')}{worker.get('stderr', '')}", file=sys.stderr)
+  shutil.rmtree(tmp, ignore_errors=True)
+  return 1
 
 
 def _git_commit() -> str | None:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -280,6 +281,21 @@ def batch_moments(x: jax.Array, *, axis_name: AxisName = None,
 def _moments_xla(x, *, mask=None, interpret=None):
   del interpret
   return _local_moments(x.astype(jnp.float32), mask, tuple(range(x.ndim - 1)))
+
+
+def linen_has_bn_variables(module) -> bool:
+  """Whether a linen module keeps BatchNorm statistics (``batch_stats`` ``mean``/``var``)."""
+  try:
+    return (module.has_variable("batch_stats", "mean") and
+            module.has_variable("batch_stats", "var"))
+  except Exception:  # pylint: disable=broad-except  (an unbound or odd module)
+    return False
+
+
+def nnx_has_bn_stats(module) -> bool:
+  """Whether an NNX module keeps BatchNorm statistics (``mean``/``var`` BatchStats)."""
+  return (isinstance(getattr(module, "mean", None), nnx.BatchStat) and
+          isinstance(getattr(module, "var", None), nnx.BatchStat))
 
 
 def kernels_take_no_mask(*, masked):

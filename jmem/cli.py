@@ -204,10 +204,10 @@ def _train(args) -> int:
   config.validate(len(dataset.x_train))
   model = technique.build(models.create_model(args.model, dataset.num_classes), dataset,
                           args.batch_size)
-  run_info = {"model": args.model, "technique": args.technique, "image_size": args.image_size}
   if args.mesh is not None:
     model = _on_mesh(model, args.mesh, args.technique)
-  result = train.train(model, dataset, config, run_info=run_info)
+  result = train.train(model, dataset, config, run_info={
+      "model": args.model, "technique": args.technique, "image_size": args.image_size})
   if not primary:
     return 0
   if result.resumed_from:

@@ -29,6 +29,7 @@ import optax
 from flax import nnx, traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jmem import _bn_core as bn_core
 from jmem import _context as context
 from jmem import data as data_lib
 from jmem import measure
@@ -106,15 +107,10 @@ def _linen_mask_guard(next_fun, args, kwargs, ctx):
   """Raises for a linen BatchNorm-like module that would ignore `jmem.batch_mask`."""
   y = next_fun(*args, **kwargs)
   mod = ctx.module
-  if ctx.method_name == "__call__" and not getattr(mod, "_jmem_reads_batch_mask", False):
-    try:
-      keeps_stats = (mod.has_variable("batch_stats", "mean") and
-                     mod.has_variable("batch_stats", "var"))
-    except Exception:  # pylint: disable=broad-except  (an unbound or odd module)
-      keeps_stats = False
-    if keeps_stats:
-      raise _padding_error("/".join(map(str, mod.scope.path)) if mod.scope else "",
-                           type(mod).__name__)
+  if (ctx.method_name == "__call__" and not getattr(mod, "_jmem_reads_batch_mask", False)
+      and bn_core.linen_has_bn_variables(mod)):
+    raise _padding_error("/".join(map(str, mod.scope.path)) if mod.scope else "",
+                         type(mod).__name__)
   return y
 
 
@@ -126,8 +122,7 @@ def _nnx_mask_check(model: nnx.Module) -> None:
       continue
     if any("_jmem_site" in k.__dict__ for k in type(m).__mro__):
       continue
-    if isinstance(getattr(m, "mean", None), nnx.BatchStat) and \
-        isinstance(getattr(m, "var", None), nnx.BatchStat):
+    if bn_core.nnx_has_bn_stats(m):
       raise _padding_error("/".join(map(str, path)), type(m).__name__)
 
 
@@ -397,14 +392,14 @@ def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
   if fns.batch_sharding is not None:
     size = padded_size(fns, min(batch_size, len(x)))
     count = _count_correct_fn(fns.apply)
+    full = jax.make_array_from_callback((size,), _rows_sharding(fns.batch_sharding),
+                                        lambda i: np.ones(size, bool)[i])   # no padding
     correct = 0
     for i in range(0, len(x), size):
       idx = np.arange(i, min(i + size, len(x)))
       xb, yb, mb = global_batch(fns, x, y, idx, size)
-      if mb is None:
-        mb = jax.make_array_from_callback((size,), _rows_sharding(fns.batch_sharding),
-                                          lambda i: np.ones(size, bool)[i])
-      correct += int(count(state.params, state.model_state, xb, yb, mb))
+      correct += int(count(state.params, state.model_state, xb, yb,
+                           full if mb is None else mb))
     return correct / len(x)
   predict = _predict_fn(fns.apply)
   # A model run on a mesh (fns.sharding) splits the batch over its devices: every batch,

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jmem._context import (  # pylint: disable=unused-import
     active_mask, batch_mask, context_key, data_key, mask_for, rngs)
+from jmem._bn_core import linen_has_bn_variables, nnx_has_bn_stats  # pylint: disable=unused-import
 from jmem._elementwise import ABNConfig
 from jmem.ops.actnn import quantize as q
 from jmem.ops.actnn.technique import ActNN
@@ -65,19 +66,10 @@ def linen_bn_status(module) -> str | None:
   return None
 
 
-def linen_has_bn_variables(module) -> bool:
-  try:
-    return (module.has_variable("batch_stats", "mean") and
-            module.has_variable("batch_stats", "var"))
-  except Exception:  # pylint: disable=broad-except
-    return False
-
-
 def nnx_bn_status(module) -> str | None:
   if isinstance(module, nnx.BatchNorm):
     return "override" if overrides_call(module, nnx.BatchNorm) else "bn"
-  if isinstance(getattr(module, "mean", None), nnx.BatchStat) and \
-      isinstance(getattr(module, "var", None), nnx.BatchStat):
+  if nnx_has_bn_stats(module):
     return "lookalike"
   return None
 
