@@ -1,5 +1,6 @@
 """2-bit activation compression: an unbiased quantizer, the compress transform, levels."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,6 +244,31 @@ def test_broadcast_constant_residuals_are_stored_as_one_number():
                     if r.dtype == jnp.uint8 and r.nbytes >= 32 * 64)
   assert n_quantized == 1
 
+
+
+@pytest.mark.parametrize("inside_jit", [False, True])
+def test_compress_max_pools_save_an_index_and_keep_the_gradient_exact(inside_jit):
+  # A max pool inside a compressed site (nn.max_pool, an inline stem's) saves a uint8 index
+  # per output, not a 2-bit copy of its input (which moves the maxima), and its backward has
+  # no select_and_scatter (XLA:CPU's keeps int32 copies of the input's size).
+  x = jax.random.normal(jax.random.key(0), (4, 17, 17, 8))
+  x = x.at[:, 0, 1].set(x[:, 0, 0])                       # ties: the first maximum wins
+  pool = lambda v: nn.max_pool(v, (3, 3), strides=(2, 2), padding="SAME")
+  pool = jax.jit(pool) if inside_jit else pool
+  f = lambda p, x: pool(x + p) * 2.0      # the pool is the only op that saves anything
+  g = Q.compress(f, bits=2, min_size=1)
+  p = jnp.float32(1.5)
+  ct = jax.random.normal(jax.random.key(1), (4, 9, 9, 8))
+  loss = lambda fn: (lambda p, x: jnp.sum(fn(p, x) * ct))
+  got = jax.grad(loss(lambda p, x: g(p, x, key=jax.random.key(2))), argnums=(0, 1))(p, x)
+  want = jax.grad(loss(f), argnums=(0, 1))(p, x)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  saved = measure.saved_residuals(loss(g), p, x).activation_bytes
+  assert saved == 4 * 9 * 9 * 8, saved                     # one byte per output
+  lowered = lambda fn: jax.jit(jax.grad(loss(fn), argnums=1)).lower(p, x).as_text()
+  assert "select_and_scatter" not in lowered(g)
+  assert "select_and_scatter" in lowered(f)
 
 def test_pallas_kernels_mask_every_access():
   import helpers  # pylint: disable=g-import-not-at-top

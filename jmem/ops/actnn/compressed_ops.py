@@ -200,19 +200,6 @@ _masked_scale.defvjp(
 
 # ------------------------------------------------------------------------ pooling
 
-def _windows(x, window, strides, padding, pad_value):
-  """``[k, N, *out, C]`` stack of the strided slices, one per window offset."""
-  nd = x.ndim - 2
-  pads = lax.padtype_to_pads(x.shape[1:-1], window, strides, padding)
-  xp = jnp.pad(x, [(0, 0)] + list(pads) + [(0, 0)], constant_values=pad_value)
-  out = [(xp.shape[1 + i] - window[i]) // strides[i] + 1 for i in range(nd)]
-  slices = []
-  for offset in np.ndindex(*window):
-    idx = tuple(slice(o, o + (n - 1) * s + 1, s) for o, n, s in zip(offset, out, strides))
-    slices.append(xp[(slice(None),) + idx + (slice(None),)])
-  return jnp.stack(slices), pads
-
-
 def max_pool_reference(x, window, strides=None, padding="VALID"):
   return _window.pool_reference(x, window=tuple(window), strides=strides, padding=padding,
                                kind="max")
@@ -222,43 +209,15 @@ def max_pool(x, window: Sequence[int], strides: Sequence[int] | None = None,
              padding: str = "VALID"):
   """Max pooling saving the index of each window's maximum (uint8); exact gradient.
 
-  Ties go to the first maximum (``jax``'s own VJP may split them).
+  Ties go to the first maximum in the window, as ``jax``'s own VJP sends them.
   """
   window = tuple(window)
   strides = window if strides is None else tuple(strides)
-  if int(np.prod(window)) > 256:
-    raise ValueError(f"max_pool stores the index within the window in a uint8: windows of "
-                     f"{int(np.prod(window))} > 256 positions are not supported.")
-  return _max_pool(x, window, strides, padding)
+  pads = lax.padtype_to_pads(x.shape[1:-1], window, strides, padding)
+  return _window.indexed_max_pool(x, (1,) + window + (1,), (1,) + strides + (1,),
+                          ((0, 0),) + tuple(pads) + ((0, 0),))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _max_pool(x, window, strides, padding):
-  return max_pool_reference(x, window, strides, padding)
-
-
-def _max_pool_fwd(x, window, strides, padding):
-  stack, _ = _windows(x, window, strides, padding, -jnp.inf)
-  return jnp.max(stack, 0), (jnp.argmax(stack, 0).astype(jnp.uint8),
-                             jnp.zeros((0,) + x.shape, x.dtype))
-
-
-def _max_pool_bwd(window, strides, padding, res, dy):
-  index, shape_carrier = res
-  x_shape = shape_carrier.shape[1:]
-  nd = len(window)
-  pads = lax.padtype_to_pads(x_shape[1:-1], window, strides, padding)
-  padded = [x_shape[1 + i] + pads[i][0] + pads[i][1] for i in range(nd)]
-  dxp = jnp.zeros((x_shape[0],) + tuple(padded) + (x_shape[-1],), dy.dtype)
-  for k, offset in enumerate(np.ndindex(*window)):
-    idx = tuple(slice(o, o + (n - 1) * s + 1, s)
-                for o, n, s in zip(offset, dy.shape[1:-1], strides))
-    dxp = dxp.at[(slice(None),) + idx + (slice(None),)].add(jnp.where(index == k, dy, 0))
-  crop = tuple(slice(p[0], p[0] + n) for p, n in zip(pads, x_shape[1:-1]))
-  return (dxp[(slice(None),) + crop + (slice(None),)],)
-
-
-_max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
 
 
 def avg_pool_reference(x, window, strides=None, padding="VALID"):

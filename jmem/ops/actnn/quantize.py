@@ -39,6 +39,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -48,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmem import _backends
+from jmem import _window
 from jmem._axes import barrier
 from jmem._context import data_key
 from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16  # pylint: disable=unused-import
@@ -288,6 +290,75 @@ def packed_nbytes(shape: tuple[int, ...], *, bits: int = 2, group_size: int = 25
   return n * g * (group_size * bits // 8 + 6)
 
 
+# ------------------------------------------------------------------ max pooling
+
+_INLINED_CALLS = ("pjit", "jit", "closed_call", "core_call")
+
+
+def _max_pools(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or a call inside it) max-pools with undilated windows."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "reduce_window_max" and _undilated(eqn.params):
+      return True
+    inner = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINED_CALLS else None
+    if inner is not None and _max_pools(getattr(inner, "jaxpr", inner)):
+      return True
+  return False
+
+
+def _undilated(params) -> bool:
+  return (all(d == 1 for d in params["base_dilation"])
+          and all(d == 1 for d in params["window_dilation"]))
+
+
+def _with_indexed_max_pools(f):
+  """``f`` with each max pooling it traces (``reduce_window_max``, e.g. ``nn.max_pool``)
+  replaced by `jmem._window.indexed_max_pool`: the same values, an exact gradient, and a
+  uint8 index per output as its residual instead of the pooled input (which `compress`
+  would otherwise quantize, moving the maximum) and a backward without
+  ``select_and_scatter``. ``f`` without max pooling is called as it is."""
+
+  def g(*args):
+    flat, tree = jax.tree.flatten(args)
+    box = {}
+
+    def flat_f(*flat):
+      out = f(*jax.tree.unflatten(tree, flat))
+      leaves, box["tree"] = jax.tree.flatten(out)
+      return leaves
+
+    closed = jax.make_jaxpr(flat_f)(*flat)
+    if not _max_pools(closed.jaxpr):
+      return f(*args)
+    return jax.tree.unflatten(box["tree"], _eval_pools_indexed(closed.jaxpr, closed.consts,
+                                                               flat))
+  return g
+
+
+def _eval_pools_indexed(jaxpr, consts, args):
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    name, params = eqn.primitive.name, eqn.params
+    scope = str(eqn.source_info.name_stack)
+    # Each op keeps its layer's name (what `jmem.measure.peak_buffers` reports).
+    with jax.named_scope(scope) if scope else contextlib.nullcontext():
+      inner = params.get("jaxpr") if name in _INLINED_CALLS else None
+      if name == "reduce_window_max" and _undilated(params):
+        outs = [_window.indexed_max_pool(ins[0], params["window_dimensions"],
+                                         params["window_strides"], params["padding"])]
+      elif inner is not None and _max_pools(getattr(inner, "jaxpr", inner)):
+        outs = _eval_pools_indexed(getattr(inner, "jaxpr", inner),
+                                   getattr(inner, "consts", ()), ins)
+      else:
+        outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
 # ------------------------------------------------------------------------ the transform
 
 def _is_arg(leaf, args):
@@ -418,7 +489,8 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       return f(*args)
 
     def fwd(args, key):
-      y, leaves, layout["treedef"], constants = _vjp_with_constants(f, args)
+      y, leaves, layout["treedef"], constants = _vjp_with_constants(
+          _with_indexed_max_pools(f), args)
       kept = _param_leaves(args, param_argnums)
       key = data_key(jax.tree.leaves(args)) if key is None else key
       # Resolved here, where the kernels first run (so a wrapper built outside
