@@ -266,6 +266,11 @@ def test_compress_max_pools_save_an_index_and_keep_the_gradient_exact(inside_jit
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   saved = measure.saved_residuals(loss(g), p, x).activation_bytes
   assert saved == 4 * 9 * 9 * 8, saved                     # one byte per output
+  # The sensitivity probe of calibration sees the same residuals: nothing to quantize.
+  counts = []
+  h = Q.probe(f, min_size=1, on_residuals=counts.append)
+  jax.grad(loss(lambda p, x: h(jnp.float32(3.0), jnp.uint32(0), p, x)))(p, x)
+  assert counts == [0]
   lowered = lambda fn: jax.jit(jax.grad(loss(fn), argnums=1)).lower(p, x).as_text()
   assert "select_and_scatter" not in lowered(g)
   assert "select_and_scatter" in lowered(f)

@@ -23,7 +23,10 @@ backward uses 2-bit (or ``bits``) copies of ``f``'s floating-point residuals. Th
 are the leaves of ``jax.vjp(f, ...)``'s VJP function; the ones that are ``f``'s own
 arguments (parameters, inputs) are kept as they are (they are alive anyway), booleans are
 bit-packed, scalars broadcast to full size (the zeros an activation's derivative selects
-from) are stored as the one number, other integers kept.
+from) are stored as the one number, other integers kept. Max pooling inside ``f``
+(``reduce_window_max``, e.g. ``nn.max_pool`` in a stem) saves the uint8 index of each
+window's maximum instead of its input, so its gradient stays exact and its backward needs
+no ``select_and_scatter`` (`jmem._window.indexed_max_pool`).
 
 Implementations (`jmem._backends`, ops `QUANTIZE_PACK` and `UNPACK_DEQUANTIZE`):
 ``implementation="xla"`` (pure JAX, the reference and the default off GPUs), ``"pallas"``
@@ -599,7 +602,8 @@ def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
       return f(*args)
 
     def fwd(levels, seed, args):
-      y, leaves, treedef, constants = _vjp_with_constants(f, args)
+      # The residuals `compress` sees: max pools keep their exact index there, too.
+      y, leaves, treedef, constants = _vjp_with_constants(_with_indexed_max_pools(f), args)
       kept = _param_leaves(args, param_argnums)
       kinds = [_residual_kind(leaf, kept, min_size, constants.get(i))
                for i, leaf in enumerate(leaves)]
