@@ -3,6 +3,7 @@
 Writes benchmarks/results/max_batch_resnet50.{json,md} and _memory.png:
 
   python benchmarks/max_batch.py [--techniques exact,remat,...] [--batch-size 16]
+                                 [--dtype bfloat16]   (writes max_batch_resnet50_bfloat16.*)
 
 `jmem bench --memory-only` on jmem's ResNet-50: for each technique the donating train step
 (SGD-with-AdamW state, as `jmem train` runs it) is compiled at the batch size and twice
@@ -26,14 +27,20 @@ def main():
   p.add_argument("--techniques", default=",".join(TECHNIQUES))
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--image-size", type=int, default=224)
+  p.add_argument("--dtype", default="float32", choices=bench.DTYPES)
   args = p.parse_args()
   config = bench.BenchConfig(model="resnet50", image_size=args.image_size,
                              batch_size=args.batch_size,
-                             techniques=tuple(args.techniques.split(",")), memory_only=True)
+                             techniques=tuple(args.techniques.split(",")), memory_only=True,
+                             dtype=args.dtype)
   rows = bench.run_bench(config, progress=False)
-  bench.write_results(rows, RESULTS, stem="max_batch_resnet50",
+  stem = "max_batch_resnet50" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+  bench.write_results(rows, RESULTS, stem=stem,
                       meta={"config": {k: v for k, v in vars(config).items()},
-                            "note": "compile-only; XLA:CPU buffer assignment"})
+                            "note": "compile-only; XLA:CPU buffer assignment" + (
+                          "" if args.dtype == "float32" else
+                          "; XLA:CPU may compute bf16 convolutions in float32, so bfloat16 "
+                          "figures that count come from a GPU (benchmarks/gpu.py)")})
   print(bench.format_table(rows))
 
 

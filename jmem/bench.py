@@ -43,6 +43,9 @@ __all__ = [
 Technique = BenchTechnique
 
 
+DTYPES = ("float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
   """Options of `run_bench` (the CLI flags of ``jmem bench``).
@@ -64,6 +67,10 @@ class BenchConfig:
       (`jmem.measure.fit_batch`: the step compiled at ``batch_size`` and twice that gives
       the bytes per example; the batch the line predicts is compiled to confirm it).
       Empty: no largest batch, two compiles fewer per technique.
+    dtype: the compute dtype, ``"float32"`` or ``"bfloat16"`` (mixed precision: parameters
+      and optimiser state stay float32; activations, and so the residuals every technique
+      stores, are bfloat16). Every row, exact's included, uses it. Models with a ``dtype``
+      field only (the ResNets and ConvNeXts).
   """
 
   model: str = "resnet20"
@@ -78,6 +85,7 @@ class BenchConfig:
   learning_rate: float = 3e-3
   timing_repeats: int = 10
   budgets_gib: tuple[float, ...] = (16.0, 80.0)
+  dtype: str = "float32"
 
   def validate(self) -> None:
     if self.model not in models_lib.MODEL_NAMES:
@@ -103,6 +111,12 @@ class BenchConfig:
       if (not isinstance(b, (int, float)) or isinstance(b, bool) or not b > 0
           or b == float("inf")):
         raise ValueError(f"Memory budgets must be positive, finite numbers of GiB, got {b!r}.")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"Unknown compute dtype {self.dtype!r}; use one of {', '.join(DTYPES)}.")
+    if self.dtype != "float32" and not hasattr(
+        models_lib.create_model(self.model, 10), "dtype"):
+      raise ValueError(f"Model {self.model!r} has no compute dtype field, so it trains in float32 "
+                       f"only; drop --dtype {self.dtype} or pick a ResNet or ConvNeXt.")
 
 
 def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
@@ -202,7 +216,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     raise ValueError(
         f"batch_size {config.batch_size} is larger than the {len(dataset.x_train)} training "
         f"examples of {dataset.name}; lower --batch-size.")
-  base_model = models_lib.create_model(config.model, dataset.num_classes)
+  overrides = {} if config.dtype == "float32" else {"dtype": jnp.dtype(config.dtype)}
+  base_model = models_lib.create_model(config.model, dataset.num_classes, **overrides)
   x_spec = jax.ShapeDtypeStruct((config.batch_size,) + dataset.example_shape, jnp.float32)
   y_spec = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)
   rows: list[dict[str, Any]] = []
@@ -220,7 +235,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     fit = batch_fit(fns, optimizer, x_spec, y_spec, config.budgets_gib)
     saved, temp = saved_bytes(fns, optimizer, x_spec, y_spec), fit.temp_bytes[0]
     row: dict[str, Any] = dict(
-        technique=name, model=config.model, dataset=dataset.name,
+        technique=name, model=config.model, dataset=dataset.name, dtype=config.dtype,
         batch_size=config.batch_size, image_size=config.image_size, steps=config.steps,
         seeds=list(config.seeds), saved_bytes=saved, temp_bytes=temp,
         per_example_bytes=fit.per_example_bytes,
@@ -289,7 +304,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     a = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
     mb = "".join("- | " if r["max_batch"][b] is None else f"{r['max_batch'][b]:,} | "
                  for b in budgets)
-    lines.append(f"| {r['technique']} | {r['model']} | {r['per_example_temp_bytes'] / 2**20:.3g} | "
+    model = r["model"] if r.get("dtype", "float32") == "float32" else f"{r['model']} ({r['dtype']})"
+    lines.append(f"| {r['technique']} | {model} | {r['per_example_temp_bytes'] / 2**20:.3g} | "
                  f"{mb}{_ratio(r['max_batch_ratio'], suffix='x')} | "
                  f"{_ratio(r['flops_ratio'], '.3f')} | {_mib(r['temp_bytes'])} | "
                  f"{r['temp_ratio']:.3f} | {_mib(r['saved_bytes'])} | {r['saved_ratio']:.3f} | "

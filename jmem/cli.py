@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--seeds", type=_int_list, default=d.seeds, help="comma-separated, e.g. 0,1,2")
   b.add_argument("--learning-rate", type=float, default=d.learning_rate)
   b.add_argument("--memory-only", action="store_true", help="compile and measure; no training")
+  b.add_argument("--dtype", default=d.dtype, choices=bench.DTYPES,
+                 help="compute dtype of every row, exact's included (bfloat16: mixed "
+                 "precision, float32 parameters; ResNets and ConvNeXts)")
   b.add_argument("--budgets", type=_budget_list, default=d.budgets_gib,
                  help="device memory budgets in GiB for the largest batch of each technique, "
                  "comma-separated (default: 16,80; '' for none: two compiles fewer each)")
@@ -121,7 +124,7 @@ def _bench(args) -> int:
       image_size=args.image_size, num_frames=args.num_frames, train_clips=args.train_clips,
       steps=args.steps, seeds=args.seeds,
       memory_only=args.memory_only, learning_rate=args.learning_rate,
-      budgets_gib=args.budgets)
+      budgets_gib=args.budgets, dtype=args.dtype)
   config.validate()
   output_dir = bench.check_output_dir(args.output_dir)
   rows = bench.run_bench(config, quiet=args.json, progress=not args.no_progress)
