@@ -5,7 +5,8 @@ Writes benchmarks/results/peak_account.{json,md}. Compile-only on CPU:
   python benchmarks/peak_account.py [--batch-size 16] [--image-size 224]
 
 For the third-party ResNet-50 (tests/third_party_models.py: an inline stem with
-``nn.max_pool``, its own BatchNorm subclass) exact, `jmem.Remat` and `jmem.ActNN("L3")`, the
+``nn.max_pool``, its own BatchNorm subclass) exact, `jmem.Remat` and `jmem.ActNN("L3")`, and
+for jmem's own ResNet-50 exact and ActNN L3 (its stem a compressed site too), the
 gradient step is compiled with XLA's buffer-assignment dump and `jmem.measure.peak_buffers`
 reads what is live at the peak of the heap: bytes per pass (arguments, forward residuals,
 backward working set, unnamed XLA buffers), per layer, and the largest buffers.
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 
 from _common import RESULTS
 import jmem
-from jmem import measure, train
+from jmem import measure, models, train
+from jmem.ops import actnn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import third_party_models as tp  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -47,9 +49,13 @@ def main():
   p.add_argument("--image-size", type=int, default=224)
   args = p.parse_args()
   base = tp.resnet50(1000)
+  own = models.create_model("resnet50", 1000)
   cases = [("exact", base), ("Remat", jmem.convert(base, jmem.Remat())),
-           ("ActNN L3", jmem.convert(base, jmem.ActNN("L3")))]
-  rows, md = [], ["# What is live at the peak: third-party ResNet-50", "",
+           ("ActNN L3", jmem.convert(base, jmem.ActNN("L3"))),
+           # jmem's own ResNet-50: its stem (conv, norm, ReLU, max pool) is a site too.
+           ("jmem ResNet-50, exact", own),
+           ("jmem ResNet-50, ActNN L3", actnn.convert(own, "L3"))]
+  rows, md = [], ["# What is live at the peak: ResNet-50 (third-party and jmem's)", "",
                   f"Written by `benchmarks/peak_account.py` ({jax.default_backend()}, JAX "
                   f"{jax.__version__}, compile-only): the gradient of the loss at batch "
                   f"{args.batch_size}, {args.image_size}x{args.image_size}, read from XLA's "
