@@ -46,6 +46,23 @@ Technique = BenchTechnique
 DTYPES = ("float32", "bfloat16")
 
 
+def check_dtype(model: str, dtype: str) -> None:
+  """Raises unless ``model`` (a registered name) can compute in ``dtype`` (`DTYPES`)."""
+  if dtype not in DTYPES:
+    raise ValueError(f"Unknown compute dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+  if dtype != "float32" and not hasattr(models_lib.create_model(model, 10), "dtype"):
+    raise ValueError(f"Model {model!r} has no compute dtype field, so it trains in float32 "
+                     f"only; drop --dtype {dtype} or pick a ResNet or ConvNeXt.")
+
+
+def create_model(name: str, num_classes: int, dtype: str = "float32"):
+  """The registered model ``name`` computing in ``dtype`` (mixed precision: its parameters
+  stay float32)."""
+  check_dtype(name, dtype)
+  overrides = {} if dtype == "float32" else {"dtype": jnp.dtype(dtype)}
+  return models_lib.create_model(name, num_classes, **overrides)
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
   """Options of `run_bench` (the CLI flags of ``jmem bench``).
@@ -111,12 +128,7 @@ class BenchConfig:
       if (not isinstance(b, (int, float)) or isinstance(b, bool) or not b > 0
           or b == float("inf")):
         raise ValueError(f"Memory budgets must be positive, finite numbers of GiB, got {b!r}.")
-    if self.dtype not in DTYPES:
-      raise ValueError(f"Unknown compute dtype {self.dtype!r}; use one of {', '.join(DTYPES)}.")
-    if self.dtype != "float32" and not hasattr(
-        models_lib.create_model(self.model, 10), "dtype"):
-      raise ValueError(f"Model {self.model!r} has no compute dtype field, so it trains in float32 "
-                       f"only; drop --dtype {self.dtype} or pick a ResNet or ConvNeXt.")
+    check_dtype(self.model, self.dtype)
 
 
 def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
@@ -216,8 +228,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     raise ValueError(
         f"batch_size {config.batch_size} is larger than the {len(dataset.x_train)} training "
         f"examples of {dataset.name}; lower --batch-size.")
-  overrides = {} if config.dtype == "float32" else {"dtype": jnp.dtype(config.dtype)}
-  base_model = models_lib.create_model(config.model, dataset.num_classes, **overrides)
+  base_model = create_model(config.model, dataset.num_classes, config.dtype)
   x_spec = jax.ShapeDtypeStruct((config.batch_size,) + dataset.example_shape, jnp.float32)
   y_spec = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)
   rows: list[dict[str, Any]] = []

@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--steps", type=int, default=300)
   t.add_argument("--learning-rate", type=float, default=3e-3)
   t.add_argument("--seed", type=int, default=0)
+  t.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="compute dtype (bfloat16: mixed precision, float32 parameters; ResNets "
+                 "and ConvNeXts)")
   t.add_argument("--eval-every", type=int, default=100)
   t.add_argument("--checkpoint-dir", default=None)
   t.add_argument("--checkpoint-every", type=int, default=100)
@@ -181,7 +184,7 @@ def _train(args) -> int:
   from jmem import distributed  # pylint: disable=g-import-not-at-top
   distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                          heartbeat_timeout_seconds=args.heartbeat_timeout)
-  from jmem import bench, models, train  # pylint: disable=g-import-not-at-top
+  from jmem import bench, train  # pylint: disable=g-import-not-at-top
   primary = distributed.is_primary()
   if primary:            # checkpoint saves (with the path a restart needs) on stderr
     log = logging.getLogger("jmem")
@@ -202,15 +205,17 @@ def _train(args) -> int:
       checkpoint_every=args.checkpoint_every, resume=args.resume,
       progress=not args.no_progress)
   technique = bench.get_technique(args.technique)    # bad names fail before any work
+  bench.check_dtype(args.model, args.dtype)
   dataset = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,
                                train_clips=args.train_clips)
   config.validate(len(dataset.x_train))
-  model = technique.build(models.create_model(args.model, dataset.num_classes), dataset,
-                          args.batch_size)
+  model = technique.build(bench.create_model(args.model, dataset.num_classes, args.dtype),
+                          dataset, args.batch_size)
   if args.mesh is not None:
     model = _on_mesh(model, args.mesh, args.technique)
   result = train.train(model, dataset, config, run_info={
-      "model": args.model, "technique": args.technique, "image_size": args.image_size})
+      "model": args.model, "technique": args.technique, "image_size": args.image_size,
+      "dtype": args.dtype})
   if not primary:
     return 0
   if result.resumed_from:
