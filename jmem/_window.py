@@ -89,11 +89,28 @@ def indexed_max_pool(x, window_dimensions, window_strides, padding):
   ``select_and_scatter``, whose XLA:CPU form keeps several int32 copies of the input's
   size). The gradient is exact."""
   window_dimensions = tuple(int(w) for w in window_dimensions)
-  if int(np.prod(window_dimensions)) > 256:
-    raise ValueError(f"max pooling stores the index within the window in a uint8: windows "
-                     f"of {int(np.prod(window_dimensions))} > 256 positions are not supported.")
+  why = _not_indexable(x.shape, x.dtype, window_dimensions, window_strides, padding)
+  if why:
+    raise ValueError(f"indexed_max_pool: {why}.")
   return _indexed_max_pool(x, window_dimensions, tuple(int(s) for s in window_strides),
                            tuple((int(lo), int(hi)) for lo, hi in padding))
+
+
+def indexable_max_pool(shape, dtype, window_dimensions, window_strides, padding) -> bool:
+  """Whether `indexed_max_pool` takes this pool (else keep ``lax.reduce_window``'s)."""
+  return not _not_indexable(shape, dtype, window_dimensions, window_strides, padding)
+
+
+def _not_indexable(shape, dtype, window_dimensions, window_strides, padding) -> str:
+  if not (jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits >= 16):
+    return (f"it pools floats of 16 bits or more (whose padding is -inf), not {jnp.dtype(dtype)}")
+  if int(np.prod(window_dimensions)) > 256:
+    return (f"the index within the window is a uint8, so windows of "
+            f"{int(np.prod(window_dimensions))} > 256 positions are not supported")
+  for n, w, s, (lo, hi) in zip(shape, window_dimensions, window_strides, padding):
+    if n + lo + hi < w:
+      return "the output is empty"
+  return ""
 
 
 def _window_slices(x, window, strides, padding, out_shape):
@@ -115,6 +132,7 @@ def _indexed_max_pool_fwd(x, window, strides, padding):
   index = jnp.full(y.shape, k_max, jnp.int32)
   for k, (_, part) in enumerate(_window_slices(x, window, strides, padding, y.shape)):
     index = jnp.where((index == k_max) & (part == y), k, index)
+  index = jnp.where(index == k_max, 0, index)          # no match: a window holding NaN
   # x's shape and dtype travel in a zero-size carrier (nothing is stored).
   return y, (index.astype(jnp.uint8), jnp.zeros((0,) + x.shape, x.dtype))
 

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from jmem import _backends as backends
+from jmem import _window
 from jmem import bench, measure, models, train
 from jmem.ops import actnn
 from jmem.ops.actnn import quantize as Q
@@ -274,6 +275,24 @@ def test_compress_max_pools_save_an_index_and_keep_the_gradient_exact(inside_jit
   lowered = lambda fn: jax.jit(jax.grad(loss(fn), argnums=1)).lower(p, x).as_text()
   assert "select_and_scatter" not in lowered(g)
   assert "select_and_scatter" in lowered(f)
+
+
+def test_compress_leaves_pools_it_cannot_index_to_jax():
+  # Integer and boolean pools (no gradient; -inf padding does not exist for them), windows
+  # over 256 positions (the index is a uint8) and empty outputs keep lax.reduce_window.
+  x = jax.random.normal(jax.random.key(0), (2, 20, 20, 3))
+  xi, mask = (x * 10).astype(jnp.int32), x > 3.5
+  others = lambda x: (nn.max_pool(xi, (3, 3), padding="SAME").sum()
+                      + nn.max_pool(mask, (3, 3), padding="SAME").sum()
+                      + nn.max_pool(x[:, :2, :2], (3, 3), strides=(2, 2)).sum())
+  f = lambda p, x: nn.max_pool(x + p, (17, 17)).sum() + others(x).astype(jnp.float32)
+  g = Q.compress(f, bits=8, min_size=1)
+  p = jnp.float32(0.5)
+  np.testing.assert_allclose(g(p, x, key=jax.random.key(1)), f(p, x), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(lambda p: g(p, x, key=jax.random.key(1)))(p),
+                             jax.grad(f)(p, x), rtol=1e-6)
+  assert not _window.indexable_max_pool((2, 20, 20, 3), jnp.float32, (1, 17, 17, 1),
+                                        (1, 1, 1, 1), ((0, 0),) * 4)
 
 def test_pallas_kernels_mask_every_access():
   import helpers  # pylint: disable=g-import-not-at-top

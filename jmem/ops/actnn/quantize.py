@@ -295,23 +295,34 @@ def packed_nbytes(shape: tuple[int, ...], *, bits: int = 2, group_size: int = 25
 
 # ------------------------------------------------------------------ max pooling
 
-_INLINED_CALLS = ("pjit", "jit", "closed_call", "core_call")
+# Calls whose bodies are inlined to find max pools (``jax.jit`` inside a site). Pools inside
+# other higher-order primitives (``jax.checkpoint``, ``scan``, ``cond``, ``shard_map``) keep
+# ``lax.reduce_window``'s VJP: their input is then quantized like any other residual.
+_INLINED_CALLS = ("pjit", "jit")
+
+
+def _indexable(eqn) -> bool:
+  p = eqn.params
+  return (eqn.primitive.name == "reduce_window_max"
+          and all(d == 1 for d in p["base_dilation"])
+          and all(d == 1 for d in p["window_dilation"])
+          and _window.indexable_max_pool(eqn.invars[0].aval.shape, eqn.invars[0].aval.dtype,
+                                         p["window_dimensions"], p["window_strides"],
+                                         p["padding"]))
+
+
+def _inner(eqn):
+  inner = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINED_CALLS else None
+  return getattr(inner, "jaxpr", inner), getattr(inner, "consts", ())
 
 
 def _max_pools(jaxpr) -> bool:
-  """Whether ``jaxpr`` (or a call inside it) max-pools with undilated windows."""
+  """Whether ``jaxpr`` (or a jit call inside it) has a max pool `_indexable` takes."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "reduce_window_max" and _undilated(eqn.params):
-      return True
-    inner = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINED_CALLS else None
-    if inner is not None and _max_pools(getattr(inner, "jaxpr", inner)):
+    inner, _ = _inner(eqn)
+    if _indexable(eqn) or (inner is not None and _max_pools(inner)):
       return True
   return False
-
-
-def _undilated(params) -> bool:
-  return (all(d == 1 for d in params["base_dilation"])
-          and all(d == 1 for d in params["window_dilation"]))
 
 
 def _with_indexed_max_pools(f):
@@ -319,7 +330,10 @@ def _with_indexed_max_pools(f):
   replaced by `jmem._window.indexed_max_pool`: the same values, an exact gradient, and a
   uint8 index per output as its residual instead of the pooled input (which `compress`
   would otherwise quantize, moving the maximum) and a backward without
-  ``select_and_scatter``. ``f`` without max pooling is called as it is."""
+  ``select_and_scatter``. Floating pools of 16 bits or more, undilated, with at most 256
+  positions per window and a non-empty output; others keep ``lax.reduce_window``'s. ``f``
+  without such a pool is called as it is (after one trace to look). A ``jax.jit`` inside
+  ``f`` that pools is inlined."""
 
   def g(*args):
     flat, tree = jax.tree.flatten(args)
@@ -344,19 +358,19 @@ def _eval_pools_indexed(jaxpr, consts, args):
   read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
-    name, params = eqn.primitive.name, eqn.params
     scope = str(eqn.source_info.name_stack)
-    # Each op keeps its layer's name (what `jmem.measure.peak_buffers` reports).
-    with jax.named_scope(scope) if scope else contextlib.nullcontext():
-      inner = params.get("jaxpr") if name in _INLINED_CALLS else None
-      if name == "reduce_window_max" and _undilated(params):
-        outs = [_window.indexed_max_pool(ins[0], params["window_dimensions"],
-                                         params["window_strides"], params["padding"])]
-      elif inner is not None and _max_pools(getattr(inner, "jaxpr", inner)):
-        outs = _eval_pools_indexed(getattr(inner, "jaxpr", inner),
-                                   getattr(inner, "consts", ()), ins)
+    inner, inner_consts = _inner(eqn)
+    # Each op keeps its layer's name (what `jmem.measure.peak_buffers` reports) and the
+    # context it was traced in (``compute_on``, metadata), as ``jax.core.eval_jaxpr`` does.
+    with jax.named_scope(scope) if scope else contextlib.nullcontext(), eqn.ctx.manager:
+      if _indexable(eqn):
+        p = eqn.params
+        outs = [_window.indexed_max_pool(ins[0], p["window_dimensions"], p["window_strides"],
+                                         p["padding"])]
+      elif inner is not None and _max_pools(inner):
+        outs = _eval_pools_indexed(inner, inner_consts, ins)
       else:
-        outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
+        outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
         outs = outs if eqn.primitive.multiple_results else [outs]
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
