@@ -386,8 +386,11 @@ def _param_leaves(args, param_argnums):
   return jax.tree.leaves([a for i, a in enumerate(args) if i in param_argnums])
 
 
-def _vjp_with_constants(f, args):
+def _vjp_with_constants(f, args, *, index_max_pools=False):
   """``(y, residual leaves, vjp treedef, {leaf index: scalar})`` of ``jax.vjp(f, *args)``.
+
+  ``index_max_pools``: if ``f`` max-pools, the VJP of `_with_indexed_max_pools` ``(f)``
+  instead (traced again only then: a site without a max pool costs no extra trace).
 
   The VJP is traced to a jaxpr once and evaluated in the caller's trace, so each residual
   is known both as a value and as the jaxpr variable that made it. Residuals that are a
@@ -403,13 +406,17 @@ def _vjp_with_constants(f, args):
   """
   box = {}
 
-  def traced(*a):
-    y, vjp_fn = jax.vjp(f, *a)
-    leaves, box["treedef"] = jax.tree.flatten(vjp_fn)
-    box["y"] = jax.tree.structure(y)
-    return jax.tree.leaves(y), leaves
+  def traced(fn):
+    def vjp(*a):
+      y, vjp_fn = jax.vjp(fn, *a)
+      leaves, box["treedef"] = jax.tree.flatten(vjp_fn)
+      box["y"] = jax.tree.structure(y)
+      return jax.tree.leaves(y), leaves
+    return vjp
 
-  closed = jax.make_jaxpr(traced)(*args)
+  closed = jax.make_jaxpr(traced(f))(*args)
+  if index_max_pools and _max_pools(closed.jaxpr):
+    closed = jax.make_jaxpr(traced(_with_indexed_max_pools(f)))(*args)
   flat = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
   n_y = box["y"].num_leaves
   y, leaves = jax.tree.unflatten(box["y"], flat[:n_y]), list(flat[n_y:])
@@ -507,7 +514,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
 
     def fwd(args, key):
       y, leaves, layout["treedef"], constants = _vjp_with_constants(
-          _with_indexed_max_pools(f), args)
+          f, args, index_max_pools=True)
       kept = _param_leaves(args, param_argnums)
       key = data_key(jax.tree.leaves(args)) if key is None else key
       # Resolved here, where the kernels first run (so a wrapper built outside
@@ -617,7 +624,7 @@ def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
 
     def fwd(levels, seed, args):
       # The residuals `compress` sees: max pools keep their exact index there, too.
-      y, leaves, treedef, constants = _vjp_with_constants(_with_indexed_max_pools(f), args)
+      y, leaves, treedef, constants = _vjp_with_constants(f, args, index_max_pools=True)
       kept = _param_leaves(args, param_argnums)
       kinds = [_residual_kind(leaf, kept, min_size, constants.get(i))
                for i, leaf in enumerate(leaves)]
