@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from _common import write_report
 from jmem import bench, measure, models, train
 from jmem.ops import actnn
-from jmem.ops.inplace_abn import technique as inplace_abn_technique
 
 MIB = 2**20
 
@@ -45,7 +44,7 @@ def _twin(model):
 
 
 def variants(base):
-  iabn = inplace_abn_technique._apply(base)  # pylint: disable=protected-access
+  iabn = bench.get_technique("inplace-abn").apply(base)    # leaky_relu 0.01, as the bench
   return {
       "exact": base,
       "bn+leaky (InPlace-ABN's twin)": _twin(base),

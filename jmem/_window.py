@@ -114,11 +114,11 @@ def _not_indexable(shape, dtype, window_dimensions, window_strides, padding) -> 
 
 
 def _window_slices(x, window, strides, padding, out_shape):
-  """``(offset, strided slice of the -inf-padded x)`` for each position in the window."""
+  """The strided slice of the -inf-padded x at each position in the window, in order."""
   xp = lax.pad(x, jnp.array(-jnp.inf, x.dtype), [(lo, hi, 0) for lo, hi in padding])
   for offset in np.ndindex(*window):
-    yield offset, lax.slice(xp, offset, [o + (n - 1) * s + 1 for o, n, s in
-                                         zip(offset, out_shape, strides)], strides)
+    yield lax.slice(xp, offset, [o + (n - 1) * s + 1 for o, n, s in
+                                 zip(offset, out_shape, strides)], strides)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -130,7 +130,7 @@ def _indexed_max_pool_fwd(x, window, strides, padding):
   y = _indexed_max_pool(x, window, strides, padding)
   k_max = int(np.prod(window))
   index = jnp.full(y.shape, k_max, jnp.int32)
-  for k, (_, part) in enumerate(_window_slices(x, window, strides, padding, y.shape)):
+  for k, part in enumerate(_window_slices(x, window, strides, padding, y.shape)):
     index = jnp.where((index == k_max) & (part == y), k, index)
   index = jnp.where(index == k_max, 0, index)          # no match: a window holding NaN
   # x's shape and dtype travel in a zero-size carrier (nothing is stored).

@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--steps", type=int, default=300)
   t.add_argument("--learning-rate", type=float, default=3e-3)
   t.add_argument("--seed", type=int, default=0)
-  t.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+  t.add_argument("--dtype", default=d.dtype, choices=bench.DTYPES,
                  help="compute dtype (bfloat16: mixed precision, float32 parameters; ResNets "
                  "and ConvNeXts)")
   t.add_argument("--eval-every", type=int, default=100)
