@@ -13,6 +13,7 @@ from jmem.measure import xla_compiler_options as xla_compiler_options
 from jmem.ops.inplace_abn import inplace_abn as inplace_abn
 from jmem.surgery import ActNN as ActNN
 from jmem.surgery import InPlaceABN as InPlaceABN
+from jmem.surgery import Policy as Policy
 from jmem.surgery import Remat as Remat
 from jmem.surgery import SBP as SBP
 from jmem.surgery import Spatial as Spatial

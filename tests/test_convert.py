@@ -373,9 +373,10 @@ def test_identity_abn_on_any_batch_norm():
 
 def test_stacking():
   model = tp.ThirdPartyResNet()
-  with pytest.raises(ValueError, match="not implemented yet"):
-    jmem.convert(model, jmem.Remat(), jmem.ActNN(bits=2)).init(jax.random.key(0), X)
   variables = model.init(jax.random.key(1), X)
+  # Remat and ActNN on the same sites: recompute from a compressed input (test_policy.py).
+  same = jmem.convert(model, jmem.Remat(), jmem.ActNN(bits=2))
+  assert [len(p) for p in surgery.sites(same, X).values()] == [4, 4]
   both = jmem.convert(model, jmem.Remat(where="BottleneckBlock_0"),
                       jmem.ActNN("L3", where="BottleneckBlock_1"), jmem.SyncBN())
   sites = surgery.sites(both, X)
@@ -383,10 +384,15 @@ def test_stacking():
   loss0, _, _ = linen_loss(model, variables)
   loss1, _, _ = linen_loss(both, variables)
   np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
-  with pytest.raises(ValueError, match="inside the"):
-    jmem.convert(model, jmem.Remat(where="BottleneckBlock_0"),
-                 jmem.ActNN("L1", where="BottleneckBlock_0/Conv_0")).apply(variables, X,
-                                                                           mutable=True)
+  # One inside the other composes: the convolution is compressed inside the recomputation.
+  nested = jmem.convert(model, jmem.Remat(where="BottleneckBlock_0"),
+                        jmem.ActNN("L1", where="BottleneckBlock_0/Conv_0"))
+  assert sorted(surgery.sites(nested, X).values()) == [["BottleneckBlock_0"],
+                                                       ["BottleneckBlock_0/Conv_0"]]
+  with pytest.raises(ValueError, match="inside the sbp site"):
+    jmem.convert(model, jmem.SBP(where="BottleneckBlock_0", axis=0),
+                 jmem.Remat(where="BottleneckBlock_0/Conv_0")).apply(
+                     variables, X, mutable=True, rngs={"sbp": jax.random.key(0)})
 
 
 def test_registry_and_names():

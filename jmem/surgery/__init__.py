@@ -72,6 +72,7 @@ from jmem.surgery._common import rngs as rngs
 from jmem._technique import Technique as Technique
 from jmem.ops.actnn.technique import ActNN as ActNN
 from jmem.ops.inplace_abn.technique import InPlaceABN as InPlaceABN
+from jmem.ops.policy import Policy as Policy
 from jmem.ops.remat import Remat as Remat
 from jmem.ops.sbp.technique import SBP as SBP
 from jmem.parallel.spatial.technique import Spatial as Spatial
@@ -79,7 +80,7 @@ from jmem.parallel.sync_bn.technique import SyncBN as SyncBN
 from jmem.techniques import convert_technique_names as technique_names
 from jmem.techniques import technique as technique
 
-__all__ = ["convert", "Technique", "Remat", "ActNN", "SyncBN", "InPlaceABN", "SBP", "Spatial", "technique",
+__all__ = ["convert", "Technique", "Remat", "ActNN", "Policy", "SyncBN", "InPlaceABN", "SBP", "Spatial", "technique",
            "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate",
            "convert_nnx"]
 
@@ -105,10 +106,10 @@ def convert(model, *techniques: Technique | None):
       t = technique(t)
     if t is None:
       continue
-    if not isinstance(t, (Remat, ActNN, SyncBN, InPlaceABN, SBP, Spatial)):
+    if not isinstance(t, (Remat, ActNN, Policy, SyncBN, InPlaceABN, SBP, Spatial)):
       raise TypeError(f"jmem.convert takes technique objects (jmem.Remat(), jmem.ActNN('L3'), "
-                      f"jmem.SyncBN(...), jmem.InPlaceABN(...), jmem.SBP(...), "
-                      f"jmem.Spatial(mesh)) or bench names, got {t!r}.")
+                      f"jmem.Policy(...), jmem.SyncBN(...), jmem.InPlaceABN(...), "
+                      f"jmem.SBP(...), jmem.Spatial(mesh)) or bench names, got {t!r}.")
     resolved.append(t)
   _common.check_sbp_where(resolved)
   if isinstance(model, nn.Module):

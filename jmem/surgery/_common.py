@@ -3,6 +3,7 @@ activations, the batch mask and RNG contexts, the per-site transforms."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -18,6 +19,7 @@ from jmem._bn_core import linen_has_bn_variables, nnx_has_bn_stats  # pylint: di
 from jmem._elementwise import ABNConfig
 from jmem.ops.actnn import quantize as q
 from jmem.ops.actnn.technique import ActNN
+from jmem.ops.policy import SiteSpec, recomputed, site_transform
 from jmem.ops.sbp import sites as sbp_sites
 from jmem.ops.sbp.technique import SBP
 
@@ -155,19 +157,77 @@ def abn_config(technique, pair: tuple[str, dict] | None, path: str, epsilon: flo
 
 # ---------------------------------------------------------------- per-site transforms
 
-def actnn_transform(technique, bits: int, level, key, path: str):
-  """The transform of an ActNN site: compression, or the calibration probe."""
-  if technique.probe is not None:
-    return lambda pure: technique.probe.site(pure, path, group_size=level.group_size)
-  return compress_transform(bits, level, key, technique.implementation)
+def block_spec(found, path: str) -> SiteSpec:
+  """The `SiteSpec` of the block techniques ``found`` (``[(index, technique, kind)]``, not
+  SBP) that select one site: one of them, or `Remat` with an `ActNN` (recompute from a
+  compressed input, at ActNN's bits, group size and offload). Raises for any other pair."""
+  kinds = sorted(k for _, _, k in found)
+  if len(found) > 1 and not (len(found) == 2 and kinds[1] == "remat" and
+                             kinds[0] in ("block", "conv", "norm")):
+    a, b = found[0][1], found[1][1]
+    if "policy" in kinds:
+      why = ("a Policy says all that its site keeps (combine recompute and compression with "
+             "Policy('recompute_compressed', bits=...))")
+    else:
+      why = f"{stacking_note(found[0][2], found[1][2])} is not supported"
+    raise ValueError(f"Both {a!r} and {b!r} select the module at {path or '<top>'!r}: {why}; "
+                     "give the techniques disjoint where=.")
+  spec = SiteSpec()
+  for _, t, kind in found:
+    if kind == "policy":
+      spec = t.spec()
+    elif kind == "remat":
+      spec = dataclasses.replace(spec, recompute=True, checkpoint_policy=t.policy)
+    else:
+      lv = t.resolved_level()
+      spec = dataclasses.replace(spec, bits=site_bits(lv, kind, path), group_size=lv.group_size,
+                                 offload=lv.offload, implementation=t.implementation)
+  return spec
 
 
-def compress_transform(bits: int, level, key, implementation):
-  """``pure -> g`` compressing every floating residual of a site at ``bits`` (the site's
-  variables and RNG keys, arguments 0 and 1 of ``pure``, never)."""
-  return lambda pure: functools.partial(
-      q.compress(pure, bits=bits, group_size=level.group_size, param_argnums=(0, 1),
-                 offload=level.offload, implementation=implementation), key=key)
+def nested_site_covered(inner, outer, inner_path: str, outer_path: str) -> bool:
+  """Whether a block site inside another one is covered by it (then it is not a site of its
+  own) rather than applied inside it. ``inner``/``outer``: ``(found, spec)``, ``spec`` None
+  for SBP. Sites of the same technique are covered (``where=`` matched both); SBP mixed with
+  another kind, and a compressed or offloaded site inside a site that already stores every
+  residual inside it (no recomputation), raise; anything else composes (recompute inside a
+  compressed site, compression inside a recomputed one, ...)."""
+  (found, spec), (outer_found, outer_spec) = inner, outer
+  if {i for i, _, _ in found} & {i for i, _, _ in outer_found}:
+    return True
+  kind, other = found[0][2], outer_found[0][2]
+  if (spec is None) != (outer_spec is None):
+    raise ValueError(
+        f"The {kind} site {inner_path!r} is inside the {other} site {outer_path or '<top>'!r}: "
+        f"{stacking_note(kind, other)} is not implemented yet; give the techniques "
+        "disjoint where=.")
+  if spec is None:
+    return True
+  if outer_spec.stores and not outer_spec.recompute and spec.stores:
+    raise ValueError(
+        f"The {spec.name} site {inner_path!r} is inside the {outer_spec.name} site "
+        f"{outer_path or '<top>'!r}, which already stores every residual inside it "
+        f"{'compressed' if outer_spec.bits is not None else 'offloaded'}; storing them twice "
+        "is not supported: give the techniques disjoint where=.")
+  return False
+
+
+def block_transform(found, spec: SiteSpec, key, path: str):
+  """``pure -> g`` of a block site: ActNN's calibration probe if one of ``found`` carries
+  one, else `site_transform` of ``spec``."""
+  for _, t, _ in found:
+    if isinstance(t, ActNN) and t.probe is not None:
+      lv = t.resolved_level()
+      return lambda pure: t.probe.site(
+          recomputed(spec, pure), path, group_size=lv.group_size,
+          arguments_only=spec.recompute and spec.keep_masks_and_statistics)
+  return site_transform(spec, key)
+
+
+def needs_key(found, spec: SiteSpec) -> bool:
+  """Whether the site draws a stochastic-rounding key (compresses, and is not probing)."""
+  return spec.draws and not any(isinstance(t, ActNN) and t.probe is not None
+                                for _, t, _ in found)
 
 
 def sbp_transform(technique, key, path: str):
@@ -237,18 +297,15 @@ def sbp_key(path: str, args):
 
 
 _KIND_NAMES = {"remat": "recomputation", "sbp": "SBP", "block": "compression",
-               "conv": "compression", "norm": "compression"}
+               "conv": "compression", "norm": "compression", "policy": "a memory policy"}
 
 
 def stacking_note(kind: str, other: str) -> str:
   """What stacking two block techniques on one site (or nesting them) amounts to."""
-  if "remat" not in (kind, other) and "sbp" not in (kind, other):
-    return "Compressing one site by two ActNN techniques"
-  if "sbp" not in (kind, other) and kind != other:
-    return ("Stacking recomputation and compression on one site (recompute from a compressed "
-            "input)")
   if kind == other:
     return f"Applying {_KIND_NAMES[kind]} twice to one site"
+  if {kind, other} <= {"block", "conv", "norm"}:
+    return "Compressing one site by two ActNN techniques"
   return (f"Stacking {_KIND_NAMES[kind]} and {_KIND_NAMES[other]} on one site, or one inside "
           "the other,")
 
@@ -259,10 +316,6 @@ def check_sbp_where(techniques) -> None:
       raise ValueError("jmem.SBP needs where= naming the per-node module (the per-frame CNN, the "
                        "token block; a class or a path regex): SBP has no default site. "
                        "E.g. jmem.SBP(keep_ratio=0.25, axis=1, where=FrameEncoder).")
-
-
-def remat_transform(policy):
-  return lambda pure: jax.checkpoint(pure, policy=policy, prevent_cse=True)
 
 
 def site_bits(level, kind: str, path: str) -> int:

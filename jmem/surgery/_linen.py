@@ -21,6 +21,7 @@ from flax.linen import transforms as nn_transforms
 from jmem.ops.actnn.technique import ActNN
 from jmem.ops.inplace_abn import core as abn_lib
 from jmem.ops.inplace_abn.technique import InPlaceABN
+from jmem.ops.policy import Policy
 from jmem.ops.remat import Remat
 from jmem.ops.sbp import sites as sbp_sites
 from jmem.ops.sbp.technique import SBP
@@ -68,7 +69,7 @@ class _Trace:
   root: tuple
   hits: dict = dataclasses.field(default_factory=dict)       # technique index -> paths
   in_site: set = dataclasses.field(default_factory=set)      # ids of modules under a transform
-  active: list = dataclasses.field(default_factory=list)     # (kind, path) of enclosing sites
+  active: list = dataclasses.field(default_factory=list)     # (found, spec, path) of enclosing sites
   pairs: dict = dataclasses.field(default_factory=dict)      # id(bn) -> activation pair
   sbp_keys: dict = dataclasses.field(default_factory=dict)   # technique index -> keep key
 
@@ -116,12 +117,14 @@ class _Trace:
     return found
 
   def block_site(self, mod, path):
-    """``(index, technique, transform_kind)`` of the block technique taking this call."""
+    """``(found, spec)`` of the block techniques taking this call: ``found`` a list of
+    ``(index, technique, kind)`` (empty: not a block site), ``spec`` its `SiteSpec` (None
+    for SBP)."""
     found = []
     for i, t in enumerate(self.techniques):
-      if isinstance(t, Remat):
+      if isinstance(t, (Remat, Policy)):
         if self._block_match(t, mod, path):
-          found.append((i, t, "remat"))
+          found.append((i, t, "remat" if isinstance(t, Remat) else "policy"))
       elif isinstance(t, SBP):
         if t.matches_user(mod, path):
           found.append((i, t, "sbp"))
@@ -138,12 +141,14 @@ class _Trace:
               t.matches_user(mod, path)):
           found.append((i, t, "conv" if lv.norm_bits is None or
                         c.linen_bn_status(mod) is None else "norm"))
-    if len(found) > 1:
-      raise ValueError(
-          f"Both {found[0][1]!r} and {found[1][1]!r} select the module at {path or '<top>'!r}. "
-          f"{c.stacking_note(found[0][2], found[1][2])} is not implemented yet; give the "
-          "techniques disjoint where=.")
-    return found[0] if found else None
+    if any(kind == "sbp" for _, _, kind in found):
+      if len(found) > 1:
+        raise ValueError(
+            f"Both {found[0][1]!r} and {found[1][1]!r} select the module at {path or '<top>'!r}. "
+            f"{c.stacking_note(found[0][2], found[1][2])} is not implemented yet; give the "
+            "techniques disjoint where=.")
+      return found, None
+    return found, (c.block_spec(found, path) if found else None)
 
   def spatial_site(self, mod, path):
     """``(index, technique)`` of the `Spatial` technique taking this convolution."""
@@ -191,13 +196,13 @@ class _Trace:
       return next_fun(*args, **kwargs)
     path = _path(mod, self.root)
     if id(mod) not in self.in_site:
-      site = self.block_site(mod, path)
-      if site is not None and self._nested(site, path):
-        self._hit(site[0], path, record=False)   # covered by the enclosing site (as NNX)
-      elif site is not None:
+      found, spec = self.block_site(mod, path)
+      if found and self._nested(found, spec, path):
+        self._hit_all(found, path, record=False)   # covered by the enclosing site (as NNX)
+      elif found:
         if not mod.is_initializing():
-          return self._call_block(mod, path, site, args, kwargs)
-        self._hit(site[0], path, record=False)   # init: the forward pass, nothing to save
+          return self._call_block(mod, path, found, spec, args, kwargs)
+        self._hit_all(found, path, record=False)   # init: the forward pass, nothing to save
     if isinstance(mod, nn.Sequential) and any(isinstance(t, InPlaceABN) for t in self.techniques):
       return self._call_sequential(mod, args, kwargs)
     spatial = self.spatial_site(mod, path)
@@ -275,30 +280,20 @@ class _Trace:
     if record is not None:
       record.setdefault(index, []).append(path)
 
-  def _nested(self, site, path) -> bool:
-    """Whether the site is inside another site (of its own kind: then it is not one)."""
-    kind = site[2]
-    for other_kind, other_path in self.active:
-      if "sbp" in (kind, other_kind) and kind != other_kind:
-        raise ValueError(
-            f"The {kind} site {path!r} is inside the {other_kind} site {other_path or '<top>'!r}: "
-            f"{c.stacking_note(kind, other_kind)} is not implemented yet; give the techniques "
-            "disjoint where=.")
-      if (other_kind == "remat") != (kind == "remat"):
-        raise ValueError(
-            f"The {kind} site {path!r} is inside the "
-            f"{'recomputed' if other_kind == 'remat' else 'compressed'} site "
-            f"{other_path or '<top>'!r}: recomputation and compression nested (recompute from "
-            "a compressed input) is not implemented yet; give the techniques disjoint where=.")
-      return True
-    return False
+  def _hit_all(self, found, path, record=True):
+    for index, _, _ in found:
+      self._hit(index, path, record)
 
-  def _call_block(self, mod, path, site, args, kwargs):
-    index, t, kind = site
-    self._hit(index, path)
-    if kind == "remat":
-      transform = c.remat_transform(t.policy)
-    elif kind == "sbp":
+  def _nested(self, found, spec, path) -> bool:
+    """Whether the site is covered by an enclosing one (then it is not a site; raises for
+    nestings that cannot be: `_common.nested_site_covered`)."""
+    return any(c.nested_site_covered((found, spec), (outer_found, outer_spec), path, outer_path)
+               for outer_found, outer_spec, outer_path in self.active)
+
+  def _call_block(self, mod, path, found, spec, args, kwargs):
+    self._hit_all(found, path)
+    if spec is None:
+      index, t, _ = found[0]
       # One draw per step for all the sites of a technique: blocks over the same tokens keep
       # the same ones (the SBP papers' rule for transformer stages).
       if index not in self.sbp_keys:
@@ -308,22 +303,19 @@ class _Trace:
           self.sbp_keys[index] = c.sbp_key(path, (args, kwargs))
       transform = c.sbp_transform(t, self.sbp_keys[index], path)
     else:
-      lv = t.resolved_level()
-      bits = c.site_bits(lv, kind, path)
       key = None
-      if t.probe is not None:
-        pass                                   # calibration: the probe draws its own dither
-      elif mod.scope.has_rng("actnn"):
-        key = mod.make_rng("actnn")
-      else:
-        key = c.context_key("actnn", path, (args, kwargs, mod.variables))
-        if key is None:
-          c.no_key_warning()
-      transform = c.actnn_transform(t, bits, lv, key, path)
+      if c.needs_key(found, spec):
+        if mod.scope.has_rng("actnn"):
+          key = mod.make_rng("actnn")
+        else:
+          key = c.context_key("actnn", path, (args, kwargs, mod.variables))
+          if key is None:
+            c.no_key_warning()
+      transform = c.block_transform(found, spec, key, path)
 
     def fn(cloned, *a, **kw):
       self.in_site.add(id(cloned))
-      self.active.append((kind, path))
+      self.active.append((found, spec, path))
       try:
         return cloned(*a, **kw)
       finally:

@@ -11,6 +11,7 @@ from jax import lax
 
 from jmem.ops.inplace_abn import core as abn_lib
 from jmem.ops.inplace_abn.technique import InPlaceABN
+from jmem.ops.policy import Policy, site_transform
 from jmem.ops.remat import Remat
 from jmem.ops.sbp import sites as sbp_sites
 from jmem.ops.sbp.technique import SBP
@@ -47,17 +48,16 @@ def _block_call(base, cfg):
       y = base.__call__(module, *a, **kw)
       return y, nnx.state(module)
 
-    if kind == "remat":
-      transform = c.remat_transform(opts)
-    elif kind == "sbp":
+    if kind == "sbp":
       # One key for every site of the technique: blocks over the same tokens keep the same.
       transform = c.sbp_transform(opts, c.sbp_key(path, (arrays,)), path)
     else:
-      bits, level, implementation = opts
-      key = c.context_key("actnn", path, (arrays, state))
-      if key is None:
-        c.no_key_warning()
-      transform = c.compress_transform(bits, level, key, implementation)
+      key = None
+      if opts.draws:
+        key = c.context_key("actnn", path, (arrays, state))
+        if key is None:
+          c.no_key_warning()
+      transform = site_transform(opts, key)
     y, new_state = transform(pure)(state, None, *arrays)
     nnx.update(self, new_state)
     return y
@@ -193,30 +193,24 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
         if kind is not None:
           block_plan.setdefault(id(m), (p, m, []))[2].append((i, t, kind))
 
-  # Block sites: one technique per module, none nested in a site of the other kind.
+  # Block sites: one spec per module (`_common.block_spec`); a site inside another one is
+  # covered by it (same technique) or applied inside it (`_common.nested_site_covered`).
+  block_paths = {}
   for p, m, found in block_plan.values():
-    if len(found) > 1:
-      raise ValueError(f"Both {found[0][1]!r} and {found[1][1]!r} select the module at "
-                       f"{name(p)!r}. {c.stacking_note(found[0][2], found[1][2])} is not "
-                       "implemented yet; give the techniques disjoint where=.")
-  block_paths = {p: found[0] for p, _, found in block_plan.values()}
-  outer = {}
-  for p, (i, t, kind) in block_paths.items():
-    enclosing = [q for q in block_paths if q != p and p[:len(q)] == q]
-    for q in enclosing:
-      other = block_paths[q][2]
-      if "sbp" in (kind, other) and kind != other:
-        raise ValueError(
-            f"The {kind} site {name(p)!r} is inside the {other} site {name(q)!r}: "
-            f"{c.stacking_note(kind, other)} is not implemented yet; give the techniques "
-            "disjoint where=.")
-      if (block_paths[q][2] == "remat") != (kind == "remat"):
-        raise ValueError(
-            f"The {kind} site {name(p)!r} is inside the site {name(q)!r} of the other technique: "
-            "recomputation and compression nested (recompute from a compressed input) is not "
-            "implemented yet; give the techniques disjoint where=.")
-    if not enclosing:
-      outer[p] = (i, t, kind)
+    if any(kind == "sbp" for _, _, kind in found):
+      if len(found) > 1:
+        raise ValueError(f"Both {found[0][1]!r} and {found[1][1]!r} select the module at "
+                         f"{name(p)!r}. {c.stacking_note(found[0][2], found[1][2])} is not "
+                         "implemented yet; give the techniques disjoint where=.")
+      block_paths[p] = (found, None)
+    else:
+      block_paths[p] = (found, c.block_spec(found, name(p)))
+  applied = {}
+  for p, site in block_paths.items():
+    enclosing = sorted((q for q in block_paths if q != p and p[:len(q)] == q), key=len)
+    if not any([c.nested_site_covered(site, block_paths[q], name(p), name(q))
+                for q in enclosing]):
+      applied[p] = site
 
   for p, m, found in bn_plan.values():
     path = name(p)
@@ -256,7 +250,7 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
     if c.nnx_bn_status(m) is not None and id(m) not in bn_plan:
       actions.append(functools.partial(_set_guard_class, m, name(p)))
   # Attention and dropout layers see an SBP site's tape (they change nothing outside one).
-  if any(kind == "sbp" for _, _, kind in outer.values()):
+  if any(spec is None for _, spec in applied.values()):
     for p, m in modules:
       if isinstance(m, nnx.MultiHeadAttention):
         actions.append(functools.partial(_set_class, m, _subclass(
@@ -264,21 +258,16 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
       elif isinstance(m, nnx.Dropout):
         actions.append(functools.partial(_set_class, m, _subclass(
             type(m), "sbp-dropout", ("dropout", name(p), None), _dropout_call)))
-  for p, (i, t, kind) in outer.items():
-    m = by_path[p]
+  for p, (found, spec) in applied.items():
     path = name(p)
-    if kind == "remat":
-      cfg = ("remat", path, t.policy)
-    elif kind == "sbp":
-      cfg = ("sbp", path, t)
+    if spec is None:
+      cfg = ("sbp", path, found[0][1])
     else:
-      lv = t.resolved_level()
-      cfg = ("compress", path, (c.site_bits(lv, kind, path), lv, t.implementation))
-    actions.append(functools.partial(_set_block_class, m, cfg))
-    hits[i].append(path)
-  for p in block_paths:
-    if p not in outer:
-      hits[block_paths[p][0]].append(name(p))
+      cfg = ("remat" if spec.name == "recompute" else spec.name, path, spec)
+    actions.append(functools.partial(_set_block_class, by_path[p], cfg))
+  for p, (found, _) in block_paths.items():
+    for i, _, _ in found:
+      hits[i].append(name(p))
 
   c.check_all_matched(techniques, hits, seen, "module")
   for action in actions:
@@ -367,9 +356,9 @@ def _callable(m) -> bool:
 def _block_kind(t, m, path, status, top_child):
   if isinstance(t, SBP):
     return "sbp" if t.matches_user(m, path) else None
-  if isinstance(t, Remat):
+  if isinstance(t, (Remat, Policy)):
     take = (top_child and not c.is_head(m)) if t.where is None else t.matches_user(m, path)
-    return "remat" if take else None
+    return ("remat" if isinstance(t, Remat) else "policy") if take else None
   lv = t.resolved_level()
   if t.where is None:
     if lv.block_bits is not None:

@@ -269,7 +269,7 @@ class _Probe:
     finally:
       self.levels = self.seed = None
 
-  def site(self, pure, path, *, group_size):
+  def site(self, pure, path, *, group_size, arguments_only=False):
     index = self.sites.setdefault(path, len(self.sites))
     levels = (jnp.float32(0.0) if self.levels is None or index >= self.levels.shape[0]
               else self.levels[index])
@@ -277,7 +277,8 @@ class _Probe:
 
     def record(n):
       self.weights[path] = n
-    g = q.probe(pure, group_size=group_size, param_argnums=(0, 1), on_residuals=record)
+    g = q.probe(pure, group_size=group_size, param_argnums=(0, 1), on_residuals=record,
+                arguments_only=arguments_only)
     return functools.partial(g, levels, seed)
 
 

@@ -62,7 +62,7 @@ from jmem._technique import IMPLEMENTATIONS  # pylint: disable=unused-import
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
            "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform",
            "check_config", "fake_quantize", "probe", "truncate_to_bfloat16", "group_span",
-           "resolve_implementation", "OPS"]
+           "resolve_implementation", "OPS", "offload_residuals"]
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 
@@ -449,16 +449,17 @@ def _vjp_with_constants(f, args, *, index_max_pools=False):
 _EXACT = object()   # `_vjp_with_constants`'s mark of a residual named EXACT_RESIDUAL
 
 
-def _residual_kind(leaf, kept, min_size, constant=None) -> str:
+def _residual_kind(leaf, kept, min_size, constant=None, inputs=None) -> str:
   """How `compress` stores a residual: "quant" (floats), "bool" (bit-packed), "const" (a
-  broadcast scalar, rebuilt in the backward) or "keep" (parameters, small, integer, or
-  named `EXACT_RESIDUAL` by the op that saved it)."""
+  broadcast scalar, rebuilt in the backward) or "keep" (parameters, small, integer, named
+  `EXACT_RESIDUAL` by the op that saved it, or, given the ``inputs``, a float that is not
+  one of them)."""
   if _is_arg(leaf, kept) or leaf.size == 0 or constant is _EXACT:
     return "keep"
   if constant is not None:
     return "const"
   if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size >= min_size:
-    return "quant"
+    return "quant" if inputs is None or _is_arg(leaf, inputs) else "keep"
   if leaf.dtype == jnp.bool_ and leaf.size % 8 == 0 and leaf.size >= min_size:
     return "bool"
   return "keep"
@@ -467,7 +468,8 @@ def _residual_kind(leaf, kept, min_size, constant=None) -> str:
 def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
              min_size: int = 1024, param_argnums: tuple[int, ...] = (0,),
              offload: bool = False, implementation: str | None = None,
-             interpret: bool | None = None) -> Callable[..., Any]:
+             interpret: bool | None = None,
+             arguments_only: bool = False) -> Callable[..., Any]:
   """``f`` whose backward pass uses ``bits``-bit copies of its floating residuals.
 
   Residuals that are leaves of the ``param_argnums`` arguments (parameters) are kept as
@@ -489,6 +491,10 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
     implementation: ``"xla"``, ``"pallas"`` or ``None`` (automatic), as in `quantize`;
       used for both the quantization and the dequantization.
     interpret: Pallas interpret mode, as in `quantize`.
+    arguments_only: quantize only residuals that are ``f``'s own (non-parameter)
+      arguments, and keep every other residual as it is (booleans still bit-packed): for a
+      ``jax.checkpoint``-ed ``f``, whose residuals are its inputs plus what its policy
+      chose to keep exactly (`jmem.ops.policy.save_masks_and_statistics`).
 
   Returns:
     ``g(*args, key=None)`` with ``g(*args) == f(*args)`` in the forward pass. The
@@ -502,6 +508,31 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
   check_config(bits, group_size)
   if implementation is not None:   # a named backend is checked now; None is chosen when traced
     implementation = resolve_implementation(implementation, bits=bits, group_size=group_size)
+  return _saving_residuals(f, bits=bits, group_size=group_size, min_size=min_size,
+                           param_argnums=param_argnums, offload=offload,
+                           implementation=implementation, interpret=interpret,
+                           arguments_only=arguments_only)
+
+
+def offload_residuals(f: Callable[..., Any], *, min_size: int = 1024,
+                      param_argnums: tuple[int, ...] = (0,)) -> Callable[..., Any]:
+  """``f`` whose floating residuals wait for the backward pass in host memory
+  (``pinned_host``), at full precision: `compress`'s rules for what is a residual worth
+  moving (not the ``param_argnums`` arguments, not small, broadcast scalars stored as the
+  number, booleans bit-packed), without the quantization. The gradient is exact.
+
+  ``jax.checkpoint``'s public policies offload only named values or dots; this moves every
+  residual of ``f``. On a CPU, host and device memory are the same memory: the transfers
+  happen, nothing is saved. Returns ``g(*args, key=None)`` (``key`` unused), like `compress`.
+  """
+  return _saving_residuals(f, bits=None, group_size=256, min_size=min_size,
+                           param_argnums=param_argnums, offload=True, implementation="xla",
+                           interpret=None)
+
+
+def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
+                      implementation, interpret, arguments_only=False):
+  """`compress` (``bits``) or `offload_residuals` (``bits=None``: floats kept as they are)."""
   kernel_kw = dict(bits=bits, group_size=group_size)
 
   def g(*args, key=None):
@@ -516,18 +547,23 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       y, leaves, layout["treedef"], constants = _vjp_with_constants(
           f, args, index_max_pools=True)
       kept = _param_leaves(args, param_argnums)
+      inputs = jax.tree.leaves(args) if arguments_only else None
       key = data_key(jax.tree.leaves(args)) if key is None else key
       # Resolved here, where the kernels first run (so a wrapper built outside
       # `lowering_for_gpu` still picks the kernels inside it); the backward reuses it.
-      impl = implementation or resolve_implementation(None, bits=bits, group_size=group_size)
+      impl = (implementation if bits is None or implementation else
+              resolve_implementation(None, bits=bits, group_size=group_size))
       layout["kw"] = kw = dict(kernel_kw, implementation=impl,
                                interpret=_interpret_once(impl, interpret))
       plan, saved = [], []
       for i, leaf in enumerate(leaves):
-        kind = _residual_kind(leaf, kept, min_size, constants.get(i))
+        kind = _residual_kind(leaf, kept, min_size, constants.get(i), inputs)
         if kind == "const":
           plan.append(("const", leaf.shape, (leaf.dtype, constants[i])))
           saved.append(None)
+        elif kind == "quant" and bits is None:
+          plan.append(("raw", None, None))
+          saved.append(leaf)
         elif kind == "quant":
           plan.append(("quant", leaf.shape, leaf.dtype))
           n = leaf.shape[0] if leaf.ndim else 1
@@ -541,12 +577,12 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       layout["plan"] = plan
       # The output is released only once the residuals are compressed, so the next layer
       # cannot run while this one's float residuals are still alive.
-      packed = [v for p, v in zip(plan, saved) if p[0] in ("quant", "bool")]
+      packed = [v for p, v in zip(plan, saved) if p[0] in _STORED]
       y, packed = barrier((y, packed))
       it = iter(packed)
-      saved = [next(it) if p[0] in ("quant", "bool") else v for p, v in zip(plan, saved)]
+      saved = [next(it) if p[0] in _STORED else v for p, v in zip(plan, saved)]
       if offload:
-        saved = [_to_space(v, jax.memory.Space.Host) if p[0] in ("quant", "bool") else v
+        saved = [_to_space(v, jax.memory.Space.Host) if p[0] in _STORED else v
                  for p, v in zip(plan, saved)]
       return y, saved
 
@@ -555,7 +591,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       # forward pass and the float copies live until the backward (no saving at all).
       saved, ct = barrier((saved, ct))
       if offload:
-        saved = [_to_space(v, jax.memory.Space.Device) if p[0] in ("quant", "bool") else v
+        saved = [_to_space(v, jax.memory.Space.Device) if p[0] in _STORED else v
                  for p, v in zip(layout["plan"], saved)]
       leaves, kw = [], layout["kw"]
       for (kind, shape, dtype), s in zip(layout["plan"], saved):
@@ -578,6 +614,9 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
     return call(tuple(args), key)
 
   return g
+
+
+_STORED = ("quant", "bool", "raw")    # what the barrier orders and offload moves
 
 
 def _interpret_once(implementation: str, interpret: bool | None) -> bool | None:
@@ -608,14 +647,15 @@ def fake_quantize(x: jax.Array, levels: jax.Array, seed: jax.Array, *,
 
 def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
           param_argnums: tuple[int, ...] = (0,),
-          on_residuals: Callable[[int], None] | None = None) -> Callable[..., Any]:
+          on_residuals: Callable[[int], None] | None = None,
+          arguments_only: bool = False) -> Callable[..., Any]:
   """``f`` whose backward uses residuals rounded to a RUNTIME number of levels.
 
   The sensitivity probe of GACT's bit allocation: ``g(levels, seed, *args)`` equals
   ``f(*args)`` forward; its backward sees the residuals that `compress` would quantize,
   passed through `fake_quantize` with ``levels`` (``2^b - 1``, or 0 for exact) and dither
   ``seed`` (uint32). ``on_residuals(n)`` is told, at trace time, how many values `compress`
-  would quantize (the site's weight in the bit budget).
+  would quantize (the site's weight in the bit budget). ``arguments_only`` as `compress`'s.
   """
   def g(levels, seed, *args):
     @jax.custom_vjp
@@ -626,7 +666,8 @@ def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
       # The residuals `compress` sees: max pools keep their exact index there, too.
       y, leaves, treedef, constants = _vjp_with_constants(f, args, index_max_pools=True)
       kept = _param_leaves(args, param_argnums)
-      kinds = [_residual_kind(leaf, kept, min_size, constants.get(i))
+      inputs = jax.tree.leaves(args) if arguments_only else None
+      kinds = [_residual_kind(leaf, kept, min_size, constants.get(i), inputs)
                for i, leaf in enumerate(leaves)]
       if on_residuals is not None:
         on_residuals(sum(leaf.size for leaf, k in zip(leaves, kinds) if k == "quant"))
