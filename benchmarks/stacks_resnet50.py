@@ -13,6 +13,11 @@ are XLA's cost analysis of the step at the smaller batch. Rows:
 * exact; InPlace-ABN's twin (BN + leaky ReLU 0.01, exact) and InPlace-ABN itself;
 * remat (``jax.checkpoint`` per block), and remat whose saved block inputs are themselves
   2-bit (ActNN L3 around the rematerialised blocks: recompute from a compressed input);
+* the same stack as `jmem.convert` builds it (``Remat(where=<block class>)`` with
+  ``ActNN("L3")``: the blocks recomputed from 2-bit inputs with their ReLU masks and
+  BatchNorm statistics kept exact, the stem compressed);
+* ``Policy("offload")``: every site's residuals in pinned host memory at full precision
+  (XLA:CPU keeps host buffers in the same memory: on CPU, exact's figure);
 * ActNN L3 (every residual of every block and of the stem at 2 bits, uniform here; the
   bench's ``actnn-L3`` calibrates per-layer bits at the same average) and L4 (L3 offloaded
   to pinned host memory: XLA:CPU keeps host buffers in the same memory, so on CPU its
@@ -32,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from _common import write_report
+import jmem
 from jmem import bench, measure, models, train
 from jmem.ops import actnn
 
@@ -51,6 +57,10 @@ def variants(base):
       "InPlace-ABN": iabn,
       "remat": base.clone(block_transform=nn.remat),
       "remat + 2-bit block inputs": actnn.convert(base.clone(block_transform=nn.remat), "L3"),
+      "Remat (blocks) + ActNN L3, jmem.convert": jmem.convert(
+          base, jmem.Remat(where=base.block_cls), jmem.ActNN("L3")),
+      "Policy offload (full precision; CPU: same memory)": jmem.convert(
+          base, jmem.Policy("offload")),
       "ActNN L3": actnn.convert(base, "L3"),
       "ActNN L4 (offload; CPU: same memory)": actnn.convert(base, "L4"),
       "InPlace-ABN + ActNN L3": actnn.convert(iabn, "L3"),

@@ -143,11 +143,14 @@ def _mesh():
     ((jmem.SyncBN(axis_name="batch"),), True, 1e-5),
     ((jmem.Remat(), jmem.SyncBN(axis_name="batch")), True, 1e-5),
     ((jmem.ActNN("L3", bits=8), jmem.SyncBN(axis_name="batch")), True, 2e-2),
+    ((jmem.Remat(), jmem.ActNN("L3", bits=8), jmem.SyncBN(axis_name="batch")), True, 2e-2),
+    ((jmem.Policy("offload"), jmem.SyncBN(axis_name="batch")), True, 1e-5),
 ])
 def test_sync_bn_eight_devices_masked_unbalanced(techniques, check_vma, tol):
   """SyncBN over 8 shard_map devices with unbalanced valid rows (two devices have none),
   the mask given by batch_mask: equals the plain model on the valid rows alone, alone and
-  stacked with Remat (exact) or 8-bit ActNN (close), with shard_map's type checks on and
+  stacked with Remat or full-precision offload (exact), 8-bit ActNN or Remat + 8-bit
+  ActNN (recompute from a compressed input; close), with shard_map's type checks on and
   off."""
   model = tp.ThirdPartyResNet()
   x = jax.random.normal(jax.random.key(2), (32, 16, 16, 3))

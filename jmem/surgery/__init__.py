@@ -4,6 +4,7 @@
 
   model = jmem.convert(model, jmem.ActNN("L3"))                    # any linen or NNX model
   model = jmem.convert(model, jmem.SyncBN(axis_name="batch"), jmem.Remat())
+  model = jmem.convert(model, jmem.Policy("recompute_compressed", bits=2, where=r"stage.*"))
   model = jmem.convert(model, jmem.InPlaceABN(where=r"features/.*"))
   model = jmem.convert(model, jmem.SBP(keep_ratio=0.25, axis=1, where=FrameEncoder))
   model = jmem.convert(model, jmem.Spatial(mesh, axes=("h", "w")))
@@ -33,8 +34,15 @@ rest; it raises inside ``shard_map``. `SBP` is tested under ``jit``.
 
 **Stacking.** ``convert(model, *techniques)`` applies them together: BatchNorm techniques
 (`SyncBN`, `InPlaceABN`; both on one BatchNorm = synchronised InPlace-ABN) with block
-techniques (`Remat`, `ActNN`) on any sites; `Remat` and `ActNN` on disjoint sites. One site
-both recomputed and compressed, or one nested in the other, raises (not implemented yet).
+techniques (`Remat`, `ActNN`, `Policy`) on any sites. `Remat` and `ActNN` on the same site
+recompute it from a compressed input (`jmem.ops.policy`: ``Policy("recompute_compressed")``
+at ActNN's bits, the masks and statistics of the forward pass kept exact). A block site
+inside another block site of a different technique applies inside it (compression inside
+a recomputed block runs in the recomputation; recomputation inside a compressed block
+recomputes from its compressed input); inside one of the same technique it is covered by
+it. Refused, naming the module: a `Policy` sharing a site with another block technique,
+two compressions or two recomputations of one site, a compressed site inside a compressed
+(not recomputed) one, and SBP with any other block technique on or around its sites.
 
 **No silent no-op.** A technique whose ``where=`` matches nothing raises; so does a
 BatchNorm technique meeting a BatchNorm-like module it does not recognise (a subclass with
@@ -92,7 +100,8 @@ def convert(model, *techniques: Technique | None):
     model: an unbound linen ``Module`` (a converted linen module is returned, with the same
       ``init``/``apply`` and variables) or an NNX ``Module`` (changed in place and
       returned).
-    *techniques: `Remat`, `ActNN`, `SyncBN`, `InPlaceABN` objects, or bench names
+    *techniques: `Remat`, `ActNN`, `Policy`, `SyncBN`, `InPlaceABN`, `SBP`, `Spatial`
+      objects, or bench names
       (``"actnn-L3"``, see `technique`); None (``technique("exact")``) is skipped.
 
   Raises:
@@ -191,8 +200,8 @@ def sites(model, *args, rngs=None, **kwargs) -> dict[str, list[str]]:
 
   linen: found by tracing ``model.apply`` on ``args`` (shapes only, nothing runs; ``rngs``
   as ``apply`` takes them, e.g. ``{"dropout": key}``); keys are the techniques' reprs. NNX:
-  read from the model; keys are the site kinds (``"remat"``, ``"compress"``, ``"sync"``,
-  ``"abn"``).
+  read from the model; keys are the site kinds (``"remat"``, ``"compress"``,
+  ``"recompute_compressed"``, ``"offload"``, ``"save"``, ``"sbp"``, ``"sync"``, ``"abn"``).
   """
   if isinstance(model, nnx.Module):
     out: dict[str, list[str]] = {}
