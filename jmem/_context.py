@@ -68,6 +68,14 @@ def rngs(*, actnn: jax.Array | None = None, sbp: jax.Array | None = None):
     _RNGS.reset(token)
 
 
+def current_rngs() -> dict | None:
+  """The keys `rngs` holds now (``{"actnn": ..., "sbp": ...}``), None outside it."""
+  keys = _RNGS.get()
+  if keys is None or all(v is None for v in keys.values()):
+    return None
+  return dict(keys)
+
+
 def context_key(stream: str, path: str, args=(), fold: str | None = None):
   """The ``stream`` key of `rngs` for the site at ``path`` (None without one), folded with
   ``fold`` (default ``path``; one string for several sites gives them one key).

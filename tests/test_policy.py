@@ -61,7 +61,7 @@ def test_nnx_policies():
   loss1, g1, _ = nnx_loss(model)
   np.testing.assert_allclose(loss1, loss0, rtol=1e-5)      # the forward pass is exact
   a, b = ravel_pytree(g1)[0], ravel_pytree(g0)[0]
-  assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.05
+  assert 1e-5 < float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.05
 
 
 # ------------------------------------------------------------------ approximate stacks
@@ -92,14 +92,17 @@ def test_recompute_from_a_compressed_input_is_as_close_as_actnn():
   assert 0 < stacked <= 2 * alone, (stacked, alone)
   assert err(jmem.Policy("recompute_compressed", bits=8)) == pytest.approx(stacked, rel=1e-6)
   # Without the exact masks and statistics, masks near 0 flip: the error is several times
-  # larger (measured: 6.5x ActNN's).
+  # larger (measured: 6.3x ActNN's).
   loose = err(jmem.Policy("recompute_compressed", bits=8, keep_masks_and_statistics=False))
   assert loose > 3 * alone, (loose, alone)
-  # Compression inside a recomputed block (nested: it runs in the recomputation) and
-  # recomputation inside a compressed block compose.
-  assert err(jmem.Remat(), jmem.ActNN("L1")) < 0.3
-  assert err(jmem.ActNN("L3", bits=8),
-             jmem.Remat(where="BottleneckBlock_0/Conv_1")) <= 2 * alone
+  # Compression inside a recomputed block runs in the recomputation: ActNN L1's own error.
+  l1 = err(jmem.ActNN("L1"))
+  assert 0.5 * l1 < err(jmem.Remat(), jmem.ActNN("L1")) <= 2 * l1
+  # Recomputation inside a compressing site recomputes from compressed residuals: it keeps
+  # the masks and statistics exact too (without: 8.6x the error of the site alone).
+  top = jmem.ActNN("L3", bits=8, where=tp.ThirdPartyResNet)
+  top_alone = err(top)
+  assert 0 < err(top, jmem.Remat()) <= 2 * top_alone
 
 
 def test_recompute_from_a_2bit_input_is_unbiased():
@@ -147,6 +150,18 @@ def test_offload_lowers_to_host_placements_for_the_gpu():
     assert text.count('_xla_buffer_placement = "pinned_host"') >= 2
   text = jax.jit(jax.grad(f)).trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
   assert "pinned_host" not in text
+  # Through jmem.convert: every block's residuals.
+  model = tp.ThirdPartyResNet()
+  variables = model.init(jax.random.key(1), X)
+  for technique, least in ((jmem.Policy("offload"), 4), (jmem.Policy("offload", bits=2), 4),
+                           (None, 0)):
+    m = model if technique is None else jmem.convert(model, technique)
+    step = jax.jit(lambda p: jax.grad(lambda p: xent(m.apply(
+        {**variables, "params": p}, X, mutable=["batch_stats"],
+        rngs={"actnn": jax.random.key(0)})[0], Y))(p))
+    text = step.trace(variables["params"]).lower(lowering_platforms=("cuda",)).as_text()
+    count = text.count('_xla_buffer_placement = "pinned_host"')
+    assert count >= least and (least or count == 0), (technique, count)
 
 
 # ------------------------------------------------------------------ what is refused
@@ -160,6 +175,14 @@ def test_policy_bad_input_and_conflicts():
     jmem.Policy("compress", bits=3)
   with pytest.raises(ValueError, match="takes no checkpoint_policy"):
     jmem.Policy("offload", checkpoint_policy=jax.checkpoint_policies.dots_saveable)
+  with pytest.raises(ValueError, match="group_size.*only with bits"):
+    jmem.Policy("recompute", group_size=128)
+  with pytest.raises(ValueError, match="keep_masks_and_statistics"):
+    jmem.Policy("compress", keep_masks_and_statistics=False)
+  with pytest.raises(ValueError, match="implementation.*only with bits"):
+    jmem.Policy("offload", implementation="xla")
+  with pytest.raises(TypeError, match="checkpoint_policy.*callable"):
+    jmem.Policy("recompute", checkpoint_policy="dots_saveable")
   assert jmem.Policy("compress").spec().bits == 2
   assert jmem.Policy("offload", bits=4).spec().name == "offload"
   model = tp.ThirdPartyResNet()
@@ -172,9 +195,32 @@ def test_policy_bad_input_and_conflicts():
     run(jmem.Remat(), jmem.Remat(where="BottleneckBlock_0"))
   with pytest.raises(ValueError, match="already stores every residual"):
     run(jmem.ActNN("L3"), jmem.Policy("offload", where="BottleneckBlock_0/Conv_0"))
+  with pytest.raises(ValueError, match="save site 'BottleneckBlock_0/Conv_0' is inside"):
+    run(jmem.ActNN("L3"), jmem.Policy("save", where="BottleneckBlock_0/Conv_0"))
+  with pytest.raises(ValueError, match="ActNN.*and ActNN.*compression twice"):
+    run(jmem.Remat(), jmem.ActNN("L3"), jmem.ActNN("L3", bits=4, where="BottleneckBlock_0"))
   net = tp.NNXCNN(rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="'bn'.*Policy says all"):
     jmem.convert(net, jmem.Policy("offload"), jmem.ActNN("L3"))
+
+
+def test_a_technique_on_a_site_inside_its_own_and_another():
+  """A technique covering an inner site through an enclosing one of its own leaves the other
+  technique of that inner site to apply there (it was dropped); NNX's nested compression
+  reads its key inside the enclosing recomputation (it raised eagerly)."""
+  model = jmem.convert(tp.ThirdPartyResNet(),
+                       jmem.Remat(where=r"BottleneckBlock_0(/Conv_0)?"),
+                       jmem.ActNN("L3", bits=2, where="BottleneckBlock_0/Conv_0"))
+  assert sorted(surgery.sites(model, X).values()) == [["BottleneckBlock_0"],
+                                                      ["BottleneckBlock_0/Conv_0"]]
+  plain = tp.NNXCNN(rngs=nnx.Rngs(0))
+  _, g0, _ = nnx_loss(plain)
+  net = tp.NNXCNN(rngs=nnx.Rngs(0))
+  jmem.convert(net, jmem.Remat(where="stem"), jmem.ActNN(bits=2, where="stem/layers/0"))
+  assert surgery.sites(net) == {"remat": ["stem"], "compress": ["stem/layers/0"]}
+  _, g1, _ = nnx_loss(net)
+  a, b = ravel_pytree(g1)[0], ravel_pytree(g0)[0]
+  assert 1e-3 < float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1.0
 
 
 def test_policy_spec_names():

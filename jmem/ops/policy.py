@@ -8,10 +8,11 @@ A site's residuals (what its backward pass reads) can be
   `jmem.ops.actnn.quantize.compress`); with ``offload=True`` then moved to host memory;
 * ``"recompute"``: dropped and recomputed from the site's inputs in the backward pass
   (``jax.checkpoint``; ``checkpoint_policy`` may keep some, e.g. ``dots_saveable``);
-* ``"recompute_compressed"``: recomputed from a ``bits``-bit copy of the site's inputs (the
-  only thing ``jax.checkpoint`` keeps, so the compressed site holds ~``bits``/32 of one
-  input per site; the recomputation runs on the dequantized input, so the gradient is
-  approximate, as any compression's);
+* ``"recompute_compressed"``: recomputed from a ``bits``-bit copy of the site's inputs,
+  keeping the forward pass's masks (1 bit per value) and batch statistics exact
+  (`save_masks_and_statistics`), plus whatever ``checkpoint_policy`` saves, at full
+  precision; the recomputation runs on the dequantized input, so the gradient is
+  approximate, as any compression's;
 * ``"offload"``: moved to host memory (``pinned_host``) until the backward pass, at full
   precision (exact), or compressed first with ``bits=``.
 
@@ -50,6 +51,8 @@ class SiteSpec:
   ``recompute``: run the site under ``jax.checkpoint`` (``checkpoint_policy``), so its
   residuals are its inputs (and what the policy saves). ``bits``: store those residuals
   quantized (None: as they are). ``offload``: move what is stored to host memory.
+  ``from_compressed``: the site recomputes inside an enclosing compressing site, from its
+  compressed residuals (so it keeps masks and statistics exact, as with ``bits``).
   """
 
   recompute: bool = False
@@ -59,6 +62,7 @@ class SiteSpec:
   offload: bool = False
   implementation: str | None = None
   keep_masks_and_statistics: bool = True
+  from_compressed: bool = False
 
   @property
   def name(self) -> str:
@@ -92,8 +96,10 @@ def save_masks_and_statistics(prim, *avals, **params) -> bool:
   What a recomputation from a compressed input needs to stay close to the forward pass: a
   mask recomputed from a quantized value flips near 0 (an error like the square root of the
   quantization step, not the step), and statistics recomputed from quantized values are
-  biased (a variance grows by the quantization noise's). Masks are stored bit-packed, 1 bit
-  per value; statistics are per channel.
+  biased (a variance grows by the quantization noise's). Inside jmem's `compress` the masks
+  are bit-packed (1 bit per value, for masks of at least 1024 values in multiples of 8); as
+  a plain ``jax.checkpoint`` policy they stay one byte per value. Statistics are per
+  channel.
   """
   name = prim.name
   if name in _COMPARISONS:
@@ -113,7 +119,7 @@ def recomputed(spec: SiteSpec, f):
   if not spec.recompute:
     return f
   policy = spec.checkpoint_policy
-  if spec.bits is not None and spec.keep_masks_and_statistics:
+  if (spec.bits is not None or spec.from_compressed) and spec.keep_masks_and_statistics:
     policy = (save_masks_and_statistics if policy is None else
               jax.checkpoint_policies.save_from_both_policies(policy,
                                                              save_masks_and_statistics))
@@ -161,7 +167,7 @@ class Policy(Technique):
       (`save_masks_and_statistics`; masks at 1 bit per value), and only the site's input is
       quantized. Without them a value near 0 flips its ReLU mask (the gradient's error then
       grows like the square root of the quantization step: on a third-party ResNet at 8
-      bits, 6x the error of compressing every residual with `jmem.ActNN`, against 1x with
+      bits, 6.3x the error of compressing every residual with `jmem.ActNN`, against 1x with
       them) and recomputed statistics are biased (at 2 bits the mean gradient over 64 keys
       was 7 standard errors from the exact one, against 1 with them).
   """
@@ -186,6 +192,16 @@ class Policy(Technique):
       if isinstance(self.bits, bool) or not isinstance(self.bits, int):
         raise TypeError(f"Policy(bits=...) must be an int, got {self.bits!r}.")
       q.check_config(self.bits, self.group_size)
+    if self.bits is None and (self.group_size != 256 or self.implementation is not None):
+      raise ValueError(f"Policy({self.kind!r}) quantizes nothing, so group_size and "
+                       "implementation apply only with bits (compress, recompute_compressed, "
+                       "offload with bits=).")
+    if not self.keep_masks_and_statistics and self.kind != "recompute_compressed":
+      raise ValueError("keep_masks_and_statistics is an option of 'recompute_compressed' only.")
+    if self.checkpoint_policy is not None and not callable(self.checkpoint_policy):
+      raise TypeError("checkpoint_policy takes a jax.checkpoint_policies entry (a callable, "
+                      f"e.g. jax.checkpoint_policies.dots_saveable), got "
+                      f"{self.checkpoint_policy!r}.")
     if self.checkpoint_policy is not None and "recompute" not in self.kind:
       raise ValueError(f"Policy({self.kind!r}) recomputes nothing, so it takes no "
                        "checkpoint_policy; use 'recompute' or 'recompute_compressed'.")

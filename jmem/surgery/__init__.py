@@ -39,10 +39,12 @@ recompute it from a compressed input (`jmem.ops.policy`: ``Policy("recompute_com
 at ActNN's bits, the masks and statistics of the forward pass kept exact). A block site
 inside another block site of a different technique applies inside it (compression inside
 a recomputed block runs in the recomputation; recomputation inside a compressed block
-recomputes from its compressed input); inside one of the same technique it is covered by
-it. Refused, naming the module: a `Policy` sharing a site with another block technique,
-two compressions or two recomputations of one site, a compressed site inside a compressed
-(not recomputed) one, and SBP with any other block technique on or around its sites.
+recomputes from the compressed residuals, its masks and statistics kept exact); a
+technique that takes both covers the inner site through the outer one
+(`_common.nested_site`). Refused, naming the module: a `Policy` sharing a site with
+another block technique, two compressions or two recomputations of one site, a compressed
+site inside a compressed (not recomputed) one, a ``Policy("save")`` site inside another
+kind, and SBP with any other block technique on or around its sites.
 
 **No silent no-op.** A technique whose ``where=`` matches nothing raises; so does a
 BatchNorm technique meeting a BatchNorm-like module it does not recognise (a subclass with

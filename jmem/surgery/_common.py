@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jmem._context import (  # pylint: disable=unused-import
-    active_mask, batch_mask, context_key, data_key, mask_for, rngs)
+    active_mask, batch_mask, context_key, current_rngs, data_key, mask_for, rngs)
 from jmem._bn_core import linen_has_bn_variables, nnx_has_bn_stats  # pylint: disable=unused-import
 from jmem._elementwise import ABNConfig
 from jmem.ops.actnn import quantize as q
@@ -161,17 +161,22 @@ def block_spec(found, path: str) -> SiteSpec:
   """The `SiteSpec` of the block techniques ``found`` (``[(index, technique, kind)]``, not
   SBP) that select one site: one of them, or `Remat` with an `ActNN` (recompute from a
   compressed input, at ActNN's bits, group size and offload). Raises for any other pair."""
-  kinds = sorted(k for _, _, k in found)
-  if len(found) > 1 and not (len(found) == 2 and kinds[1] == "remat" and
-                             kinds[0] in ("block", "conv", "norm")):
-    a, b = found[0][1], found[1][1]
-    if "policy" in kinds:
+  policies = [f for f in found if f[2] == "policy"]
+  remats = [f for f in found if f[2] == "remat"]
+  compressions = [f for f in found if f[2] in ("block", "conv", "norm")]
+  if len(found) > 1:
+    if policies:
+      pair = (policies[0], next(f for f in found if f is not policies[0]))
       why = ("a Policy says all that its site keeps (combine recompute and compression with "
              "Policy('recompute_compressed', bits=...))")
+    elif len(remats) > 1 or len(compressions) > 1:
+      pair = remats[:2] if len(remats) > 1 else compressions[:2]
+      why = f"{stacking_note(pair[0][2], pair[1][2])} is not supported"
     else:
-      why = f"{stacking_note(found[0][2], found[1][2])} is not supported"
-    raise ValueError(f"Both {a!r} and {b!r} select the module at {path or '<top>'!r}: {why}; "
-                     "give the techniques disjoint where=.")
+      pair = None
+    if pair is not None:
+      raise ValueError(f"Both {pair[0][1]!r} and {pair[1][1]!r} select the module at "
+                       f"{path or '<top>'!r}: {why}; give the techniques disjoint where=.")
   spec = SiteSpec()
   for _, t, kind in found:
     if kind == "policy":
@@ -185,31 +190,52 @@ def block_spec(found, path: str) -> SiteSpec:
   return spec
 
 
-def nested_site_covered(inner, outer, inner_path: str, outer_path: str) -> bool:
-  """Whether a block site inside another one is covered by it (then it is not a site of its
-  own) rather than applied inside it. ``inner``/``outer``: ``(found, spec)``, ``spec`` None
-  for SBP. Sites of the same technique are covered (``where=`` matched both); SBP mixed with
-  another kind, and a compressed or offloaded site inside a site that already stores every
-  residual inside it (no recomputation), raise; anything else composes (recompute inside a
-  compressed site, compression inside a recomputed one, ...)."""
-  (found, spec), (outer_found, outer_spec) = inner, outer
-  if {i for i, _, _ in found} & {i for i, _, _ in outer_found}:
-    return True
-  kind, other = found[0][2], outer_found[0][2]
-  if (spec is None) != (outer_spec is None):
-    raise ValueError(
-        f"The {kind} site {inner_path!r} is inside the {other} site {outer_path or '<top>'!r}: "
-        f"{stacking_note(kind, other)} is not implemented yet; give the techniques "
-        "disjoint where=.")
-  if spec is None:
-    return True
-  if outer_spec.stores and not outer_spec.recompute and spec.stores:
-    raise ValueError(
-        f"The {spec.name} site {inner_path!r} is inside the {outer_spec.name} site "
-        f"{outer_path or '<top>'!r}, which already stores every residual inside it "
-        f"{'compressed' if outer_spec.bits is not None else 'offloaded'}; storing them twice "
-        "is not supported: give the techniques disjoint where=.")
-  return False
+def nested_site(found, path: str, enclosing):
+  """``(found, spec)`` of a block site inside the block sites ``enclosing`` (``[(found,
+  spec, path)]``, outermost first; ``spec`` None for SBP), or None where they cover it.
+
+  A technique that also takes an enclosing site covers this one there (``where=`` matched
+  both): it is dropped here, and the site is covered once nothing is left. What is left
+  applies inside the enclosing sites, where that is sound: a recomputation inside a
+  compressing site recomputes from the compressed residuals, so it keeps the masks and
+  statistics of its forward pass exact (`jmem.ops.policy.save_masks_and_statistics`), as a
+  site recomputing from its own compressed input does. Raised: SBP mixed with another kind;
+  a compressed or offloaded site inside a site that stores every residual inside it
+  already (no recomputation); a ``"save"`` site inside any other kind (its residuals are
+  stored or recomputed by the enclosing site, not kept as they are).
+  """
+  taken = {i for outer_found, _, _ in enclosing for i, _, _ in outer_found}
+  left = [f for f in found if f[0] not in taken]
+  if not left:
+    return None
+  sbp = any(kind == "sbp" for _, _, kind in left)
+  spec = None if sbp else block_spec(left, path)
+  from_compressed = False
+  for outer_found, outer_spec, outer_path in enclosing:
+    kind, other = left[0][2], outer_found[0][2]
+    if (spec is None) != (outer_spec is None):
+      raise ValueError(
+          f"The {kind} site {path!r} is inside the {other} site {outer_path or '<top>'!r}: "
+          f"{stacking_note(kind, other)} is not implemented yet; give the techniques "
+          "disjoint where=.")
+    if spec is None:
+      return None                     # SBP inside SBP: the enclosing site's nodes
+    if spec.name == "save" and outer_spec.name != "save":
+      raise ValueError(
+          f"The save site {path!r} is inside the {outer_spec.name} site "
+          f"{outer_path or '<top>'!r}, which stores or recomputes every residual inside it, so "
+          "they cannot be kept as they are; give the techniques disjoint where=.")
+    if outer_spec.stores and not outer_spec.recompute:
+      if spec.stores:
+        raise ValueError(
+            f"The {spec.name} site {path!r} is inside the {outer_spec.name} site "
+            f"{outer_path or '<top>'!r}, which already stores every residual inside it "
+            f"{'compressed' if outer_spec.bits is not None else 'offloaded'}; storing them "
+            "twice is not supported: give the techniques disjoint where=.")
+      from_compressed = from_compressed or outer_spec.bits is not None
+  if from_compressed and spec.recompute:
+    spec = dataclasses.replace(spec, from_compressed=True)
+  return left, spec
 
 
 def block_transform(found, spec: SiteSpec, key, path: str):

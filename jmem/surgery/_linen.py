@@ -117,9 +117,8 @@ class _Trace:
     return found
 
   def block_site(self, mod, path):
-    """``(found, spec)`` of the block techniques taking this call: ``found`` a list of
-    ``(index, technique, kind)`` (empty: not a block site), ``spec`` its `SiteSpec` (None
-    for SBP)."""
+    """The block techniques taking this call: ``[(index, technique, kind)]`` (empty: not a
+    block site)."""
     found = []
     for i, t in enumerate(self.techniques):
       if isinstance(t, (Remat, Policy)):
@@ -141,14 +140,12 @@ class _Trace:
               t.matches_user(mod, path)):
           found.append((i, t, "conv" if lv.norm_bits is None or
                         c.linen_bn_status(mod) is None else "norm"))
-    if any(kind == "sbp" for _, _, kind in found):
-      if len(found) > 1:
-        raise ValueError(
-            f"Both {found[0][1]!r} and {found[1][1]!r} select the module at {path or '<top>'!r}. "
-            f"{c.stacking_note(found[0][2], found[1][2])} is not implemented yet; give the "
-            "techniques disjoint where=.")
-      return found, None
-    return found, (c.block_spec(found, path) if found else None)
+    if any(kind == "sbp" for _, _, kind in found) and len(found) > 1:
+      raise ValueError(
+          f"Both {found[0][1]!r} and {found[1][1]!r} select the module at {path or '<top>'!r}. "
+          f"{c.stacking_note(found[0][2], found[1][2])} is not implemented yet; give the "
+          "techniques disjoint where=.")
+    return found
 
   def spatial_site(self, mod, path):
     """``(index, technique)`` of the `Spatial` technique taking this convolution."""
@@ -196,13 +193,15 @@ class _Trace:
       return next_fun(*args, **kwargs)
     path = _path(mod, self.root)
     if id(mod) not in self.in_site:
-      found, spec = self.block_site(mod, path)
-      if found and self._nested(found, spec, path):
-        self._hit_all(found, path, record=False)   # covered by the enclosing site (as NNX)
-      elif found:
+      found = self.block_site(mod, path)
+      site = c.nested_site(found, path, self.active) if found else None
+      # Techniques that an enclosing site of theirs covers here (as NNX).
+      self._hit_all([f for f in found if site is None or f not in site[0]], path,
+                    record=False)
+      if site is not None:
         if not mod.is_initializing():
-          return self._call_block(mod, path, found, spec, args, kwargs)
-        self._hit_all(found, path, record=False)   # init: the forward pass, nothing to save
+          return self._call_block(mod, path, *site, args, kwargs)
+        self._hit_all(site[0], path, record=False)   # init: the forward pass, nothing to save
     if isinstance(mod, nn.Sequential) and any(isinstance(t, InPlaceABN) for t in self.techniques):
       return self._call_sequential(mod, args, kwargs)
     spatial = self.spatial_site(mod, path)
@@ -283,12 +282,6 @@ class _Trace:
   def _hit_all(self, found, path, record=True):
     for index, _, _ in found:
       self._hit(index, path, record)
-
-  def _nested(self, found, spec, path) -> bool:
-    """Whether the site is covered by an enclosing one (then it is not a site; raises for
-    nestings that cannot be: `_common.nested_site_covered`)."""
-    return any(c.nested_site_covered((found, spec), (outer_found, outer_spec), path, outer_path)
-               for outer_found, outer_spec, outer_path in self.active)
 
   def _call_block(self, mod, path, found, spec, args, kwargs):
     self._hit_all(found, path)

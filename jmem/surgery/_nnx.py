@@ -41,11 +41,19 @@ def _block_call(base, cfg):
     graphdef, state = nnx.split(self)
     arrays, rebuild = c.split_arrays(args, kwargs)
 
-    def pure(state, unused, *arrays):
-      del unused
+    # The keys of `jmem.surgery.rngs` go through the transform as an argument (never
+    # compressed): a site inside this one reads them as values of the transform's trace,
+    # not as constants captured from outside it.
+    keys = c.current_rngs()
+
+    def pure(state, keys, *arrays):
       a, kw = rebuild(arrays)
       module = nnx.merge(graphdef, state)
-      y = base.__call__(module, *a, **kw)
+      if keys is None:
+        y = base.__call__(module, *a, **kw)
+      else:
+        with c.rngs(**keys):
+          y = base.__call__(module, *a, **kw)
       return y, nnx.state(module)
 
     if kind == "sbp":
@@ -58,7 +66,7 @@ def _block_call(base, cfg):
         if key is None:
           c.no_key_warning()
       transform = site_transform(opts, key)
-    y, new_state = transform(pure)(state, None, *arrays)
+    y, new_state = transform(pure)(state, keys, *arrays)
     nnx.update(self, new_state)
     return y
 
@@ -193,23 +201,21 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
         if kind is not None:
           block_plan.setdefault(id(m), (p, m, []))[2].append((i, t, kind))
 
-  # Block sites: one spec per module (`_common.block_spec`); a site inside another one is
-  # covered by it (same technique) or applied inside it (`_common.nested_site_covered`).
+  # Block sites, outermost first: a site inside another one is covered by it, in part or in
+  # whole, or applied inside it (`_common.nested_site`).
   block_paths = {}
   for p, m, found in block_plan.values():
-    if any(kind == "sbp" for _, _, kind in found):
-      if len(found) > 1:
-        raise ValueError(f"Both {found[0][1]!r} and {found[1][1]!r} select the module at "
-                         f"{name(p)!r}. {c.stacking_note(found[0][2], found[1][2])} is not "
-                         "implemented yet; give the techniques disjoint where=.")
-      block_paths[p] = (found, None)
-    else:
-      block_paths[p] = (found, c.block_spec(found, name(p)))
+    if any(kind == "sbp" for _, _, kind in found) and len(found) > 1:
+      raise ValueError(f"Both {found[0][1]!r} and {found[1][1]!r} select the module at "
+                       f"{name(p)!r}. {c.stacking_note(found[0][2], found[1][2])} is not "
+                       "implemented yet; give the techniques disjoint where=.")
+    block_paths[p] = found
   applied = {}
-  for p, site in block_paths.items():
-    enclosing = sorted((q for q in block_paths if q != p and p[:len(q)] == q), key=len)
-    if not any([c.nested_site_covered(site, block_paths[q], name(p), name(q))
-                for q in enclosing]):
+  for p in sorted(block_paths, key=len):
+    enclosing = [(*applied[q], name(q)) for q in sorted(applied, key=len)
+                 if q != p and p[:len(q)] == q]
+    site = c.nested_site(block_paths[p], name(p), enclosing)
+    if site is not None:
       applied[p] = site
 
   for p, m, found in bn_plan.values():
@@ -265,7 +271,7 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
     else:
       cfg = ("remat" if spec.name == "recompute" else spec.name, path, spec)
     actions.append(functools.partial(_set_block_class, by_path[p], cfg))
-  for p, (found, _) in block_paths.items():
+  for p, found in block_paths.items():
     for i, _, _ in found:
       hits[i].append(name(p))
 

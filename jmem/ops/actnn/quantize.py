@@ -522,7 +522,8 @@ def offload_residuals(f: Callable[..., Any], *, min_size: int = 1024,
   number, booleans bit-packed), without the quantization. The gradient is exact.
 
   ``jax.checkpoint``'s public policies offload only named values or dots; this moves every
-  residual of ``f``. On a CPU, host and device memory are the same memory: the transfers
+  floating residual of ``f`` of at least ``min_size`` values (smaller, integer and
+  parameter residuals stay on the device). On a CPU, host and device memory are the same memory: the transfers
   happen, nothing is saved. Returns ``g(*args, key=None)`` (``key`` unused), like `compress`.
   """
   return _saving_residuals(f, bits=None, group_size=256, min_size=min_size,
