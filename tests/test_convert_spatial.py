@@ -224,3 +224,32 @@ def test_depthwise_bfloat16_with_a_float32_result():
   for a, b in zip(got, want):
     assert a.dtype == b.dtype == jnp.bfloat16
     _close(a.astype(jnp.float32), b.astype(jnp.float32), tol=1e-2)
+
+
+def test_unet_spatial_equals_one_device():
+  """jmem's U-Net (the segmentation benchmark's model: max pools, nearest upsampling, skip
+  concatenations, per-pixel loss) sharded 2 x 4 over H x W equals one device."""
+  mesh = _mesh()
+  model = models.UNet(5, widths=(4, 8, 16))
+  x = jax.random.normal(jax.random.key(0), (2, 32, 64, 3))
+  y = jax.random.randint(jax.random.key(1), (2, 32, 64), 0, 5)
+  variables = model.init(jax.random.key(1), x)
+  state = {k: v for k, v in variables.items() if k != "params"}
+
+  def step(m):
+    def loss(params, x):
+      out, upd = m.apply({"params": params, **state}, x, mutable=list(state))
+      return models.pixel_cross_entropy(out, y), upd
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+  (loss0, upd0), g0 = step(model)(variables["params"], x)
+  converted = jmem.convert(model, jmem.Spatial(mesh, axes=("h", "w")))
+  xs = jax.device_put(x, NamedSharding(mesh, P(None, "h", "w", None)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", SpatialFallbackWarning)
+    (loss1, upd1), g1 = step(converted)(variables["params"], xs)
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
+  _close(g1, g0)
+  _close(upd1, upd0)
+  with pytest.raises(ValueError, match="divisible by 4"):
+    model.init(jax.random.key(0), jnp.zeros((1, 30, 64, 3)))

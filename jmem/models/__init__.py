@@ -9,6 +9,8 @@ from jmem.models.resnet import PreActBlock as PreActBlock
 from jmem.models.resnet import RESNET_CONFIGS as RESNET_CONFIGS
 from jmem.models.resnet import ResNet as ResNet
 from jmem.models.resnet import resnet as resnet
+from jmem.models.segmentation import UNet as UNet
+from jmem.models.segmentation import pixel_cross_entropy as pixel_cross_entropy
 from jmem.models.small import SmallCNN as SmallCNN
 from jmem.models.video import VIDEO_CONFIGS as VIDEO_CONFIGS
 from jmem.models.video import StTVideo as StTVideo

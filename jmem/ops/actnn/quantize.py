@@ -567,8 +567,7 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
           saved.append(leaf)
         elif kind == "quant":
           plan.append(("quant", leaf.shape, leaf.dtype))
-          n = leaf.shape[0] if leaf.ndim else 1
-          saved.append(quantize(leaf.reshape(n, -1), jax.random.fold_in(key, i), **kw))
+          saved.append(_quantize_residual(leaf, jax.random.fold_in(key, i), **kw))
         elif kind == "bool":
           plan.append(("bool", leaf.shape, None))
           saved.append(pack_bits(leaf.reshape(-1).astype(jnp.uint8), 1))
@@ -599,9 +598,7 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
         if kind == "const":
           leaves.append(jnp.full(shape, dtype[1], dtype[0]))
         elif kind == "quant":
-          n = shape[0] if len(shape) else 1
-          per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-          leaves.append(dequantize(s, (n, per), dtype, **kw).reshape(shape))
+          leaves.append(_dequantize_residual(s, shape, dtype, **kw))
         elif kind == "bool":
           leaves.append(unpack_bits(s, 1).astype(jnp.bool_).reshape(shape))
         else:
@@ -618,6 +615,47 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
 
 
 _STORED = ("quant", "bool", "raw")    # what the barrier orders and offload moves
+
+
+def _row_layout(shape, group_size) -> bool:
+  """Whether `compress` quantizes a residual of ``shape`` in rows of its last two dims
+  (``[..., W, C] -> [..., W * C]``, each row its own groups) instead of per sample: for an
+  array of 3 or more dims whose rows split into whole groups. Rows keep every leading dim
+  apart, so an activation sharded over H and W (`jmem.Spatial`) is quantized where it lies:
+  flattening each sample crosses the shards, and XLA gathered the whole activation on every
+  device (a U-Net's 1024 x 2048 step took 1.30x exact's temp per device, 81 all-gathers).
+  """
+  return len(shape) >= 3 and (shape[-2] * shape[-1]) % group_size == 0
+
+
+def _rows_map(fn, lead: int):
+  for _ in range(lead):
+    fn = jax.vmap(fn)
+  return fn
+
+
+def _quantize_residual(x, key, *, group_size, **kw) -> Quantized:
+  """`quantize` of one residual: per row (`_row_layout`; one key per row, split from
+  ``key``) or per sample."""
+  if not _row_layout(x.shape, group_size):
+    n = x.shape[0] if x.ndim else 1
+    return quantize(x.reshape(n, -1), key, group_size=group_size, **kw)
+  lead = x.shape[:-2]
+  keys = jax.random.split(key, int(np.prod(lead))).reshape(lead)
+  rows = x.reshape(lead + (x.shape[-2] * x.shape[-1],))
+  return _rows_map(lambda r, k: quantize(r[None], k, group_size=group_size, **kw),
+                   len(lead))(rows, keys)
+
+
+def _dequantize_residual(qx: Quantized, shape, dtype, *, group_size, **kw) -> jax.Array:
+  """The inverse of `_quantize_residual` for a residual of ``shape`` and ``dtype``."""
+  if not _row_layout(shape, group_size):
+    n = shape[0] if len(shape) else 1
+    per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    return dequantize(qx, (n, per), dtype, group_size=group_size, **kw).reshape(shape)
+  per = shape[-2] * shape[-1]
+  return _rows_map(lambda q: dequantize(q, (1, per), dtype, group_size=group_size, **kw)[0],
+                   len(shape) - 2)(qx).reshape(shape)
 
 
 def _interpret_once(implementation: str, interpret: bool | None) -> bool | None:
