@@ -10,8 +10,9 @@ Each row compiles the whole train step (forward, backward, SGD update with the p
 BatchNorm statistics and optimiser state donated) and reports, per device, the temp bytes
 (`memory_analysis().temp_size_in_bytes`: what the step needs beyond its arguments), the
 argument bytes, their sum (the step's device memory), XLA's FLOPs (per device under
-sharding) and the collectives of the compiled HLO. Compile-only on XLA:CPU: what a GPU
-would need is measured by benchmarks/gpu.py where one is lent.
+sharding) and the collectives of the compiled HLO. Compile-only on XLA:CPU; a GPU's
+figures would come from running this script there (benchmarks/gpu.py has no segmentation
+case yet).
 """
 
 import os

@@ -253,3 +253,9 @@ def test_unet_spatial_equals_one_device():
   _close(upd1, upd0)
   with pytest.raises(ValueError, match="divisible by 4"):
     model.init(jax.random.key(0), jnp.zeros((1, 30, 64, 3)))
+  # The void label leaves its pixels out of the mean; none left gives 0, not NaN.
+  logits = jax.random.normal(jax.random.key(3), (1, 2, 2, 5))
+  labels = jnp.array([[[1, 255], [255, 255]]])
+  np.testing.assert_allclose(models.pixel_cross_entropy(logits, labels, ignore_index=255),
+                             -jax.nn.log_softmax(logits)[0, 0, 0, 1], rtol=1e-6)
+  assert models.pixel_cross_entropy(logits, jnp.full((1, 2, 2), 255), ignore_index=255) == 0

@@ -269,3 +269,45 @@ def test_policies_with_spatial_sharding():
   gathers = lambda m: jmem.collective_counts(step(m).lower(variables["params"], xs).compile()
                                              .as_text())["all-gather"]
   assert gathers(jmem.convert(model, spatial, *stack)) <= gathers(jmem.convert(model, spatial))
+
+
+def test_row_layout_is_the_per_sample_quantization_where_the_shards_lie():
+  """`compress` stores residuals of 3+ dims in rows of their last two dims: the same codes as
+  per-sample groups (bit for bit), old-style uint32 keys included; masks packed per row. On
+  a U-Net (ReLU masks, skip concatenations) sharded 2 x 4 over H x W, ActNN L3 adds no
+  all-gather or collective-permute to Spatial's own (per sample: one gather per residual)."""
+  x = jax.random.normal(jax.random.key(0), (2, 4, 8, 32))
+  kw = dict(bits=2, group_size=256, implementation="xla", interpret=None)
+  rows = q._quantize_residual(x, jax.random.key(3), **kw)  # pylint: disable=protected-access
+  flat = q.quantize(x.reshape(2, -1), jax.random.key(3), **kw)
+  for a, b in zip(rows, flat):
+    np.testing.assert_array_equal(np.ravel(a), np.ravel(b))
+  f = lambda x: jnp.sum(jnp.maximum(x, 0.0) ** 2)
+  np.testing.assert_allclose(jax.grad(q.compress(f, bits=8))(x, key=jax.random.PRNGKey(0)),
+                             jax.grad(f)(x), atol=0.05)
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from jmem import models
+  mesh = jax.make_mesh((2, 4), ("h", "w"), axis_types=(AxisType.Auto,) * 2)
+  model = models.UNet(5, widths=(4, 8, 16))
+  # Each device's rows (W / 4 x C values) hold whole groups of 256 at every stage: groups
+  # straddling two devices are gathered (a 256-wide image: 64 x 3 values per device).
+  images = jax.random.normal(jax.random.key(0), (1, 32, 1024, 3))
+  labels = jnp.zeros((1, 32, 1024), jnp.int32)
+  variables = model.init(jax.random.key(1), images)
+  xs = jax.device_put(images, NamedSharding(mesh, P(None, "h", "w", None)))
+
+  def collectives(*techniques):
+    m = jmem.convert(model, *techniques)
+
+    def loss(params, x):
+      out, _ = m.apply({**variables, "params": params}, x, mutable=["batch_stats"],
+                       rngs={"actnn": jax.random.key(0)})
+      return models.pixel_cross_entropy(out, labels)
+    text = jax.jit(jax.grad(loss)).lower(variables["params"], xs).compile().as_text()
+    counts = jmem.collective_counts(text)
+    return counts["all-gather"], counts["collective-permute"]
+
+  spatial = jmem.Spatial(mesh, axes=("h", "w"))
+  alone, stacked = collectives(spatial), collectives(spatial, jmem.ActNN("L3"))
+  assert stacked[0] <= alone[0] and stacked[1] <= alone[1], (stacked, alone)

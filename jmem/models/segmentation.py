@@ -72,7 +72,15 @@ class UNet(nn.Module):
         jnp.float32)
 
 
-def pixel_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean cross-entropy over every pixel: ``logits [B, H, W, K]``, ``labels [B, H, W]``."""
+def pixel_cross_entropy(logits: jax.Array, labels: jax.Array,
+                        ignore_index: int | None = None) -> jax.Array:
+  """Mean cross-entropy over the pixels: ``logits [B, H, W, K]``, ``labels [B, H, W]``.
+  ``ignore_index`` (e.g. 255, the "void" label of Cityscapes-style data) leaves those pixels
+  out of the mean; an image with none left gives 0, not NaN."""
   log_p = jax.nn.log_softmax(logits)
-  return -jnp.mean(jnp.take_along_axis(log_p, labels[..., None], -1))
+  if ignore_index is None:
+    return -jnp.mean(jnp.take_along_axis(log_p, labels[..., None], -1))
+  valid = labels != ignore_index
+  safe = jnp.where(valid, labels, 0)
+  nll = -jnp.take_along_axis(log_p, safe[..., None], -1)[..., 0]
+  return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)

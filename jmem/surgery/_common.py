@@ -17,7 +17,6 @@ from jmem._context import (  # pylint: disable=unused-import
     active_mask, batch_mask, context_key, current_rngs, data_key, mask_for, rngs)
 from jmem._bn_core import linen_has_bn_variables, nnx_has_bn_stats  # pylint: disable=unused-import
 from jmem._elementwise import ABNConfig
-from jmem.ops.actnn import quantize as q
 from jmem.ops.actnn.technique import ActNN
 from jmem.ops.policy import SiteSpec, recomputed, site_transform
 from jmem.ops.sbp import sites as sbp_sites

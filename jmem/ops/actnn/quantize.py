@@ -16,7 +16,9 @@ there is nothing left to quantize).
 
 Layout: within a group, byte ``k`` holds the values ``k + j * n`` (``n = group_size * b /
 8``) at bit ``j * b`` (plane ``j``); the Pallas kernels of `pallas_kernels.quantize` read
-and write each plane as one contiguous slice.
+and write each plane as one contiguous slice. `compress` quantizes a residual of 3 or more
+dims in rows of its last two dims (`_row_layout`: where the shards of a spatially sharded
+activation lie), else per sample.
 
 `compress(f)` is the GACT idea as a JAX transform: a function with ``f``'s signature whose
 backward uses 2-bit (or ``bits``) copies of ``f``'s floating-point residuals. The residuals
@@ -211,10 +213,17 @@ def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 2
     raise ValueError(f"quantize got an empty array of shape {x.shape}: nothing to compress "
                      "(keep empty residuals as they are).")
   implementation = resolve_implementation(implementation, bits=bits, group_size=group_size)
+  return _quantize_seeded(x, dither_seed(key), bits=bits, group_size=group_size,
+                          implementation=implementation, interpret=interpret)
+
+
+def _quantize_seeded(x, seed, *, bits, group_size, implementation, interpret) -> Quantized:
+  """`quantize` with the dither's uint32 ``seed`` (value ``i`` of ``x``, in row-major order,
+  rounds with ``hash_uniform(i, seed)``)."""
   grouped = _range_safe_groups(x, group_size, dtype=x.dtype)
   n, g = grouped.shape[:2]
   codes, mn, scale = _backends.get(_backends.QUANTIZE_PACK, implementation)(
-      grouped.reshape(n * g, group_size), dither_seed(key), bits=bits, interpret=interpret)
+      grouped.reshape(n * g, group_size), seed, bits=bits, interpret=interpret)
   return Quantized(codes.reshape(n, -1), mn.reshape(n, g), scale.reshape(n, g))
 
 
@@ -570,7 +579,7 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
           saved.append(_quantize_residual(leaf, jax.random.fold_in(key, i), **kw))
         elif kind == "bool":
           plan.append(("bool", leaf.shape, None))
-          saved.append(pack_bits(leaf.reshape(-1).astype(jnp.uint8), 1))
+          saved.append(_pack_mask(leaf))
         else:                                     # parameters (alive anyway), small, ints
           plan.append(("keep", None, None))
           saved.append(leaf)
@@ -600,7 +609,7 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
         elif kind == "quant":
           leaves.append(_dequantize_residual(s, shape, dtype, **kw))
         elif kind == "bool":
-          leaves.append(unpack_bits(s, 1).astype(jnp.bool_).reshape(shape))
+          leaves.append(_unpack_mask(s, shape))
         else:
           leaves.append(s)
       vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
@@ -617,15 +626,19 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
 _STORED = ("quant", "bool", "raw")    # what the barrier orders and offload moves
 
 
-def _row_layout(shape, group_size) -> bool:
-  """Whether `compress` quantizes a residual of ``shape`` in rows of its last two dims
-  (``[..., W, C] -> [..., W * C]``, each row its own groups) instead of per sample: for an
-  array of 3 or more dims whose rows split into whole groups. Rows keep every leading dim
-  apart, so an activation sharded over H and W (`jmem.Spatial`) is quantized where it lies:
+def _row_layout(shape, unit: int) -> bool:
+  """Whether `compress` stores a residual of ``shape`` in rows of its last two dims
+  (``[..., W, C] -> [..., W * C]``) instead of flattened per sample: for an array of 3 or
+  more dims whose rows split into whole units (quantization groups; bytes of packed bits).
+  Rows keep every leading dim apart, so an activation sharded over H and W (`jmem.Spatial`)
+  is stored where it lies, as long as each device's part of a row (``W / devices * C``
+  values) holds whole groups (else XLA gathers the groups that straddle two devices):
   flattening each sample crosses the shards, and XLA gathered the whole activation on every
-  device (a U-Net's 1024 x 2048 step took 1.30x exact's temp per device, 81 all-gathers).
+  device (a U-Net's 1024 x 2048 step took 1.30x exact's temp per
+  device, 81 all-gathers). The codes are bit-identical to the per-sample layout's (the same
+  groups, each value rounded with the dither of its row-major index).
   """
-  return len(shape) >= 3 and (shape[-2] * shape[-1]) % group_size == 0
+  return len(shape) >= 3 and (shape[-2] * shape[-1]) % unit == 0
 
 
 def _rows_map(fn, lead: int):
@@ -634,17 +647,19 @@ def _rows_map(fn, lead: int):
   return fn
 
 
-def _quantize_residual(x, key, *, group_size, **kw) -> Quantized:
-  """`quantize` of one residual: per row (`_row_layout`; one key per row, split from
-  ``key``) or per sample."""
+def _quantize_residual(x, key, *, bits, group_size, implementation, interpret) -> Quantized:
+  """`quantize` of one residual, per row (`_row_layout`) or per sample."""
+  kw = dict(bits=bits, group_size=group_size, implementation=implementation,
+            interpret=interpret)
   if not _row_layout(x.shape, group_size):
     n = x.shape[0] if x.ndim else 1
-    return quantize(x.reshape(n, -1), key, group_size=group_size, **kw)
-  lead = x.shape[:-2]
-  keys = jax.random.split(key, int(np.prod(lead))).reshape(lead)
-  rows = x.reshape(lead + (x.shape[-2] * x.shape[-1],))
-  return _rows_map(lambda r, k: quantize(r[None], k, group_size=group_size, **kw),
-                   len(lead))(rows, keys)
+    return quantize(x.reshape(n, -1), key, **kw)
+  lead, per = x.shape[:-2], x.shape[-2] * x.shape[-1]
+  # Row r's values have row-major indices r * per + j: its seed carries the offset.
+  row = jnp.arange(int(np.prod(lead)), dtype=jnp.uint32).reshape(lead)
+  seeds = dither_seed(key) + row * jnp.uint32(per % 2**32) * jnp.uint32(0x9E3779B1)
+  return _rows_map(lambda r, sd: _quantize_seeded(r[None], sd, **kw), len(lead))(
+      x.reshape(lead + (per,)), seeds)
 
 
 def _dequantize_residual(qx: Quantized, shape, dtype, *, group_size, **kw) -> jax.Array:
@@ -656,6 +671,17 @@ def _dequantize_residual(qx: Quantized, shape, dtype, *, group_size, **kw) -> ja
   per = shape[-2] * shape[-1]
   return _rows_map(lambda q: dequantize(q, (1, per), dtype, group_size=group_size, **kw)[0],
                    len(shape) - 2)(qx).reshape(shape)
+
+
+def _pack_mask(mask):
+  """A boolean residual bit-packed, per row of its last two dims where they hold whole bytes
+  (`_row_layout`), else flattened."""
+  rows = mask.shape[:-2] + (-1,) if _row_layout(mask.shape, 8) else (-1,)
+  return pack_bits(mask.reshape(rows).astype(jnp.uint8), 1)
+
+
+def _unpack_mask(packed, shape):
+  return unpack_bits(packed, 1).astype(jnp.bool_).reshape(shape)
 
 
 def _interpret_once(implementation: str, interpret: bool | None) -> bool | None:
