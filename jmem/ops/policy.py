@@ -9,9 +9,10 @@ A site's residuals (what its backward pass reads) can be
 * ``"recompute"``: dropped and recomputed from the site's inputs in the backward pass
   (``jax.checkpoint``; ``checkpoint_policy`` may keep some, e.g. ``dots_saveable``);
 * ``"recompute_compressed"``: recomputed from a ``bits``-bit copy of the site's inputs,
-  keeping the forward pass's masks (1 bit per value) and batch statistics exact
-  (`save_masks_and_statistics`), plus whatever ``checkpoint_policy`` saves, at full
-  precision; the recomputation runs on the dequantized input, so the gradient is
+  keeping the forward pass's masks (1 bit per value), batch statistics
+  (`save_masks_and_statistics`) and values named `jmem._technique.EXACT_RESIDUAL` (an
+  InPlace-ABN's output, which its backward inverts) exact, plus whatever
+  ``checkpoint_policy`` saves, at full precision; the recomputation runs on the dequantized input, so the gradient is
   approximate, as any compression's;
 * ``"offload"``: moved to host memory (``pinned_host``) until the backward pass, at full
   precision (exact), or compressed first with ``bits=``.
@@ -35,7 +36,7 @@ import jax
 import numpy as np
 
 from jmem._backends import check_implementation
-from jmem._technique import Technique
+from jmem._technique import EXACT_RESIDUAL, Technique
 from jmem.ops.actnn import quantize as q
 
 __all__ = ["Policy", "POLICY_KINDS", "SiteSpec", "site_transform", "save_masks_and_statistics", "recomputed"]
@@ -120,9 +121,11 @@ def recomputed(spec: SiteSpec, f):
     return f
   policy = spec.checkpoint_policy
   if (spec.bits is not None or spec.from_compressed) and spec.keep_masks_and_statistics:
-    policy = (save_masks_and_statistics if policy is None else
-              jax.checkpoint_policies.save_from_both_policies(policy,
-                                                             save_masks_and_statistics))
+    keep = jax.checkpoint_policies.save_from_both_policies(
+        save_masks_and_statistics,
+        jax.checkpoint_policies.save_only_these_names(EXACT_RESIDUAL))
+    policy = (keep if policy is None else
+              jax.checkpoint_policies.save_from_both_policies(policy, keep))
   return jax.checkpoint(f, policy=policy, prevent_cse=True)
 
 
