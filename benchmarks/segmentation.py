@@ -19,18 +19,19 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
-import time  # pylint: disable=g-import-not-at-top,wrong-import-position
+# pylint: disable=g-import-not-at-top,wrong-import-position   (after the flags above)
+import argparse
+import time
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
-import optax  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.sharding import AxisType, NamedSharding  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from _common import write_report  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jmem  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jmem import models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from _common import write_report
+import jmem
+from jmem import models
 
 MIB = 2**20
 NUM_CLASSES = 19

@@ -12,8 +12,8 @@ A site's residuals (what its backward pass reads) can be
   keeping the forward pass's masks (1 bit per value), batch statistics
   (`save_masks_and_statistics`) and values named `jmem._technique.EXACT_RESIDUAL` (an
   InPlace-ABN's output, which its backward inverts) exact, plus whatever
-  ``checkpoint_policy`` saves, at full precision; the recomputation runs on the dequantized input, so the gradient is
-  approximate, as any compression's;
+  ``checkpoint_policy`` saves, at full precision; the recomputation runs on the dequantized
+  input, so the gradient is approximate, as any compression's;
 * ``"offload"``: moved to host memory (``pinned_host``) until the backward pass, at full
   precision (exact), or compressed first with ``bits=``.
 
@@ -39,7 +39,8 @@ from jmem._backends import check_implementation
 from jmem._technique import EXACT_RESIDUAL, Technique
 from jmem.ops.actnn import quantize as q
 
-__all__ = ["Policy", "POLICY_KINDS", "SiteSpec", "site_transform", "save_masks_and_statistics", "recomputed"]
+__all__ = ["Policy", "POLICY_KINDS", "SiteSpec", "site_transform", "save_masks_and_statistics",
+           "recomputed"]
 
 POLICY_KINDS = ("save", "compress", "recompute", "recompute_compressed", "offload")
 _WITH_BITS = ("compress", "recompute_compressed")
@@ -78,6 +79,14 @@ class SiteSpec:
   def draws(self) -> bool:
     """Whether the site's transform takes a stochastic-rounding key."""
     return self.bits is not None
+
+  @property
+  def keeps_exact(self) -> bool:
+    """Whether the recomputation keeps its masks, statistics and `EXACT_RESIDUAL` values
+    (`save_masks_and_statistics`): it recomputes from a compressed input (its own or an
+    enclosing site's), and only that input is quantized."""
+    return (self.recompute and self.keep_masks_and_statistics and
+            (self.bits is not None or self.from_compressed))
 
   @property
   def stores(self) -> bool:
@@ -120,7 +129,7 @@ def recomputed(spec: SiteSpec, f):
   if not spec.recompute:
     return f
   policy = spec.checkpoint_policy
-  if (spec.bits is not None or spec.from_compressed) and spec.keep_masks_and_statistics:
+  if spec.keeps_exact:
     keep = jax.checkpoint_policies.save_from_both_policies(
         save_masks_and_statistics,
         jax.checkpoint_policies.save_only_these_names(EXACT_RESIDUAL))
@@ -139,7 +148,7 @@ def site_transform(spec: SiteSpec, key=None):
       return functools.partial(
           q.compress(f, bits=spec.bits, group_size=spec.group_size, param_argnums=(0, 1),
                      offload=spec.offload, implementation=spec.implementation,
-                     arguments_only=spec.recompute and spec.keep_masks_and_statistics),
+                     arguments_only=spec.keeps_exact),
           key=key)
     if spec.offload:
       return q.offload_residuals(f, param_argnums=(0, 1))
@@ -214,4 +223,5 @@ class Policy(Technique):
     return SiteSpec(recompute=self.kind.startswith("recompute"),
                     checkpoint_policy=self.checkpoint_policy, bits=self.bits,
                     group_size=self.group_size, offload=self.kind == "offload",
-                    implementation=self.implementation, keep_masks_and_statistics=self.keep_masks_and_statistics)
+                    implementation=self.implementation,
+                    keep_masks_and_statistics=self.keep_masks_and_statistics)

@@ -90,8 +90,8 @@ from jmem.parallel.sync_bn.technique import SyncBN as SyncBN
 from jmem.techniques import convert_technique_names as technique_names
 from jmem.techniques import technique as technique
 
-__all__ = ["convert", "Technique", "Remat", "ActNN", "Policy", "SyncBN", "InPlaceABN", "SBP", "Spatial", "technique",
-           "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate",
+__all__ = ["convert", "Technique", "Remat", "ActNN", "Policy", "SyncBN", "InPlaceABN", "SBP",
+           "Spatial", "technique", "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate",
            "convert_nnx"]
 
 

@@ -237,22 +237,34 @@ def nested_site(found, path: str, enclosing):
   return left, spec
 
 
+def _probing(found):
+  """The `ActNN` of ``found`` that carries a calibration probe, or None."""
+  return next((t for _, t, _ in found if isinstance(t, ActNN) and t.probe is not None), None)
+
+
 def block_transform(found, spec: SiteSpec, key, path: str):
   """``pure -> g`` of a block site: ActNN's calibration probe if one of ``found`` carries
   one, else `site_transform` of ``spec``."""
-  for _, t, _ in found:
-    if isinstance(t, ActNN) and t.probe is not None:
-      lv = t.resolved_level()
-      return lambda pure: t.probe.site(
-          recomputed(spec, pure), path, group_size=lv.group_size,
-          arguments_only=spec.recompute and spec.keep_masks_and_statistics)
-  return site_transform(spec, key)
+  t = _probing(found)
+  if t is None:
+    return site_transform(spec, key)
+  group_size = t.resolved_level().group_size
+  return lambda pure: t.probe.site(recomputed(spec, pure), path, group_size=group_size,
+                                   arguments_only=spec.keeps_exact)
 
 
 def needs_key(found, spec: SiteSpec) -> bool:
   """Whether the site draws a stochastic-rounding key (compresses, and is not probing)."""
-  return spec.draws and not any(isinstance(t, ActNN) and t.probe is not None
-                                for _, t, _ in found)
+  return spec.draws and _probing(found) is None
+
+
+def check_sbp_alone(found, path: str) -> None:
+  """Raises if SBP and another block technique select one site."""
+  if len(found) > 1 and any(kind == "sbp" for _, _, kind in found):
+    raise ValueError(
+        f"Both {found[0][1]!r} and {found[1][1]!r} select the module at {path or '<top>'!r}. "
+        f"{stacking_note(found[0][2], found[1][2])} is not implemented yet; give the "
+        "techniques disjoint where=.")
 
 
 def sbp_transform(technique, key, path: str):

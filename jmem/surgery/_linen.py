@@ -69,7 +69,7 @@ class _Trace:
   root: tuple
   hits: dict = dataclasses.field(default_factory=dict)       # technique index -> paths
   in_site: set = dataclasses.field(default_factory=set)      # ids of modules under a transform
-  active: list = dataclasses.field(default_factory=list)     # (found, spec, path) of enclosing sites
+  active: list = dataclasses.field(default_factory=list)     # (found, spec, path) enclosing
   pairs: dict = dataclasses.field(default_factory=dict)      # id(bn) -> activation pair
   sbp_keys: dict = dataclasses.field(default_factory=dict)   # technique index -> keep key
 
@@ -140,11 +140,7 @@ class _Trace:
               t.matches_user(mod, path)):
           found.append((i, t, "conv" if lv.norm_bits is None or
                         c.linen_bn_status(mod) is None else "norm"))
-    if any(kind == "sbp" for _, _, kind in found) and len(found) > 1:
-      raise ValueError(
-          f"Both {found[0][1]!r} and {found[1][1]!r} select the module at {path or '<top>'!r}. "
-          f"{c.stacking_note(found[0][2], found[1][2])} is not implemented yet; give the "
-          "techniques disjoint where=.")
+    c.check_sbp_alone(found, path)
     return found
 
   def spatial_site(self, mod, path):

@@ -205,10 +205,7 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
   # whole, or applied inside it (`_common.nested_site`).
   block_paths = {}
   for p, m, found in block_plan.values():
-    if any(kind == "sbp" for _, _, kind in found) and len(found) > 1:
-      raise ValueError(f"Both {found[0][1]!r} and {found[1][1]!r} select the module at "
-                       f"{name(p)!r}. {c.stacking_note(found[0][2], found[1][2])} is not "
-                       "implemented yet; give the techniques disjoint where=.")
+    c.check_sbp_alone(found, name(p))
     block_paths[p] = found
   applied = {}
   for p in sorted(block_paths, key=len):

@@ -532,8 +532,9 @@ def offload_residuals(f: Callable[..., Any], *, min_size: int = 1024,
 
   ``jax.checkpoint``'s public policies offload only named values or dots; this moves every
   floating residual of ``f`` of at least ``min_size`` values (smaller, integer and
-  parameter residuals stay on the device). On a CPU, host and device memory are the same memory: the transfers
-  happen, nothing is saved. Returns ``g(*args, key=None)`` (``key`` unused), like `compress`.
+  parameter residuals stay on the device). On a CPU, host and device memory are the same
+  memory: the transfers happen, nothing is saved. Returns ``g(*args, key=None)`` (``key``
+  unused), like `compress`.
   """
   return _saving_residuals(f, bits=None, group_size=256, min_size=min_size,
                            param_argnums=param_argnums, offload=True, implementation="xla",
@@ -634,8 +635,8 @@ def _row_layout(shape, unit: int) -> bool:
   is stored where it lies, as long as each device's part of a row (``W / devices * C``
   values) holds whole groups (else XLA gathers the groups that straddle two devices):
   flattening each sample crosses the shards, and XLA gathered the whole activation on every
-  device (a U-Net's 1024 x 2048 step took 1.30x exact's temp per
-  device, 81 all-gathers). The codes are bit-identical to the per-sample layout's (the same
+  device (a U-Net's 1024 x 2048 step took 1.30x exact's temp per device, 81 all-gathers).
+  The codes are bit-identical to the per-sample layout's (the same
   groups, each value rounded with the dither of its row-major index).
   """
   return len(shape) >= 3 and (shape[-2] * shape[-1]) % unit == 0
