@@ -219,6 +219,24 @@ def test_video_transformer_sbp_blocks():
   assert saved.activation_bytes == 0          # only the block input (an argument) is kept
 
 
+def test_video_transformer_sbp_recomputes_in_the_backward():
+  """Each SBP block's kept-rows re-run waits for its cotangent. Scheduled early (as XLA
+  did before the re-run was tied to the cotangent) every block's re-run attention is live
+  at once: temp 0.60x exact here, against 0.36x."""
+  def temp(model):
+    fns = train.model_fns(model)
+    x = jax.ShapeDtypeStruct((4, 8, 16, 16, 1), jnp.float32)
+    y = jax.ShapeDtypeStruct((4,), jnp.int32)
+    params, state = jax.eval_shape(lambda x: fns.init(jax.random.key(0), x), x)
+    loss = train.make_loss(fns)
+    step = jax.grad(lambda p, s, x, y: loss(p, s, x, y, jax.random.key(3))[0])
+    return measure.compiled_memory(measure.jit(step), params, state, x, y).temp_bytes
+  model = video.VideoTransformer(num_classes=10, keep_ratio=0.25, patch=4, dim=32, depth=3,
+                                 heads=2, exact_last=0)
+  ratio = temp(model) / temp(model.clone(keep_ratio=1.0))
+  assert ratio < 0.45, ratio
+
+
 def test_bench_sbp_techniques_on_video():
   rows = bench.run_bench(bench.BenchConfig(model="stt-resnet8", techniques=("sbp-0.25",),
                                            batch_size=4, image_size=24, num_frames=16,
