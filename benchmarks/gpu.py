@@ -25,7 +25,8 @@ Which techniques: every name in jmem's technique registry (`jmem.techniques`, wh
 bench --techniques`` takes), each implementation of one with kernels (``actnn-L3:xla``,
 ``actnn-L3:pallas``, ...), whose ``apply`` takes the group's model, less the group's
 ``exclude`` patterns. So a stack (two techniques combined), once registered as a technique,
-is measured here with no change to this script; none is registered yet. Techniques that
+is measured here with no change to this script (the named policies ``recompute-2bit``,
+``offload`` and ``offload-2bit`` are). Techniques that
 need several devices (``spatial-8``) or another kind of model (SBP on a ResNet, ActNN on a
 video model) do not apply and are listed as such in the output.
 
@@ -85,7 +86,8 @@ QUICK_GROUPS = {
 # group's actnn-L3:pallas, ...); techniques not named here follow in registry order.
 PRIORITY = ("exact", "actnn-L3:pallas", "inplace-abn:pallas", "remat", "sbp-0.25",
             "actnn-L2:pallas", "actnn-L4:pallas", "actnn-L5:pallas", "actnn-L1:pallas",
-            "sync-bn:pallas", "inplace-abn:xla", "actnn-L3:xla", "sbp-0.5", "sbp-0.125")
+            "sync-bn:pallas", "inplace-abn:xla", "actnn-L3:xla", "sbp-0.5", "sbp-0.125",
+            "recompute-2bit:pallas", "offload", "offload-2bit:pallas")
 # Fractions of --time-budget by which compiling, then measuring, must end.
 COMPILE_SHARE = 0.45
 MEASURE_SHARE = 0.80

@@ -414,7 +414,7 @@ def test_registry_and_names():
   for name in bench.technique_names():
     record = bench.get_technique(name)
     if name in surgery.technique_names():
-      assert record.has_kernels == (name.startswith("actnn") or
+      assert record.has_kernels == (name.startswith("actnn") or name.endswith("-2bit") or
                                     name in ("inplace-abn", "sync-bn"))
       converted = jmem.technique(name)
       assert converted is None if name == "exact" else isinstance(converted, jmem.Technique)
@@ -424,6 +424,14 @@ def test_registry_and_names():
         jmem.technique(name)
   model = jmem.convert(tp.FunctionalCNN(), "remat")
   assert model.techniques == (jmem.Remat(),)
+  # The policies have names too: what the bench, benchmarks/gpu.py and a plan use.
+  assert jmem.technique("recompute-2bit:xla") == jmem.Policy(
+      "recompute_compressed", bits=2, implementation="xla")
+  assert jmem.technique("offload") == jmem.Policy("offload")
+  assert jmem.convert(tp.FunctionalCNN(), "offload-2bit").techniques == (
+      jmem.Policy("offload", bits=2),)
+  with pytest.raises(ValueError, match="block_transform"):
+    bench.get_technique("recompute-2bit").apply(tp.FunctionalCNN())
   with pytest.raises(TypeError, match="technique objects"):
     jmem.convert(tp.FunctionalCNN(), 3)
   with pytest.raises(TypeError, match="where="):

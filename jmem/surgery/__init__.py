@@ -76,9 +76,11 @@ import jax
 from flax import nnx
 
 from jmem.ops.actnn import levels as actnn_lib
+from jmem.ops.actnn import quantize as quantize_lib
 from jmem.surgery import _common
 from jmem.surgery._common import batch_mask as batch_mask
 from jmem.surgery._common import rngs as rngs
+from jmem._technique import BenchTechnique
 from jmem._technique import Technique as Technique
 from jmem.ops.actnn.technique import ActNN as ActNN
 from jmem.ops.inplace_abn.technique import InPlaceABN as InPlaceABN
@@ -88,6 +90,7 @@ from jmem.ops.sbp.technique import SBP as SBP
 from jmem.parallel.spatial.technique import Spatial as Spatial
 from jmem.parallel.sync_bn.technique import SyncBN as SyncBN
 from jmem.techniques import convert_technique_names as technique_names
+from jmem.techniques import register_technique
 from jmem.techniques import technique as technique
 
 __all__ = ["convert", "Technique", "Remat", "ActNN", "Policy", "SyncBN", "InPlaceABN", "SBP",
@@ -260,3 +263,41 @@ def inplace_abn_params(params: Mapping[str, Any], paths, *, to: str = "inplace_a
     return out
   return tree
 
+
+
+# ------------------------------------------------------------ Policy names in the registry
+
+def _policy_record(name: str, policy: Policy, description: str):
+  """A registry record of ``policy`` on default sites. The bench applies it to jmem's block
+  models with `convert` (this package, hence the record lives here rather than with
+  `Policy`): their stem and blocks, as ActNN L3's and remat's sites."""
+  quantizes = policy.bits is not None
+
+  def with_implementation(implementation):
+    return dataclasses.replace(policy, implementation=implementation) if quantizes else policy
+
+  def apply(model, implementation=None):
+    if not hasattr(model, "block_transform"):
+      raise ValueError(f"Technique {name!r} on jmem's own models needs one with blocks (a "
+                       f"block_transform field, as the ResNets have); {type(model).__name__} "
+                       f"has none. Any other model: jmem.convert(model, jmem.technique("
+                       f"{name!r}, where=...)).")
+    return convert(model, with_implementation(implementation))
+
+  return BenchTechnique(name, apply, description, has_kernels=quantizes,
+                        kernel_ops=quantize_lib.OPS if quantizes else (),
+                        convert=with_implementation)
+
+
+for _record in (
+    _policy_record("recompute-2bit", Policy("recompute_compressed", bits=2),
+                   "Policy recompute_compressed: each block recomputed from a 2-bit copy of "
+                   "its input (masks and statistics exact)"),
+    _policy_record("offload", Policy("offload"),
+                   "Policy offload: each block's residuals in pinned host memory, full "
+                   "precision (on CPU host and device memory are one)"),
+    _policy_record("offload-2bit", Policy("offload", bits=2),
+                   "Policy offload with bits=2: each block's residuals at 2 bits in pinned "
+                   "host memory"),
+):
+  register_technique(_record)
