@@ -98,6 +98,10 @@ __all__ = ["convert", "Technique", "Remat", "ActNN", "Policy", "SyncBN", "InPlac
            "convert_nnx"]
 
 
+# What `convert` takes (tests/test_pairs.py holds every pair of them to a test).
+TECHNIQUE_TYPES = (Remat, ActNN, Policy, SyncBN, InPlaceABN, SBP, Spatial)
+
+
 def convert(model, *techniques: Technique | None):
   """``model`` with ``techniques`` applied (module docstring).
 
@@ -120,7 +124,7 @@ def convert(model, *techniques: Technique | None):
       t = technique(t)
     if t is None:
       continue
-    if not isinstance(t, (Remat, ActNN, Policy, SyncBN, InPlaceABN, SBP, Spatial)):
+    if not isinstance(t, TECHNIQUE_TYPES):
       raise TypeError(f"jmem.convert takes technique objects (jmem.Remat(), jmem.ActNN('L3'), "
                       f"jmem.Policy(...), jmem.SyncBN(...), jmem.InPlaceABN(...), "
                       f"jmem.SBP(...), jmem.Spatial(mesh)) or bench names, got {t!r}.")
