@@ -52,7 +52,7 @@ def check_dtype(model: str, dtype: str) -> None:
     raise ValueError(f"Unknown compute dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
   if dtype != "float32" and not hasattr(models_lib.create_model(model, 10), "dtype"):
     raise ValueError(f"Model {model!r} has no compute dtype field, so it trains in float32 "
-                     f"only; drop --dtype {dtype} or pick a ResNet or ConvNeXt.")
+                     f"only; drop --dtype {dtype}.")
 
 
 def create_model(name: str, num_classes: int, dtype: str = "float32"):

@@ -219,6 +219,29 @@ def test_video_transformer_sbp_blocks():
   assert saved.activation_bytes == 0          # only the block input (an argument) is kept
 
 
+@pytest.mark.parametrize("name", ["video-vit", "stt-resnet8"])
+def test_video_models_in_bfloat16(name):
+  """Mixed precision: float32 parameters and logits, bfloat16 activations (SBP's saved
+  block inputs included); the logits within bfloat16's precision of float32's, finite
+  gradients under SBP."""
+  x, y = _clips()
+  model = video.video_model(name, 40, keep_ratio=0.25, **(
+      dict(patch=4, dim=32, depth=2, heads=2) if name == "video-vit" else {}))
+  half = model.clone(dtype=jnp.bfloat16)
+  fns, half_fns = train.model_fns(model), train.model_fns(half)
+  params, state = fns.init(jax.random.key(0), x)
+  assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(params))
+  logits = lambda f: train.make_loss(f)(params, state, x, y, jax.random.key(1))[1][0]
+  want, got = logits(fns), logits(half_fns)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, atol=0.1 * float(jnp.max(jnp.abs(want))) + 0.05)
+  loss = lambda p: train.make_loss(half_fns)(p, state, x, y, jax.random.key(1))[0]
+  grads = jax.jit(jax.grad(loss))(params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+  saved = measure.saved_residuals(loss, params)
+  assert saved.by_dtype().get("bfloat16", 0) > saved.by_dtype().get("float32", 0)
+
+
 def test_video_transformer_sbp_recomputes_in_the_backward():
   """Each SBP block's kept-rows re-run waits for its cotangent. Scheduled early (as XLA
   did before the re-run was tied to the cotangent) every block's re-run attention is live

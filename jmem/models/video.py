@@ -55,20 +55,23 @@ class TokenBlock(nn.Module):
   dim: int
   heads: int = 4
   mlp_ratio: int = 4
+  dtype: Any = None      # computation dtype (None: the input's); parameters stay float32
 
   @nn.compact
   def __call__(self, x, rows: jax.Array | None = None):
     b, n, d = x.shape
     hd = d // self.heads
-    h = nn.LayerNorm(name="norm1")(x)
-    kv = nn.DenseGeneral((2, self.heads, hd), name="kv")(h)
+    dt = self.dtype
+    h = nn.LayerNorm(dtype=dt, name="norm1")(x)
+    kv = nn.DenseGeneral((2, self.heads, hd), dtype=dt, name="kv")(h)
     q_in, x_res = (h, x) if rows is None else (jnp.take(h, rows, 1), jnp.take(x, rows, 1))
-    q = nn.DenseGeneral((self.heads, hd), name="q")(q_in)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kv[:, :, 0]) / jnp.sqrt(hd).astype(x.dtype)
+    q = nn.DenseGeneral((self.heads, hd), dtype=dt, name="q")(q_in)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kv[:, :, 0]) / jnp.sqrt(hd).astype(q.dtype)
     att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), kv[:, :, 1])
-    y = x_res + nn.DenseGeneral(d, axis=(-2, -1), name="proj")(att)
-    m = nn.Dense(self.mlp_ratio * d, name="fc1")(nn.LayerNorm(name="norm2")(y))
-    return y + nn.Dense(d, name="fc2")(nn.gelu(m))
+    y = x_res + nn.DenseGeneral(d, axis=(-2, -1), dtype=dt, name="proj")(att)
+    m = nn.Dense(self.mlp_ratio * d, dtype=dt, name="fc1")(nn.LayerNorm(dtype=dt,
+                                                                        name="norm2")(y))
+    return (y + nn.Dense(d, dtype=dt, name="fc2")(nn.gelu(m))).astype(x.dtype)
 
 
 def _detached(module_cls, *args, **kwargs):
@@ -95,6 +98,8 @@ class StTVideo(nn.Module):
     heads: attention heads.
     reference: use `jmem.ops.sbp.sbp_reference` (plain autodiff with the dropped frames'
       features under stop_gradient: the oracle in tests) instead of `sbp`.
+    dtype: computation dtype (e.g. ``jnp.bfloat16``: mixed precision; parameters stay
+      float32, the logits are float32).
   """
 
   num_classes: int
@@ -105,6 +110,7 @@ class StTVideo(nn.Module):
   temporal_depth: int = 2
   heads: int = 4
   reference: bool = False
+  dtype: Any = jnp.float32
 
   def __post_init__(self):
     # At construction: a ratio > 1 or NaN would otherwise silently train exact.
@@ -116,7 +122,7 @@ class StTVideo(nn.Module):
     if video.ndim != 5:
       raise ValueError(f"StTVideo expects [B, T, H, W, C] clips, got shape {video.shape}.")
     b, t = video.shape[:2]
-    cnn = _detached(_frame_cnn, self.backbone, self.feature_dim)
+    cnn = _detached(_frame_cnn, self.backbone, self.feature_dim, dtype=self.dtype)
 
     def per_frame(params, clips):
       frames = clips.reshape((-1,) + clips.shape[2:])
@@ -130,12 +136,13 @@ class StTVideo(nn.Module):
       feats = run(params, video, self.make_rng("dropout"))
     else:                                   # exact backprop (keep_ratio 1, or eval)
       feats = per_frame(params, video)
-    x = feats + self.param("time_embed", nn.initializers.normal(0.02), (t, self.feature_dim))
+    time_embed = self.param("time_embed", nn.initializers.normal(0.02), (t, self.feature_dim))
+    x = feats.astype(self.dtype) + time_embed.astype(self.dtype)
     for i in range(self.temporal_depth):
-      x = TokenBlock(self.feature_dim, self.heads, name=f"temporal{i}")(x)
+      x = TokenBlock(self.feature_dim, self.heads, dtype=self.dtype, name=f"temporal{i}")(x)
     # Read out every time step (not their mean): the order of the frames is the motion.
-    x = nn.LayerNorm(name="norm")(x.reshape(b, t * self.feature_dim))
-    return nn.Dense(self.num_classes, name="head")(x)
+    x = nn.LayerNorm(dtype=self.dtype, name="norm")(x.reshape(b, t * self.feature_dim))
+    return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
 
 class VideoTransformer(nn.Module):
@@ -156,6 +163,8 @@ class VideoTransformer(nn.Module):
     readout: ``"mean"`` pools all tokens; ``"frames"`` pools each frame's tokens and
       concatenates the frames in time order (the order of the frames is the motion, as in
       `StTVideo`'s readout).
+    dtype: computation dtype (e.g. ``jnp.bfloat16``: mixed precision; parameters stay
+      float32, the logits are float32).
   """
 
   num_classes: int
@@ -167,6 +176,7 @@ class VideoTransformer(nn.Module):
   heads: int = 4
   exact_last: int = 1
   readout: str = "mean"
+  dtype: Any = jnp.float32
 
   def __post_init__(self):
     # At construction: a ratio > 1 or NaN would otherwise silently train exact.
@@ -183,15 +193,16 @@ class VideoTransformer(nn.Module):
       raise ValueError(f"exact_last must be in [0, depth={self.depth}], got {self.exact_last}.")
     b, t, h, w, c = video.shape
     p = self.patch
-    x = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", name="patch_embed")(
-        video.reshape((b * t, h, w, c)))
+    x = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype,
+                name="patch_embed")(video.reshape((b * t, h, w, c)))
     x = x.reshape(b, t, -1, self.dim)
     # Factorised: a spatial embedding shared by all frames plus one per time step, so
     # that the spatial part can be pretrained on single frames (see `pretrain_backbone`).
-    x = (x + self.param("pos_embed", nn.initializers.normal(0.02), x.shape[2:])
-         + self.param("time_embed", nn.initializers.normal(0.02), (t, 1, self.dim)))
+    pos = self.param("pos_embed", nn.initializers.normal(0.02), x.shape[2:])
+    time = self.param("time_embed", nn.initializers.normal(0.02), (t, 1, self.dim))
+    x = x + pos.astype(x.dtype) + time.astype(x.dtype)
     x = x.reshape(b, -1, self.dim)                       # tokens in (t, h, w) order
-    block = _detached(TokenBlock, self.dim, self.heads)
+    block = _detached(TokenBlock, self.dim, self.heads, dtype=self.dtype)
     f_full = lambda prm, v: block.apply({"params": prm}, v)
     f_rows = lambda prm, v, rows: block.apply({"params": prm}, v, rows)
     idx = None
@@ -206,8 +217,8 @@ class VideoTransformer(nn.Module):
         x = f_full(prm, x)
     x = x.reshape(b, t, -1, self.dim)
     x = jnp.mean(x, axis=(1, 2)) if self.readout == "mean" else jnp.mean(x, axis=2)
-    x = nn.LayerNorm(name="norm")(x).reshape(b, -1)
-    return nn.Dense(self.num_classes, name="head")(x)
+    x = nn.LayerNorm(dtype=self.dtype, name="norm")(x).reshape(b, -1)
+    return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
 
 class FrameClassifier(nn.Module):
