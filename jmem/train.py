@@ -84,6 +84,10 @@ def _from_linen(module: nn.Module) -> ModelFns:
     # "actnn" / "sbp": the streams of jmem.convert's ActNN and SBP sites.
     rngs = ({"dropout": rng, "actnn": jax.random.fold_in(rng, 0x61),
              "sbp": jax.random.fold_in(rng, 0x73)} if rng is not None else {})
+    if rng is None and not train:
+      # Evaluation has no backward pass, so ActNN's rounding and SBP's sampling draw nothing
+      # that is used; a fixed key spares the "no 'actnn' RNG stream" warning.
+      rngs = {"actnn": jax.random.key(0), "sbp": jax.random.key(0)}
     with _masked(mask, linen=not getattr(module, "_jmem_guards_batch_mask", False)):
       if train and model_state:
         logits, new_state = module.apply(variables, x, train=True, rngs=rngs,
