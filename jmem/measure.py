@@ -91,6 +91,8 @@ class Residual:
       technique saves; see `saved_residuals`), ``"constant"`` or ``"literal"``.
     description: where it came from (producing primitive, or argument index and the
       primitives that copied it).
+    scope: the module path of the producing equation's name stack (Flax names each module
+      call: ``"stage1_block0/conv1"``; ``""`` at the top or for arguments).
   """
 
   shape: tuple[int, ...]
@@ -98,6 +100,7 @@ class Residual:
   nbytes: int
   source: str
   description: str
+  scope: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +208,7 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
     while (not isinstance(v, jex.Literal) and (eqn := producers.get(v)) is not None
            and eqn.primitive.name == "name"):
       v = eqn.invars[0]
+    scope = ""
     if isinstance(v, jex.Literal):
       source, desc = "literal", "literal"
     else:
@@ -219,6 +223,7 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
         eqn = producers.get(v)
         source = "activation"
         desc = f"output of {eqn.primitive.name}" if eqn is not None else "unknown"
+        scope = _module_path(eqn)
         found = origins.find(v, jaxpr)
         if found is not None:
           root, via = found
@@ -229,7 +234,7 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
             source, desc = "constant", f"copy of a closed-over constant (via {' > '.join(via)})"
     aval = v.aval
     residuals.append(Residual(tuple(getattr(aval, "shape", ())), getattr(aval, "dtype", None),
-                              _nbytes(aval), source, desc))
+                              _nbytes(aval), source, desc, scope))
 
   def total(kind: Sequence[str]) -> int:
     return sum(r.nbytes for r in residuals if r.source in kind)
@@ -251,6 +256,15 @@ _POSITIONAL_PRIMITIVES = frozenset({"device_put", "optimization_barrier"})
 _CALL_JAXPR_PARAMS = ("jaxpr", "call_jaxpr")
 _CALL_PRIMITIVES = frozenset({"shard_map", "pjit", "jit", "closed_call", "core_call",
                               "checkpoint", "remat", "custom_jvp_call"})
+
+
+def _module_path(eqn) -> str:
+  """The module path in ``eqn``'s name stack: its transform-wrapped top element
+  (``jvp(ResNet)``) dropped, as are transform names (``checkpoint``, ``jvp(...)``)."""
+  if eqn is None:
+    return ""
+  parts = str(eqn.source_info.name_stack).split("/")[1:]
+  return "/".join(p for p in parts if p and "(" not in p and p != "checkpoint")
 
 
 def _producers(jaxpr) -> dict[Any, Any]:
