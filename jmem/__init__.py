@@ -23,5 +23,7 @@ from jmem.surgery import batch_mask as batch_mask
 from jmem.surgery import convert as convert
 from jmem.surgery import technique as technique
 from jmem.parallel.sync_bn import sync_batch_norm as sync_batch_norm
+from jmem.planner import Plan as Plan
+from jmem.planner import plan as plan
 
 __version__ = "0.1.0"

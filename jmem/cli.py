@@ -81,6 +81,28 @@ def _parser() -> argparse.ArgumentParser:
                  help="where bench.json, bench.md and bench_memory.png go")
   b.add_argument("--no-progress", action="store_true")
 
+  pl = sub.add_parser(
+      "plan", help="per-site memory policies that fit a model's train step into a budget",
+      description="Chooses a jmem.Policy per block site (save, compress at 8/4/2 bits, "
+      "recompute from a 2-bit input; --exact-only: save or recompute) so that the compiled "
+      "train step fits --budget at --batch-size with the fewest extra FLOPs (jmem.plan).")
+  pl.add_argument("--model", default="resnet50", help=f"one of: {', '.join(models.MODEL_NAMES)}")
+  pl.add_argument("--image-size", type=int, default=224)
+  pl.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
+  pl.add_argument("--batch-size", type=int, default=256)
+  pl.add_argument("--budget", default="16GiB", help="device memory, e.g. 16GiB, 800MiB")
+  pl.add_argument("--dtype", default="float32", choices=bench.DTYPES)
+  pl.add_argument("--exact-only", action="store_true",
+                  help="accuracy-safe: no compression, the gradients stay exact")
+  pl.add_argument("--max-compiles", type=int, default=8)
+  pl.add_argument("--verify-steps", type=int, default=0, metavar="N",
+                  help="train the planned model next to exact for N steps on the embedded "
+                  "data (at --verify-image-size) and report both accuracies")
+  pl.add_argument("--verify-image-size", type=int, default=16)
+  pl.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
+  pl.add_argument("--output-dir", default="jmem_results",
+                  help="where plan.json, plan.md and plan_front.png go")
+
   t = sub.add_parser("train", help="train one model (with checkpoints and --resume)")
   t.add_argument("--model", default="resnet8", help=f"one of: {', '.join(models.MODEL_NAMES)}")
   t.add_argument("--technique", default="exact",
@@ -139,6 +161,52 @@ def _bench(args) -> int:
     print(bench.format_table(rows))
     print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}")
   return 0
+
+
+def _plan(args) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jmem import bench, models, planner as plan_lib, train  # pylint: disable=g-import-not-at-top
+  budget = plan_lib.parse_bytes(args.budget)          # bad input fails before any work
+  if args.batch_size < 1 or args.image_size < 1:
+    raise ValueError(f"--batch-size and --image-size must be positive, got "
+                     f"{args.batch_size} and {args.image_size}.")
+  output_dir = bench.check_output_dir(args.output_dir)
+  model = bench.create_model(args.model, 10, args.dtype)
+  video = models.model_task(args.model) == "video"
+  channels = 1 if video or args.model.endswith("digits") else 3
+  shape = ((args.batch_size, args.num_frames) if video else (args.batch_size,)) + (
+      args.image_size, args.image_size, channels)
+  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  y = jax.ShapeDtypeStruct((args.batch_size,), jnp.int32)
+  result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
+                         max_compiles=args.max_compiles)
+  paths = plan_lib.write(result, output_dir)
+  out = result.to_json()
+  if args.verify_steps:
+    dataset = bench.make_dataset(args.model, args.verify_image_size,
+                                 num_frames=args.num_frames)
+    config = train.TrainConfig(steps=args.verify_steps, batch_size=min(128, len(
+        dataset.x_train)), progress=False)
+    base = bench.create_model(args.model, dataset.num_classes, args.dtype)
+    from jmem import surgery  # pylint: disable=g-import-not-at-top
+    accuracy = {name: train.train(m, dataset, config).test_accuracy
+                for name, m in (("exact", base),
+                                ("plan", surgery.convert(base, *result.techniques)))}
+    out["verify"] = dict(steps=args.verify_steps, image_size=args.verify_image_size,
+                         accuracy=accuracy)
+  if args.json:
+    json.dump(out, sys.stdout, indent=2, default=str)
+    print()
+  else:
+    print(result.table())
+    if args.verify_steps:
+      acc = out["verify"]["accuracy"]
+      print(f"\nverify ({args.verify_steps} steps at {args.verify_image_size}x"
+            f"{args.verify_image_size}): exact {100 * acc['exact']:.2f}%, plan "
+            f"{100 * acc['plan']:.2f}%")
+    print(f"\nwrote {', '.join(paths)}")
+  return 0 if result.fits else 1
 
 
 def _on_mesh(model, shape: tuple[int, int, int], technique: str):
@@ -247,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     _simulate_host_devices(argv, getattr(args, "local_devices", None))
-    return {"bench": _bench, "train": _train}[args.command](args)
+    return {"bench": _bench, "train": _train, "plan": _plan}[args.command](args)
   except ValueError as e:
     parser.exit(2, f"jmem {args.command}: error: {e}\n")
 

@@ -1,0 +1,109 @@
+"""`jmem.plan` on ResNet-50 224x224 (float32, compile-only): budgets of 16 and 8 GiB at
+several batch sizes, against the single uniform techniques that also fit (issue 17).
+
+For each (budget, batch): the plan (its compiled device bytes, FLOPs against exact, the
+compiles it made and its wall time on this machine) and each uniform technique (ActNN's
+2 bits everywhere, remat, recompute from a 2-bit input) compiled at the same batch: does
+it fit, at what FLOPs. The plan must fit and need no more FLOPs than the cheapest uniform
+technique that fits. Writes results/plan_resnet50.{json,md}.
+
+  python benchmarks/plan_resnet50.py [--cases 16GiB:256,16GiB:512,8GiB:128,8GiB:256]
+"""
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jmem
+from jmem import models, planner as plan_lib, train
+from _common import RESULTS
+
+GIB = 2**30
+UNIFORM = {
+    "ActNN 2-bit everywhere (Policy compress)": lambda m: jmem.convert(
+        m, jmem.Policy("compress", bits=2)),
+    "remat (Policy recompute)": lambda m: jmem.convert(m, jmem.Policy("recompute")),
+    "recompute-2bit": lambda m: jmem.convert(m, jmem.Policy("recompute_compressed", bits=2)),
+}
+
+
+def compiled_step(model, batch, size, optimizer):
+  fns = train.model_fns(model)
+  x = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)
+  y = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
+                            jax.random.key(0), x)
+  c = train.make_train_step(fns, optimizer, donate=True).lower(abstract, x, y).compile()
+  mem = jmem.measure._memory_of(c)             # pylint: disable=protected-access
+  cost = c.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return mem.total_bytes, float(cost["flops"])
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--cases", default="16GiB:256,16GiB:512,8GiB:128,8GiB:256")
+  p.add_argument("--image-size", type=int, default=224)
+  args = p.parse_args()
+  base = models.create_model("resnet50", 1000)
+  optimizer = train.default_optimizer(1e-3, 100)
+  rows = []
+  for case in args.cases.split(","):
+    budget, batch = case.split(":")
+    batch = int(batch)
+    x = jax.ShapeDtypeStruct((batch, args.image_size, args.image_size, 3), jnp.float32)
+    y = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    t0 = time.time()
+    result = plan_lib.plan(base, (x, y), budget, optimizer=optimizer)
+    seconds = time.time() - t0
+    uniform = {}
+    for name, make in UNIFORM.items():
+      total, flops = compiled_step(make(base), batch, args.image_size, optimizer)
+      uniform[name] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
+                           fits=total <= result.budget_bytes)
+    fitting = [u["flops_ratio"] for u in uniform.values() if u["fits"]]
+    row = dict(budget=budget, batch=batch, plan=result.to_json(), seconds=seconds,
+               flops_ratio=result.flops / result.exact_flops, uniform=uniform,
+               cheapest_uniform_that_fits=min(fitting) if fitting else None)
+    rows.append(row)
+    print(budget, batch, f"plan fits={result.fits} {result.device_bytes / GIB:.2f} GiB "
+          f"flops {row['flops_ratio']:.3f} compiles {result.compiles} {seconds:.0f}s; "
+          f"uniform {[(k[:12], round(v['device_bytes'] / GIB, 2), round(v['flops_ratio'], 3)) for k, v in uniform.items()]}",
+          flush=True)
+  md = ["# `jmem.plan` on ResNet-50 224x224 (float32, compile-only)", "",
+        f"Written by `benchmarks/plan_resnet50.py` ({jax.default_backend()}, JAX "
+        f"{jax.__version__}; 2 CPU cores). Device bytes are the compiled train step's "
+        "(parameters, AdamW state, batch, activations and temp); FLOPs from XLA's cost "
+        "analysis, against exact at the same batch.", "",
+        "| budget | batch | exact GiB | plan GiB | fits | plan FLOPs / exact | compiles | "
+        "plan time (s) | cheapest uniform that fits (FLOPs / exact) | uniform: GiB, FLOPs |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+  for r in rows:
+    pj = r["plan"]
+    md.append(
+        f"| {r['budget']} | {r['batch']} | {pj['exact_device_bytes'] / GIB:.2f} | "
+        f"{pj['device_bytes'] / GIB:.2f} | {'yes' if pj['fits'] else 'NO'} | "
+        f"{r['flops_ratio']:.3f} | {pj['compiles']} | {r['seconds']:.0f} | "
+        f"{r['cheapest_uniform_that_fits'] if r['cheapest_uniform_that_fits'] is None else round(r['cheapest_uniform_that_fits'], 3)} | "
+        + "; ".join(f"{k}: {v['device_bytes'] / GIB:.2f}, {v['flops_ratio']:.3f}"
+                    for k, v in r["uniform"].items()) + " |")
+  md += [""]
+  for r in rows:
+    md += [f"## {r['budget']} at batch {r['batch']}", "",
+           "| site | policy |", "|---|---|"]
+    md += [f"| {c['path']} | {c['policy']} |" for c in r["plan"]["choices"]]
+    md += [""]
+  os.makedirs(RESULTS, exist_ok=True)
+  with open(os.path.join(RESULTS, "plan_resnet50.json"), "w") as f:
+    json.dump(rows, f, indent=1, default=str)
+  with open(os.path.join(RESULTS, "plan_resnet50.md"), "w") as f:
+    f.write("\n".join(md) + "\n")
+  print("\n".join(md))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,488 @@
+"""`jmem.plan` (`jmem.planner.plan`): per-site memory policies that fit a model's train
+step into a budget at the least extra compute.
+
+::
+
+  plan = jmem.plan(model, (x, y), budget="16GiB")     # x, y: arrays or ShapeDtypeStructs
+  print(plan)                                          # per-site table, peak, FLOPs, batch
+  model = jmem.convert(model, *plan.techniques)
+
+The sites are `jmem.convert`'s default block sites (the direct children of the top module
+but its ``Dense`` layers, as `jmem.Remat`'s); each gets a `jmem.Policy`. How:
+
+1. **Estimates, traced only.** The exact step's residuals are attributed to the sites by
+   the module path of the equation that made them (`jmem.measure.Residual.scope`); each
+   site's input size and forward FLOPs (convolutions and matmuls) come from the same
+   trace. Per site and policy: the bytes it would keep per example (save: its residuals;
+   compress at ``b`` bits: ``b`` of each value's bits plus group metadata; recompute: its
+   input; recompute from a ``b``-bit input: that input at ``b`` bits plus 1-bit masks) and
+   the FLOPs it adds (a recomputation: the site's forward; a quantizer: a few per value).
+2. **A path of upgrades.** From "save everywhere", one site moves one rung up its ladder
+   at a time (save -> compress at 8, 4, 2 bits -> recompute from a 2-bit input; exact
+   only: save -> recompute): every site climbs a rung before any climbs the next (all at
+   8 bits before one goes to 4: fewer bits only where the budget needs them), the site
+   with the most bytes saved per FLOP added first, until the predicted step fits. The prediction is ``fixed + batch *
+   (working + sum of the sites' bytes)``, with ``fixed`` and ``working`` (what no site
+   holds: the head, inline code, the backward's working set) from the compiled exact
+   step at two batch sizes. A tighter budget only walks further along the same path, so
+   it never needs fewer FLOPs.
+3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
+   reported peak is XLA's. Where it does not fit, the working bytes are corrected by the
+   miss and the walk goes on (at most ``max_compiles`` compiles in all); the largest batch
+   at the budget comes from the plan compiled at two batch sizes.
+
+Policies that move memory to the host (``offload``) are left out on a backend with one
+memory (CPU), where they save nothing; InPlace-ABN and spatial sharding are not searched
+(convert the model with them first, then plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmem import measure
+from jmem import surgery
+from jmem import train as train_lib
+from jmem.ops.policy import Policy
+
+__all__ = ["plan", "Plan", "SiteChoice", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# Rungs of a site's ladder: (policy kind, bits). Approximate policies first climb the bits.
+_APPROXIMATE_LADDER = (("save", None), ("compress", 8), ("compress", 4), ("compress", 2),
+                       ("recompute_compressed", 2))
+_EXACT_LADDER = (("save", None), ("recompute", None))
+# XLA FLOPs per quantized value, compress and decompress (a measured order of magnitude:
+# ActNN L3 on ResNet-50 costs 1.03x exact's FLOPs); the plan's reported FLOPs are XLA's.
+_QUANTIZE_FLOPS = 12.0
+
+
+def parse_bytes(budget: int | float | str) -> int:
+  """``16 * 2**30``, ``"16GiB"``, ``"12.5 GB"``, ``"800MiB"`` -> bytes (int)."""
+  if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+    if not math.isfinite(budget) or budget <= 0:
+      raise ValueError(f"budget must be a positive number of bytes, got {budget!r}.")
+    return int(budget)
+  if isinstance(budget, str):
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+    if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
+      return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+  raise ValueError(f"budget {budget!r} is not a size: give bytes (an int) or a string such as "
+                   "'16GiB', '800MiB' or '12GB'.")
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteChoice:
+  """One site of a plan.
+
+  Attributes:
+    path: the module path (`jmem.convert`'s ``where=`` matches it exactly).
+    kind: the policy kind (`jmem.ops.policy.POLICY_KINDS`).
+    bits: its bits (None: full precision).
+    saved_bytes: estimated bytes per example it keeps less than ``save``.
+    added_flops: estimated FLOPs per example it adds.
+  """
+
+  path: str
+  kind: str
+  bits: int | None
+  saved_bytes: float
+  added_flops: float
+
+  @property
+  def label(self) -> str:
+    return self.kind if self.bits is None else f"{self.kind} {self.bits}-bit"
+
+  def technique(self) -> Policy | None:
+    if self.kind == "save":
+      return None
+    return Policy(self.kind, bits=self.bits, where=re.escape(self.path))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What `plan` chose and what the compiler says about it.
+
+  Attributes:
+    budget_bytes, batch_size: the request.
+    choices: one `SiteChoice` per site, in call order.
+    device_bytes: the planned step's compiled device bytes at ``batch_size`` (arguments,
+      outputs and temp: parameters, optimiser state, the batch, activations).
+    exact_device_bytes: the same for the unconverted model.
+    flops, exact_flops: XLA's cost analysis of both steps.
+    fits: ``device_bytes <= budget_bytes``.
+    max_batch: the largest batch of the planned step within the budget (two more compiles;
+      None if not measured).
+    exact_max_batch: the same for the exact step.
+    compiles: the steps compiled.
+    front: the estimated (device bytes, FLOPs) of each point of the upgrade path, for the
+      Pareto plot; ``chosen``: the index of the chosen one.
+    notes: what was left out of the search and why.
+  """
+
+  budget_bytes: int
+  batch_size: int
+  choices: tuple[SiteChoice, ...]
+  device_bytes: int
+  exact_device_bytes: int
+  flops: float
+  exact_flops: float
+  fits: bool
+  max_batch: int | None
+  exact_max_batch: int | None
+  compiles: int
+  front: tuple[tuple[float, float], ...]
+  chosen: int
+  notes: tuple[str, ...] = ()
+
+  @property
+  def techniques(self) -> tuple[Policy, ...]:
+    """What to pass to `jmem.convert` (empty: the exact model fits)."""
+    return tuple(t for t in (c.technique() for c in self.choices) if t is not None)
+
+  @property
+  def approximate(self) -> bool:
+    return any(c.bits is not None for c in self.choices)
+
+  def table(self) -> str:
+    lines = ["| site | policy | saved MiB / example | added MFLOPs / example |",
+             "|---|---|---:|---:|"]
+    for c in self.choices:
+      lines.append(f"| {c.path} | {c.label} | {c.saved_bytes / 2**20:.2f} | "
+                   f"{c.added_flops / 1e6:.1f} |")
+    verdict = ("fits" if self.fits else
+               f"does NOT fit: {_size(self.device_bytes - self.budget_bytes)} over; this is "
+               "the plan that goes furthest")
+    lines += ["", f"Budget {_size(self.budget_bytes)} at batch {self.batch_size}: the planned "
+              f"step needs {_size(self.device_bytes)} ({verdict}); exact needs "
+              f"{_size(self.exact_device_bytes)}. FLOPs "
+              f"{self.flops / max(self.exact_flops, 1):.3f}x exact's (XLA cost analysis)."]
+    if self.max_batch is not None:
+      lines.append(f"Largest batch within the budget: {self.max_batch} (exact: "
+                   f"{self.exact_max_batch}).")
+    lines.append(f"{self.compiles} steps compiled.")
+    lines += [f"Note: {n}" for n in self.notes]
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.table()
+
+  def to_json(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out["choices"] = [dict(dataclasses.asdict(c), policy=c.label) for c in self.choices]
+    out["techniques"] = [repr(t) for t in self.techniques]
+    return out
+
+
+def _size(n: float) -> str:
+  return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# ------------------------------------------------------------------ per-site estimates
+
+@dataclasses.dataclass
+class _Site:
+  path: str
+  residual_bytes: float = 0.0       # per example, exact
+  input_bytes: float = 0.0          # per example
+  forward_flops: float = 0.0        # per example
+  values: float = 0.0               # residual values per example (quantizer work)
+
+
+def _flops_of(eqn) -> float:
+  name = eqn.primitive.name
+  if name == "dot_general":
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    k = math.prod(eqn.invars[0].aval.shape[i] for i in lc)
+    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+  if name == "conv_general_dilated":
+    rhs = eqn.invars[1].aval.shape
+    dn = eqn.params["dimension_numbers"]
+    spatial = math.prod(rhs[i] for i in dn.rhs_spec[2:])
+    in_features = rhs[dn.rhs_spec[1]]
+    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * spatial * in_features
+  return 0.0
+
+
+def _walk(jaxpr, visit):
+  for eqn in jaxpr.eqns:
+    visit(eqn)
+    for v in eqn.params.values():
+      inner = getattr(v, "jaxpr", v)
+      if hasattr(inner, "eqns"):
+        _walk(inner, visit)
+
+
+def _owner(scope: str, paths: Sequence[str]) -> str | None:
+  for p in paths:
+    if scope == p or scope.startswith(p + "/"):
+      return p
+  return None
+
+
+def _estimate_sites(fns, abstract, x, y, paths) -> tuple[list[_Site], float]:
+  """Per-example residual bytes, input bytes and forward FLOPs of each site, and the
+  residual bytes no site holds; traced at the example batch."""
+  batch = x.shape[0]
+  loss = train_lib.make_loss(fns)
+  rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
+                                   abstract.model_state, x, y, rng, argnums=0)
+  sites = {p: _Site(p) for p in paths}
+  outside = 0.0
+  for r in report.residuals:
+    if r.source != "activation":
+      continue
+    owner = _owner(r.scope, paths)
+    if owner is None:
+      outside += r.nbytes
+    else:
+      sites[owner].residual_bytes += r.nbytes
+      sites[owner].values += math.prod(r.shape)
+  # Inputs: what each site module is called with (linen method interception).
+  def record(next_fun, args, kwargs, context):
+    path = "/".join(context.module.scope.path) if context.module.scope else ""
+    if path in sites and context.method_name == "__call__" and not sites[path].input_bytes:
+      sites[path].input_bytes = float(sum(
+          a.size * a.dtype.itemsize for a in jax.tree.leaves(args) if hasattr(a, "dtype")))
+    return next_fun(*args, **kwargs)
+
+  def forward(params, model_state, xb):
+    with nn.intercept_methods(record):
+      return fns.apply(params, model_state, xb, train=True, rng=jax.random.key(0))
+  closed = jax.make_jaxpr(forward)(abstract.params, abstract.model_state, x)
+
+  def visit(eqn):
+    owner = _owner(measure._module_path(eqn), paths)   # pylint: disable=protected-access
+    if owner is not None:
+      sites[owner].forward_flops += _flops_of(eqn)
+  _walk(closed.jaxpr, visit)
+  out = list(sites.values())
+  for s in out:
+    for f in ("residual_bytes", "input_bytes", "forward_flops", "values"):
+      setattr(s, f, getattr(s, f) / batch)
+  return out, outside / batch
+
+
+def _kept(site: _Site, rung, itemsize_bits: int) -> tuple[float, float]:
+  """(bytes per example the site keeps, FLOPs per example it adds) on ``rung``."""
+  kind, bits = rung
+  if kind == "save":
+    return site.residual_bytes, 0.0
+  meta = 8.0 / 256                        # a scale and a zero per 256-value group
+  if kind == "compress":
+    return site.values * (bits / 8 + meta), _QUANTIZE_FLOPS * site.values
+  if kind == "recompute":
+    return site.input_bytes, site.forward_flops
+  if kind == "recompute_compressed":
+    inputs = site.input_bytes * 8 / itemsize_bits
+    masks = site.values / 8 / 4           # some of the values are masks, at 1 bit
+    return inputs * (bits / 8 + meta) + masks, site.forward_flops + _QUANTIZE_FLOPS * inputs
+  if kind == "offload":
+    return 0.0, 0.0
+  raise ValueError(kind)
+
+
+def _upgrade_path(sites, ladder, itemsize_bits):
+  """The sequence of (rungs per site) from all-save, one rung at a time: the lowest rung
+  any site has not passed first (so every site is at 8 bits before one goes to 4), and
+  among the sites that can take it, the most bytes saved per FLOP added (per byte where
+  it adds none)."""
+  state = [0] * len(sites)
+  path = [tuple(state)]
+  while True:
+    best, best_key = None, None
+    for i, site in enumerate(sites):
+      if state[i] + 1 >= len(ladder):
+        continue
+      b0, f0 = _kept(site, ladder[state[i]], itemsize_bits)
+      b1, f1 = _kept(site, ladder[state[i] + 1], itemsize_bits)
+      saved, added = b0 - b1, max(f1 - f0, 0.0)
+      key = (-state[i], saved / max(added, 1.0))
+      if best_key is None or key > best_key:
+        best, best_key = i, key
+    if best is None:
+      return path
+    state[best] += 1
+    path.append(tuple(state))
+
+
+# ------------------------------------------------------------------ the plan
+
+def _default_sites(model, x) -> list[str]:
+  if not isinstance(model, nn.Module):
+    raise NotImplementedError(
+        "jmem.plan takes linen models for now (it traces the model's module calls); for an "
+        "NNX model convert it by hand with jmem.Policy per site.")
+  found = surgery.sites(surgery.convert(model, Policy("save")), x, train=True)
+  return list(next(iter(found.values()), []))
+
+
+def plan(model, example_batch, budget, *, batch_size: int | None = None,
+         approximate: bool = True, optimizer=None, max_compiles: int = 8,
+         max_batch: bool = True) -> Plan:
+  """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
+
+  Args:
+    model: an unbound linen classifier (``apply(variables, x, train=...)``; integer labels,
+      one per example or per pixel).
+    example_batch: ``(x, y)`` arrays or `jax.ShapeDtypeStruct`s (shapes are enough).
+    budget: device bytes (int) or a size string (``"16GiB"``).
+    batch_size: the batch to plan for (default: ``x``'s).
+    approximate: allow compression (ActNN's quantizer); False keeps the gradients exact
+      (save or recompute only).
+    optimizer: the optimiser whose state counts against the budget (default: jmem's AdamW).
+    max_compiles: the most steps compiled (at least 3).
+    max_batch: also compile the plan at a second batch size for its largest batch.
+
+  Returns:
+    A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
+    fits, the plan that goes furthest, with ``fits`` False and its excess in `Plan.table`.
+  """
+  budget_bytes = parse_bytes(budget)
+  if max_compiles < 3:
+    raise ValueError(f"max_compiles must be at least 3 (exact, the plan, a correction), got "
+                     f"{max_compiles}.")
+  x, y = example_batch
+  batch = int(batch_size or x.shape[0])
+  if batch < 1:
+    raise ValueError(f"batch_size must be positive, got {batch}.")
+  spec = lambda a, b: jax.ShapeDtypeStruct((b,) + tuple(a.shape[1:]), a.dtype)
+  optimizer = optimizer or train_lib.default_optimizer(1e-3, 100)
+  fns = train_lib.model_fns(model)
+  trace_batch = max(2, min(int(x.shape[0]), 8))
+  xs, ys = spec(x, trace_batch), spec(y, trace_batch)
+  abstract = jax.eval_shape(lambda k, v: train_lib.init_state(fns, optimizer, k, v),
+                            jax.random.key(0), spec(x, 1))
+  paths = _default_sites(model, jnp.zeros(xs.shape, xs.dtype))
+  if not paths:
+    raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
+                     "sites: the direct children of the top module but its Dense layers).")
+  sites, outside = _estimate_sites(fns, abstract, xs, ys, paths)
+  itemsize_bits = 8 * jnp.dtype(x.dtype).itemsize
+  ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
+  notes = []
+  if jax.default_backend() == "cpu":
+    notes.append("offload left out: on CPU host and device memory are one, so it saves "
+                 "nothing here (plan on the GPU to include it)")
+  compiles = 0
+
+  def compiled(m, b):
+    nonlocal compiles
+    compiles += 1
+    f = train_lib.model_fns(m)
+    step = train_lib.make_train_step(f, optimizer, donate=True)
+    c = step.lower(abstract, spec(x, b), spec(y, b)).compile()
+    mem = measure._memory_of(c)                        # pylint: disable=protected-access
+    cost = c.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return mem.total_bytes, float((cost or {}).get("flops", 0.0))
+
+  # The exact step at two batch sizes: fixed bytes and the per-example working bytes.
+  small = max(1, batch // 2)
+  exact_small, _ = compiled(model, small)
+  exact_bytes, exact_flops = compiled(model, batch)
+  slope = (exact_bytes - exact_small) / max(batch - small, 1)
+  fixed = exact_bytes - slope * batch
+  working = slope - sum(s.residual_bytes for s in sites)
+  walk = _upgrade_path(sites, ladder, itemsize_bits)
+
+  def predicted(state):
+    kept = sum(_kept(s, ladder[r], itemsize_bits)[0] for s, r in zip(sites, state))
+    flops = sum(_kept(s, ladder[r], itemsize_bits)[1] for s, r in zip(sites, state))
+    return fixed + batch * (working + kept), exact_flops + batch * flops
+
+  def choose(after: int) -> int:
+    for i in range(after, len(walk)):
+      if predicted(walk[i])[0] <= budget_bytes:
+        return i
+    return len(walk) - 1
+
+  def choices_of(state):
+    out = []
+    for s, r in zip(sites, state):
+      b, f = _kept(s, ladder[r], itemsize_bits)
+      out.append(SiteChoice(s.path, ladder[r][0], ladder[r][1], s.residual_bytes - b, f))
+    return tuple(out)
+
+  index = choose(0) if exact_bytes > budget_bytes else 0
+  device_bytes, flops = exact_bytes, exact_flops
+  while index > 0:
+    choices = choices_of(walk[index])
+    device_bytes, flops = compiled(
+        surgery.convert(model, *[t for t in (c.technique() for c in choices) if t]), batch)
+    if device_bytes <= budget_bytes or index == len(walk) - 1 or compiles >= max_compiles:
+      break
+    working += (device_bytes - predicted(walk[index])[0]) / batch   # what the model missed
+    index = choose(index + 1)
+  choices = choices_of(walk[index])
+  techniques = [t for t in (c.technique() for c in choices) if t]
+  fits = device_bytes <= budget_bytes
+  best = exact_best = None
+  if max_batch and compiles < max_compiles + 2:
+    exact_best = _largest(exact_small, exact_bytes, small, batch, budget_bytes)
+    if index == 0:
+      best = exact_best
+    else:
+      other = 2 * batch if fits else small
+      at_other, _ = compiled(surgery.convert(model, *techniques), other)
+      points = sorted([(batch, device_bytes), (other, at_other)])
+      best = _largest(points[0][1], points[1][1], points[0][0], points[1][0], budget_bytes)
+  front = tuple(predicted(s) for s in walk)
+  return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
+              exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes))
+
+
+def _largest(bytes_lo, bytes_hi, b_lo, b_hi, budget) -> int:
+  """The largest batch on the line through two compiled points, within ``budget``."""
+  slope = (bytes_hi - bytes_lo) / max(b_hi - b_lo, 1)
+  if slope <= 0:
+    return b_hi
+  return max(0, int((budget - (bytes_lo - slope * b_lo)) // slope))
+
+
+def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
+  """``<stem>.json``, ``<stem>.md`` and ``<stem>_front.png`` (estimated memory against
+  FLOPs along the upgrade path, the chosen point and the compiled one marked)."""
+  import os  # pylint: disable=g-import-not-at-top
+  os.makedirs(output_dir, exist_ok=True)
+  paths = [os.path.join(output_dir, f"{stem}.{ext}") for ext in ("json", "md")]
+  with open(paths[0], "w") as f:
+    json.dump(plan_.to_json(), f, indent=1, default=str)
+  with open(paths[1], "w") as f:
+    f.write("# jmem plan\n\n" + plan_.table() + "\n")
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return paths
+  gib = 2**30
+  mem = np.array([p[0] for p in plan_.front]) / gib
+  fl = np.array([p[1] for p in plan_.front]) / max(plan_.exact_flops, 1)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot(fl, mem, ".-", color="0.6", label="upgrade path (estimated)")
+  ax.plot(fl[plan_.chosen], mem[plan_.chosen], "o", color="C0", label="chosen (estimated)")
+  ax.plot(plan_.flops / max(plan_.exact_flops, 1), plan_.device_bytes / gib, "*", ms=12,
+          color="C1", label="chosen (compiled)")
+  ax.plot(1.0, plan_.exact_device_bytes / gib, "s", color="k", label="exact (compiled)")
+  ax.axhline(plan_.budget_bytes / gib, color="C3", ls="--", label="budget")
+  ax.set_xlabel("step FLOPs / exact")
+  ax.set_ylabel(f"device GiB at batch {plan_.batch_size}")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  png = os.path.join(output_dir, f"{stem}_front.png")
+  fig.savefig(png, dpi=120)
+  plt.close(fig)
+  return paths + [png]

@@ -1,0 +1,86 @@
+"""`jmem.plan`: per-site policies that fit a train step into a budget (small models; the
+ResNet-50 figures are benchmarks/plan_resnet50.py's)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jmem
+import third_party_models as tp
+from jmem import cli, models, planner as plan_lib, train
+
+X = jax.ShapeDtypeStruct((64, 32, 32, 3), jnp.float32)
+Y = jax.ShapeDtypeStruct((64,), jnp.int32)
+
+
+def _device_bytes(model, optimizer):
+  fns = train.model_fns(model)
+  abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
+                            jax.random.key(0), X)
+  compiled = train.make_train_step(fns, optimizer).lower(abstract, X, Y).compile()
+  return jmem.measure._memory_of(compiled).total_bytes   # pylint: disable=protected-access
+
+
+def test_plans_fit_and_a_tighter_budget_never_needs_fewer_flops():
+  model = tp.ThirdPartyResNet()
+  optimizer = train.default_optimizer(1e-3, 100)
+  loose = plan_lib.plan(model, (X, Y), 10**9, optimizer=optimizer, max_batch=False)
+  assert loose.fits and loose.techniques == () and loose.flops == loose.exact_flops
+  exact = loose.exact_device_bytes
+  budgets = [int(exact * f) for f in (0.8, 0.65)]
+  plans = [plan_lib.plan(model, (X, Y), b, optimizer=optimizer, max_batch=i == 0)
+           for i, b in enumerate(budgets)]
+  for p, budget in zip(plans, budgets):
+    assert p.fits and p.device_bytes <= budget, p.table()
+    assert p.compiles <= 8 + 1
+  # The reported peak is the compiled step of the planned model.
+  assert _device_bytes(jmem.convert(model, *plans[1].techniques), optimizer) == \
+      plans[1].device_bytes
+  assert plans[0].max_batch >= 64 > plans[0].exact_max_batch
+  assert plans[1].flops >= plans[0].flops >= loose.flops
+  assert all(c.kind in ("save", "compress", "recompute_compressed") for c in plans[1].choices)
+  # Every site climbs to 8 bits before one goes lower.
+  bits = [c.bits for c in plans[0].choices if c.bits is not None]
+  assert bits and (min(bits) == 8 or all(c.bits is not None for c in plans[0].choices))
+  table = plans[1].table()
+  assert "fits" in table and "BottleneckBlock_0" in table
+
+
+def test_exact_only_plans_keep_the_gradients_exact():
+  model = models.create_model("resnet8", 10)
+  x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((64,), jnp.int32)
+  first = plan_lib.plan(model, (x, y), 10**9, max_batch=False)
+  budget = int(first.exact_device_bytes * 0.8)
+  p = plan_lib.plan(model, (x, y), budget, approximate=False, max_batch=False)
+  assert {c.kind for c in p.choices} <= {"save", "recompute"}
+  assert p.fits and not p.approximate
+  tiny = plan_lib.plan(model, (x, y), 2**20, approximate=False, max_batch=False)
+  assert not tiny.fits and all(c.kind == "recompute" for c in tiny.choices)
+  assert "does NOT fit" in tiny.table() and "over" in tiny.table()
+
+
+def test_budgets_and_bad_input():
+  assert plan_lib.parse_bytes("16GiB") == 16 * 2**30
+  assert plan_lib.parse_bytes("800 MiB") == 800 * 2**20
+  assert plan_lib.parse_bytes("12GB") == 12 * 10**9
+  assert plan_lib.parse_bytes(1000) == 1000
+  for bad in ("16 GiBs", "-1GiB", "", 0, float("nan"), True, "lots"):
+    with pytest.raises(ValueError, match="budget"):
+      plan_lib.parse_bytes(bad)
+  with pytest.raises(ValueError, match="max_compiles"):
+    plan_lib.plan(tp.FunctionalCNN(), (X, Y), "1GiB", max_compiles=2)
+
+
+def test_plan_cli(tmp_path):
+  out = tmp_path / "out"
+  code = cli.main(["plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "32",
+                   "--budget", "8MiB", "--output-dir", str(out), "--json"])
+  written = json.loads((out / "plan.json").read_text())
+  assert code == (0 if written["fits"] else 1)
+  assert written["budget_bytes"] == 8 * 2**20 and written["choices"]
+  assert (out / "plan.md").exists() and (out / "plan_front.png").exists()
+  with pytest.raises(SystemExit):
+    cli.main(["plan", "--budget", "sixteen", "--output-dir", str(out)])
