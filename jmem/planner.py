@@ -325,7 +325,8 @@ def _default_sites(model, x) -> list[str]:
     raise NotImplementedError(
         "jmem.plan takes linen models for now (it traces the model's module calls); for an "
         "NNX model convert it by hand with jmem.Policy per site.")
-  found = surgery.sites(surgery.convert(model, Policy("save")), x, train=True)
+  kw = {"train": True} if train_lib.takes_train(model) else {}
+  found = surgery.sites(surgery.convert(model, Policy("save")), x, **kw)
   return list(next(iter(found.values()), []))
 
 

@@ -71,10 +71,31 @@ class ModelFns(NamedTuple):
   batch_sharding: Any = None
 
 
+def takes_train(module: nn.Module) -> bool:
+  """Whether ``module`` is called with ``train=``: a model whose mode is a field
+  (``UNet(train=True)``) is called without one. A wrapper that forwards ``**kwargs``
+  (`jmem.convert`'s) is asked about the model it wraps."""
+  while True:
+    try:
+      params = inspect.signature(module.__call__).parameters
+    except (TypeError, ValueError):
+      return True
+    if "train" in params:
+      return True
+    inner = getattr(module, "model", None)
+    if (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        and isinstance(inner, nn.Module)):
+      module = inner
+      continue
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def _from_linen(module: nn.Module) -> ModelFns:
+  mode = (lambda train: {"train": train}) if takes_train(module) else (lambda train: {})
+
   def init(key, x):
     k_params, k_dropout = jax.random.split(key)
-    variables = module.init({"params": k_params, "dropout": k_dropout}, x, train=False)
+    variables = module.init({"params": k_params, "dropout": k_dropout}, x, **mode(False))
     variables = dict(variables)
     params = variables.pop("params")
     return params, variables
@@ -90,10 +111,10 @@ def _from_linen(module: nn.Module) -> ModelFns:
       rngs = {"actnn": jax.random.key(0), "sbp": jax.random.key(0)}
     with _masked(mask, linen=not getattr(module, "_jmem_guards_batch_mask", False)):
       if train and model_state:
-        logits, new_state = module.apply(variables, x, train=True, rngs=rngs,
+        logits, new_state = module.apply(variables, x, **mode(True), rngs=rngs,
                                          mutable=list(model_state))
         return logits, dict(new_state)
-      return module.apply(variables, x, train=train, rngs=rngs), model_state
+      return module.apply(variables, x, **mode(train), rngs=rngs), model_state
 
   return ModelFns(init, apply, module)
 

@@ -62,6 +62,23 @@ def test_exact_only_plans_keep_the_gradients_exact():
   assert "does NOT fit" in tiny.table() and "over" in tiny.table()
 
 
+def test_a_model_whose_mode_is_a_field():
+  """The U-Net takes no ``train=`` at call time (its mode is a field): the loop and the
+  planner call it without one; a converted U-Net too."""
+  from jmem.models.segmentation import UNet   # pylint: disable=g-import-not-at-top
+  model = UNet(3, widths=(4, 8))
+  x = jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32)
+  y = jax.ShapeDtypeStruct((2, 16, 16), jnp.int32)
+  for m in (model, jmem.convert(model, jmem.Remat())):
+    fns = train.model_fns(m)
+    params, state = jax.eval_shape(fns.init, jax.random.key(0), x)
+    loss = train.make_loss(fns)
+    out = jax.eval_shape(lambda *a: loss(*a, jax.random.key(1)), params, state, x, y)
+    assert out[0].shape == ()
+  p = plan_lib.plan(model, (x, y), 10**9, max_batch=False)
+  assert sorted(c.path for c in p.choices) == ["dec0", "enc0", "enc1", "head"]
+
+
 def test_budgets_and_bad_input():
   assert plan_lib.parse_bytes("16GiB") == 16 * 2**30
   assert plan_lib.parse_bytes("800 MiB") == 800 * 2**20

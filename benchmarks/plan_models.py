@@ -1,0 +1,79 @@
+"""`jmem.plan` on the segmentation model and a video transformer (compile-only, float32):
+the U-Net of issue 16 at 1024x2048 (batch 1) and a third-party video ViT
+(tests/third_party_models.py ``FrameTokenViT``: 16 frames of 112x112, 16x16 patches, width
+384, 8 blocks, 6 heads; batch 8), each at a budget below its exact step, against the uniform
+policies at the same batch. Writes results/plan_models.{json,md}.
+
+  python benchmarks/plan_models.py
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jmem  # noqa: E402
+import third_party_models as tp  # noqa: E402
+from jmem import planner, train  # noqa: E402
+from jmem.models.segmentation import UNet  # noqa: E402
+from _common import RESULTS  # noqa: E402
+
+GIB = 2**30
+UNIFORM = {"compress 2-bit": dict(kind="compress", bits=2), "recompute": dict(kind="recompute"),
+           "recompute_compressed 2-bit": dict(kind="recompute_compressed", bits=2)}
+
+
+def device_bytes(model, x, y, optimizer):
+  fns = train.model_fns(model)
+  abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
+                            jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
+  c = train.make_train_step(fns, optimizer).lower(abstract, x, y).compile()
+  cost = c.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return jmem.measure._memory_of(c).total_bytes, float(cost["flops"])  # pylint: disable=protected-access
+
+
+def main():
+  optimizer = train.default_optimizer(1e-3, 100)
+  cases = [
+      ("U-Net 1024x2048, batch 1", UNet(19), jax.ShapeDtypeStruct((1, 1024, 2048, 3), jnp.float32),
+       jax.ShapeDtypeStruct((1, 1024, 2048), jnp.int32), "6GiB"),
+      ("video ViT 16x112x112, batch 8", tp.FrameTokenViT(patch=16, dim=384, depth=8, heads=6),
+       jax.ShapeDtypeStruct((8, 16, 112, 112, 3), jnp.float32),
+       jax.ShapeDtypeStruct((8,), jnp.int32), "2GiB"),
+  ]
+  rows, md = [], ["# `jmem.plan` on the segmentation model and a video transformer", "",
+                  f"Written by `benchmarks/plan_models.py` ({jax.default_backend()}, JAX "
+                  f"{jax.__version__}, compile-only, 2 CPU cores). Device bytes: the "
+                  "compiled train step's (parameters, AdamW state, batch, activations, "
+                  "temp); FLOPs from XLA's cost analysis against exact.", ""]
+  for name, model, x, y, budget in cases:
+    t0 = time.time()
+    result = planner.plan(model, (x, y), budget, optimizer=optimizer, max_batch=False)
+    seconds = time.time() - t0
+    uniform = {}
+    for label, kw in UNIFORM.items():
+      total, flops = device_bytes(jmem.convert(model, jmem.Policy(**kw)), x, y, optimizer)
+      uniform[label] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
+                            fits=total <= result.budget_bytes)
+    rows.append(dict(case=name, budget=budget, plan=result.to_json(), seconds=seconds,
+                     uniform=uniform))
+    print(name, result.table(), uniform, f"{seconds:.0f}s", flush=True)
+    md += [f"## {name}, budget {budget}", "", result.table(), "",
+           "Uniform policies at the same batch: " + "; ".join(
+               f"{k} {v['device_bytes'] / GIB:.2f} GiB ({'fits' if v['fits'] else 'over'}), "
+               f"{v['flops_ratio']:.3f}x FLOPs" for k, v in uniform.items()),
+           f"Plan time {seconds:.0f} s on this machine.", ""]
+  with open(os.path.join(RESULTS, "plan_models.json"), "w") as f:
+    json.dump(rows, f, indent=1, default=str)
+  with open(os.path.join(RESULTS, "plan_models.md"), "w") as f:
+    f.write("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+  main()
