@@ -39,7 +39,7 @@ _LOG = logging.getLogger("jmem")
 __all__ = [
     "ModelFns", "TrainState", "TrainConfig", "TrainResult", "model_fns", "init_state",
     "check_batch", "make_loss", "make_train_step", "evaluate", "default_optimizer", "train",
-    "override_params", "check_learning_rate",
+    "override_params", "check_learning_rate", "takes_train",
 ]
 
 
