@@ -87,7 +87,7 @@ class BenchConfig:
     dtype: the compute dtype, ``"float32"`` or ``"bfloat16"`` (mixed precision: parameters
       and optimiser state stay float32; activations, and so the residuals every technique
       stores, are bfloat16). Every row, exact's included, uses it. Models with a ``dtype``
-      field only (the ResNets and ConvNeXts).
+      field only (every registered model has one).
   """
 
   model: str = "resnet20"
@@ -303,8 +303,19 @@ def _ratio(v, fmt=".2f", suffix="") -> str:
   return "-" if v is None else f"{v:{fmt}}{suffix}"
 
 
+def _max_batch_cell(row, budget) -> str:
+  """The largest batch seen to fit; "≥" where the line's guess went over (temp is not
+  linear in the batch there) and the search stopped before the bracket closed."""
+  best, over = row["max_batch"][budget], row.get("over_budget", {}).get(budget)
+  if best is None:
+    return "- | "
+  return f"{'≥' if over is not None and over - best > 1 else ''}{best:,} | "
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-  """A Markdown table of bench rows: the largest batch first, saved bytes after."""
+  """A Markdown table of bench rows: the largest batch first, saved bytes after. A "≥" on
+  a largest batch: a lower bound (a larger batch compiled went over the budget, and the
+  true largest lies below it)."""
   budgets = list(rows[0].get("max_batch", {})) if rows else []
   lines = ["| technique | model | MiB / example | " + "".join(
                f"max batch {b} | " for b in budgets) + "max-batch x | FLOPs / exact | "
@@ -313,8 +324,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
            "|---|---|" + "---:|" * (len(budgets) + 9)]
   for r in rows:
     a = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
-    mb = "".join("- | " if r["max_batch"][b] is None else f"{r['max_batch'][b]:,} | "
-                 for b in budgets)
+    mb = "".join(_max_batch_cell(r, b) for b in budgets)
     model = r["model"] if r.get("dtype", "float32") == "float32" else f"{r['model']} ({r['dtype']})"
     lines.append(f"| {r['technique']} | {model} | {r['per_example_temp_bytes'] / 2**20:.3g} | "
                  f"{mb}{_ratio(r['max_batch_ratio'], suffix='x')} | "

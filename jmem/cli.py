@@ -53,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
   b = sub.add_parser("bench", help="train and measure every technique against exact",
                      description="Measures saved activation bytes, compiled temp bytes, "
                      "step time and test accuracy of each technique against exact backprop, "
-                     "on the digits data embedded in scikit-learn.")
+                     "on the digits data embedded in scikit-learn. With none of the options "
+                     "below but --output-dir, --no-progress and --json: the tour, one row per "
+                     "technique family, each on a model it fits (jmem.tour).")
   d = bench.BenchConfig()
   b.add_argument("--model", default=d.model, help=f"one of: {', '.join(models.MODEL_NAMES)}")
   b.add_argument("--techniques", type=_str_list, default=d.techniques,
@@ -72,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
   b.add_argument("--memory-only", action="store_true", help="compile and measure; no training")
   b.add_argument("--dtype", default=d.dtype, choices=bench.DTYPES,
                  help="compute dtype of every row, exact's included (bfloat16: mixed "
-                 "precision, float32 parameters; ResNets and ConvNeXts)")
+                 "precision, float32 parameters)")
   b.add_argument("--budgets", type=_budget_list, default=d.budgets_gib,
                  help="device memory budgets in GiB for the largest batch of each technique, "
                  "comma-separated (default: 16,80; '' for none: two compiles fewer each)")
@@ -116,8 +118,7 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--learning-rate", type=float, default=3e-3)
   t.add_argument("--seed", type=int, default=0)
   t.add_argument("--dtype", default=d.dtype, choices=bench.DTYPES,
-                 help="compute dtype (bfloat16: mixed precision, float32 parameters; ResNets "
-                 "and ConvNeXts)")
+                 help="compute dtype (bfloat16: mixed precision, float32 parameters)")
   t.add_argument("--eval-every", type=int, default=100)
   t.add_argument("--checkpoint-dir", default=None)
   t.add_argument("--checkpoint-every", type=int, default=100)
@@ -142,7 +143,34 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+# `jmem bench` options that keep the tour (any other option runs the classic bench).
+_TOUR_OPTIONS = ("--output-dir", "--no-progress", "--json")
+
+
+def _is_tour(argv) -> bool:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] != "bench":
+    return False
+  return all(a.split("=")[0] in _TOUR_OPTIONS for a in argv[1:] if a.startswith("-"))
+
+
+def _tour(args) -> int:
+  from jmem import bench, tour  # pylint: disable=g-import-not-at-top
+  output_dir = bench.check_output_dir(args.output_dir)
+  rows = tour.run_tour(quiet=args.json, progress=not args.no_progress)
+  paths = tour.write_tour(rows, output_dir)
+  if args.json:
+    json.dump(rows, sys.stdout, indent=2, default=str)
+    print()
+  else:
+    print(tour.format_tour(rows))
+    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}")
+  return 0
+
+
 def _bench(args) -> int:
+  if args.tour:
+    return _tour(args)
   from jmem import bench  # pylint: disable=g-import-not-at-top
   config = bench.BenchConfig(
       model=args.model, techniques=args.techniques, batch_size=args.batch_size,
@@ -305,7 +333,8 @@ def _simulate_host_devices(argv, local_devices: int | None = None) -> None:
     os.environ["XLA_FLAGS"] = (
         f"{flags} --xla_force_host_platform_device_count={local_devices}".strip())
     return
-  wanted = any("spatial-" in a for a in (sys.argv[1:] if argv is None else argv))
+  wanted = (_is_tour(argv) or
+            any("spatial-" in a for a in (sys.argv[1:] if argv is None else argv)))
   if wanted and "host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
 
@@ -313,6 +342,7 @@ def _simulate_host_devices(argv, local_devices: int | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
+  args.tour = _is_tour(argv)
   try:
     _simulate_host_devices(argv, getattr(args, "local_devices", None))
     return {"bench": _bench, "train": _train, "plan": _plan}[args.command](args)

@@ -37,12 +37,14 @@ PAIR_TESTS = {
     ("Remat", "InPlaceABN"): "test_pairs::test_batch_norm_techniques_with_spatial_and_remat",
     ("Remat", "SBP"): "test_pairs::test_sbp_pairs",
     ("Remat", "Spatial"): "test_pairs::test_batch_norm_techniques_with_spatial_and_remat",
-    ("Remat", "Policy"): "test_policy::test_policy_bad_input_and_conflicts",
+    ("Remat", "Policy"): "test_policy::test_policy_bad_input_and_conflicts "
+                         "test_pairs::test_policies_beside_remat_and_actnn",
     ("ActNN", "SyncBN"): "test_pairs::test_actnn_with_sync_bn_under_shard_map",
     ("ActNN", "InPlaceABN"): "test_convert::test_inplace_abn_inside_actnn_keeps_the_output_it_inverts_exact",
     ("ActNN", "SBP"): "test_pairs::test_sbp_pairs",
     ("ActNN", "Spatial"): "test_pairs::test_actnn_with_spatial_is_unbiased",
-    ("ActNN", "Policy"): "test_policy::test_policy_bad_input_and_conflicts",
+    ("ActNN", "Policy"): "test_policy::test_policy_bad_input_and_conflicts "
+                         "test_pairs::test_policies_beside_remat_and_actnn",
     ("SyncBN", "InPlaceABN"): "test_pairs::test_sync_bn_with_inplace_abn_under_shard_map",
     ("SyncBN", "SBP"): "test_pairs::test_sbp_pairs",
     ("SyncBN", "Spatial"): "test_pairs::test_batch_norm_techniques_with_spatial_and_remat",
@@ -78,6 +80,23 @@ def _unbiased(draws, want):
   proj, target = draws @ directions.T, directions @ want
   se = jnp.std(proj, axis=0, ddof=1) / np.sqrt(len(draws))
   return bool(jnp.all(jnp.abs(jnp.mean(proj, 0) - target) <= 3 * se)), (proj.mean(0), target, se)
+
+
+def _converted(model, techniques, *args, **kwargs):
+  """``jmem.convert(model, *techniques)``, checked to have sites for every one of them
+  (none dropped on the way): an exact pair equals its parts whether or not one of them
+  acts, so the gradient alone cannot tell."""
+  converted = jmem.convert(model, *techniques)
+  found = surgery.sites(converted, *args, **kwargs)
+  assert set(found) == {repr(t) for t in techniques} and all(found.values()), found
+  return converted
+
+
+def _activation_bytes(model, variables, x, **rngs):
+  def loss(p):
+    out, _ = model.apply({**variables, "params": p}, x, mutable=["batch_stats"], rngs=rngs)
+    return jnp.sum(out)
+  return jmem.saved_residuals(loss, variables["params"]).activation_bytes
 
 
 def _spatial_mesh():
@@ -137,11 +156,13 @@ def test_sbp_pairs():
   assert _err(alone, exact) > 1e-2                      # SBP drops frames
   for other in (jmem.Remat(where=_Temporal), jmem.Policy("recompute", where=_Temporal),
                 jmem.Policy("offload", where=_Temporal), jmem.SyncBN()):
-    got = grad_fn(jmem.convert(model, sbp, other))(clips, key)
+    both = _converted(model, (sbp, other), clips, rngs={"sbp": key})
+    got = grad_fn(both)(clips, key)
     assert _err(got, alone) < 1e-5, other
   mesh = _spatial_mesh()
   sharded = jax.device_put(clips, NamedSharding(mesh, P(None, None, "h", "w", None)))
-  got = grad_fn(jmem.convert(model, sbp, jmem.Spatial(mesh)))(sharded, key)
+  got = grad_fn(_converted(model, (sbp, jmem.Spatial(mesh)), clips,
+                           rngs={"sbp": key}))(sharded, key)
   assert _err(got, alone) < 1e-5
   # InPlace-ABN inside the SBP site, its scale mapped to the plain BatchNorm's.
   both = jmem.convert(model, sbp, jmem.InPlaceABN())
@@ -238,17 +259,41 @@ def test_batch_norm_techniques_with_spatial_and_remat():
   assert _err(abn, exact) < 1e-5
   for ts in ((spatial, jmem.Remat()), (spatial, jmem.SyncBN()),
              (spatial, jmem.SyncBN(), jmem.Remat())):
-    assert _err(_image_grad_fn(jmem.convert(model, *ts), variables)(xs, key), exact) < 1e-5, ts
+    converted = _converted(model, ts, x)
+    assert _err(_image_grad_fn(converted, variables)(xs, key), exact) < 1e-5, ts
   for ts, inputs in (((spatial, _ABN), xs), ((jmem.Remat(), _ABN), x),
                      ((spatial, jmem.Remat(), _ABN), xs)):
-    got = _image_grad_fn(jmem.convert(model, *ts), abn_variables)(inputs, key)
+    converted = _converted(model, ts, x)
+    got = _image_grad_fn(converted, abn_variables)(inputs, key)
     assert _err(got, abn) < 1e-5, ts
+  # What the exact ones change is memory: each keeps less than without it.
+  saved = lambda *ts: _activation_bytes(jmem.convert(model, *ts), abn_variables, x)
+  assert saved(jmem.Remat(), _ABN) < saved(_ABN) < _activation_bytes(model, variables, x)
+  assert saved(jmem.Remat(), jmem.SyncBN()) < saved(jmem.SyncBN())
   assert _halo_exchanges(jmem.convert(model, spatial, jmem.SyncBN(), _ABN), abn_variables,
                          xs) > 0
   actnn = jmem.ActNN(bits=8)
   alone = _err(_image_grad_fn(jmem.convert(model, actnn), variables)(x, key), exact)
   triple = _image_grad_fn(jmem.convert(model, spatial, jmem.SyncBN(), actnn), variables)
   assert 0 < _err(triple(xs, key), exact) <= 2 * alone
+
+
+def test_policies_beside_remat_and_actnn():
+  """A Policy on one site, Remat or ActNN on another: each as close to exact as its
+  approximate part alone (8 bits), and keeping less than either alone."""
+  model, x, variables, _ = _image_problem()
+  key = jax.random.key(3)
+  exact = _image_grad_fn(model, variables)(x, key)
+  err = lambda *ts: _err(_image_grad_fn(_converted(model, ts, x), variables)(x, key), exact)
+  saved = lambda *ts: _activation_bytes(jmem.convert(model, *ts), variables, x, actnn=key)
+  compress_stem = jmem.Policy("compress", bits=8, where="stem")
+  remat_block = jmem.Remat(where="block")
+  assert 0 < err(compress_stem, remat_block) <= 2 * err(compress_stem)
+  assert saved(compress_stem, remat_block) < min(saved(compress_stem), saved(remat_block))
+  actnn_block = jmem.ActNN(bits=8, where="block")
+  recompute_stem = jmem.Policy("recompute", where="stem")
+  assert 0 < err(actnn_block, recompute_stem) <= 2 * err(actnn_block)
+  assert saved(actnn_block, recompute_stem) < min(saved(actnn_block), saved(recompute_stem))
 
 
 def test_actnn_with_spatial_is_unbiased():
