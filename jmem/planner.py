@@ -53,7 +53,9 @@ import numpy as np
 from jmem import measure
 from jmem import surgery
 from jmem import train as train_lib
+from jmem._technique import BenchTechnique
 from jmem.ops.policy import Policy
+from jmem.techniques import register_technique
 
 __all__ = ["plan", "Plan", "SiteChoice", "parse_bytes"]
 
@@ -66,6 +68,20 @@ _EXACT_LADDER = (("save", None), ("recompute", None))
 # XLA FLOPs per quantized value, compress and decompress (a measured order of magnitude:
 # ActNN L3 on ResNet-50 costs 1.03x exact's FLOPs); the plan's reported FLOPs are XLA's.
 _QUANTIZE_FLOPS = 12.0
+
+
+def _fraction(budget) -> float | None:
+  """``"50%"`` -> 0.5; None for anything that is not a percentage."""
+  if isinstance(budget, str) and budget.strip().endswith("%"):
+    try:
+      value = float(budget.strip()[:-1])
+    except ValueError:
+      value = float("nan")
+    if not 0 < value <= 100:
+      raise ValueError(f"budget {budget!r}: a share of the exact step's bytes must be in "
+                       "(0%, 100%].")
+    return value / 100
+  return None
 
 
 def parse_bytes(budget: int | float | str) -> int:
@@ -339,7 +355,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     model: an unbound linen classifier (``apply(variables, x, train=...)``; integer labels,
       one per example or per pixel).
     example_batch: ``(x, y)`` arrays or `jax.ShapeDtypeStruct`s (shapes are enough).
-    budget: device bytes (int) or a size string (``"16GiB"``).
+    budget: device bytes (int), a size string (``"16GiB"``), or a share of the exact
+      step's device bytes at the batch (``"50%"``).
     batch_size: the batch to plan for (default: ``x``'s).
     approximate: allow compression (ActNN's quantizer); False keeps the gradients exact
       (save or recompute only).
@@ -351,7 +368,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
     fits, the plan that goes furthest, with ``fits`` False and its excess in `Plan.table`.
   """
-  budget_bytes = parse_bytes(budget)
+  fraction = _fraction(budget)
+  budget_bytes = parse_bytes(budget) if fraction is None else None
   if max_compiles < 3:
     raise ValueError(f"max_compiles must be at least 3 (exact, the plan, a correction), got "
                      f"{max_compiles}.")
@@ -394,6 +412,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   small = max(1, batch // 2)
   exact_small, _ = compiled(model, small)
   exact_bytes, exact_flops = compiled(model, batch)
+  if fraction is not None:
+    budget_bytes = int(fraction * exact_bytes)
   slope = (exact_bytes - exact_small) / max(batch - small, 1)
   fixed = exact_bytes - slope * batch
   working = slope - sum(s.residual_bytes for s in sites)
@@ -487,3 +507,21 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
   fig.savefig(png, dpi=120)
   plt.close(fig)
   return paths + [png]
+
+
+# ------------------------------------------------------------------ the bench's name
+
+def _plan_technique(share: str):
+  def prepare(model, dataset, batch_size):
+    x = jax.ShapeDtypeStruct((batch_size,) + tuple(dataset.example_shape), jnp.float32)
+    y = jax.ShapeDtypeStruct((batch_size,) + tuple(np.shape(dataset.y_train)[1:]), jnp.int32)
+    return surgery.convert(model, *plan(model, (x, y), share, max_batch=False).techniques)
+
+  def apply(model):
+    raise ValueError(f"Technique 'plan-{share}' plans for a batch: the bench builds it with "
+                     "its data (prepare); elsewhere call jmem.plan(model, (x, y), budget).")
+  return BenchTechnique(f"plan-{share}", apply, f"jmem.plan's policies at {share} of exact's "
+                        "device bytes", prepare=prepare)
+
+
+register_technique(_plan_technique("50%"))
