@@ -18,12 +18,9 @@ import json  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from _common import RESULTS, parser  # noqa: E402
-from jmem import bench, measure  # noqa: E402
+from jmem import bench, tour  # noqa: E402
 from jmem.parallel import sync_bn  # noqa: E402
 
 def inplace_abn_rows(seeds, steps):
@@ -44,48 +41,11 @@ def inplace_abn_rows(seeds, steps):
 
 
 def sync_bn_rows(counts=(5, 0, 3, 8, 1, 0, 2, 7), mean=3.0, std=2.0):
-  cap, c = 8, 4
-  rng = np.random.default_rng(0)
-  x = (rng.normal(size=(8 * cap, c)) * std + mean).astype(np.float32)
-  mask = np.zeros((8 * cap, 1), bool)
-  for d, n in enumerate(counts):
-    mask[d * cap:d * cap + n] = True
-  valid = mask[:, 0]
-  xv = x[valid].astype(np.float64)          # oracle in float64 on the float32 data
-  want = (xv - xv.mean(0)) / np.sqrt(xv.var(0) + 1e-5)
-  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
-  xs = jax.device_put(x, NamedSharding(mesh, P("d")))
-  ms = jax.device_put(mask, NamedSharding(mesh, P("d")))
-  rows = []
-  for name, module in (("flax.linen.BatchNorm", nn.BatchNorm), ("jmem SyncBatchNorm",
-                                                                 sync_bn.SyncBatchNorm)):
-    m = module(use_running_average=False, axis_name="d", momentum=0.0)
-    v = m.init(jax.random.key(0), x[:cap], mask=mask[:cap])
-    v = jax.tree.map(lambda a: jnp.asarray(a), v)
-
-    def fwd(x, mk, v=v, m=m):
-      y, upd = m.apply(v, x, mask=mk, mutable=["batch_stats"])
-      return y, upd["batch_stats"]["mean"]
-
-    f = jax.jit(jax.shard_map(fwd, mesh=mesh, in_specs=(P("d"), P("d")),
-                              out_specs=(P("d"), P())))
-    y, running_mean = f(xs, ms)
-    y = np.asarray(y)
-    g = jax.jit(jax.shard_map(
-        lambda x, mk: jax.grad(lambda x: jnp.sum(jnp.where(mk, fwd(x, mk)[0], 0.0) ** 2))(x),
-        mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d")))
-    rows.append(dict(
-        implementation=name, counts=list(counts), data_mean=mean, data_std=std,
-        max_abs_error_valid=float(np.nanmax(np.abs(y[valid] - want))),
-        nan_outputs=int(np.isnan(y).sum()),
-        running_mean_error=float(np.nanmax(np.abs(np.asarray(running_mean) - xv.mean(0)))),
-        collectives_forward=_nonzero(measure.collective_counts(f, xs, ms)),
-        collectives_forward_backward=_nonzero(measure.collective_counts(g, xs, ms))))
-  return rows
-
-
-def _nonzero(counts):
-  return {op: n for op, n in counts.items() if n}
+  """Flax's BatchNorm and jmem's SyncBatchNorm on the same masked, unbalanced batch
+  (`jmem.tour.sync_bn_check`, which the tour's SyncBN row runs too)."""
+  return [dict(implementation=name, **tour.sync_bn_check(counts, mean, std, module=module))
+          for name, module in (("flax.linen.BatchNorm", nn.BatchNorm),
+                               ("jmem SyncBatchNorm", sync_bn.SyncBatchNorm))]
 
 
 def _format_counts(counts):

@@ -42,7 +42,8 @@ LOW = {"jmem._axes", "jmem._backends", "jmem._bn_core", "jmem._context", "jmem._
 TECHNIQUES = ("jmem.ops.actnn", "jmem.ops.inplace_abn", "jmem.ops.sbp", "jmem.ops.remat",
               "jmem.parallel.sync_bn", "jmem.parallel.spatial")
 # What sits above the techniques and must not be imported by them.
-ABOVE = ("jmem.models", "jmem.surgery", "jmem.techniques", "jmem.bench", "jmem.cli")
+ABOVE = ("jmem.models", "jmem.surgery", "jmem.techniques", "jmem.bench", "jmem.cli", "jmem.planner",
+         "jmem.tour")
 
 
 def _under(mod: str, prefixes) -> bool:

@@ -1,0 +1,201 @@
+"""`jmem bench` with no options: one row per technique family, each on a model it fits,
+all against exact in the same run (the README's first command).
+
+* ActNN (L3), remat (the JAX-native peer), a per-site policy (``recompute-2bit``) and the
+  planner's stack (``plan-50%``: `jmem.plan` at half of exact's device bytes) on ResNet-20
+  (digits 16x16, batch 128), trained for a few steps;
+* InPlace-ABN on preact20, SBP (r = 0.25) on the video ViT and spatial sharding over 8
+  devices on a ConvNeXt, memory only, their accuracy quoted from a committed benchmark
+  result (named in the row);
+* SyncBN over 8 devices on a masked batch whose valid examples are unbalanced (two devices
+  hold none): its error against plain BatchNorm on the valid examples alone, and the
+  collectives of its compiled step.
+
+``quick=True`` runs the same pipeline on tiny shapes (the test suite's check of it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jmem import bench, measure
+from jmem.parallel import sync_bn
+
+__all__ = ["SECTIONS", "QUOTED", "run_tour", "sync_bn_check", "format_tour", "write_tour"]
+
+# (section, BenchConfig fields); exact is each section's baseline.
+SECTIONS = (
+    ("ActNN, remat, policies, plan", dict(
+        model="resnet20", techniques=("remat", "actnn-L3", "recompute-2bit", "plan-50%"),
+        batch_size=128, image_size=16, steps=60, budgets_gib=(16.0,))),
+    ("InPlace-ABN", dict(model="preact20", techniques=("inplace-abn",), batch_size=128,
+                         image_size=16, memory_only=True, budgets_gib=(16.0,))),
+    ("SBP (video)", dict(model="video-vit", techniques=("sbp-0.25",), batch_size=32,
+                         image_size=24, num_frames=16, train_clips=64, memory_only=True,
+                         budgets_gib=(16.0,))),
+    ("Spatial (8 devices, per-device figures)", dict(model="convnext-digits", techniques=("spatial-8",),
+                                 batch_size=16, image_size=32, memory_only=True,
+                                 budgets_gib=())),
+)
+_QUICK = dict(batch_size=16, image_size=8, steps=2, budgets_gib=())
+_QUICK_VIDEO = dict(batch_size=4, image_size=24, num_frames=8, train_clips=16)
+
+# Accuracy of the memory-only rows, from committed results (tests/test_repo.py checks that
+# each file says it): technique -> (what, file).
+QUOTED = {
+    "inplace-abn": ("98.98% (its BN + leaky_relu twin 98.79%; preact20, 3 seeds x 300 steps)",
+                    "benchmarks/results/inplace_abn.md"),
+    "sbp-0.25": ("93.33% (exact 94.99%; pretrained video ViT, 3 seeds x 1200 steps)",
+                 "benchmarks/results/sbp_vit_pretrained_1200steps.md"),
+    "spatial-8": ("exact's (gradients equal one device's to 1e-5)",
+                  "benchmarks/results/spatial.md"),
+}
+
+
+def sync_bn_check(counts=(5, 0, 3, 8, 1, 0, 2, 7), mean: float = 3.0, std: float = 2.0,
+                  module=None) -> dict[str, Any]:
+  """A BatchNorm over 8 devices on a masked batch, ``counts`` valid rows per device (of 8):
+  its largest error on the valid rows against BatchNorm of the valid rows alone (float64),
+  NaN outputs, the running mean's error, and the collectives of the compiled forward and
+  forward + backward. ``module``: the BatchNorm class (default jmem's SyncBatchNorm)."""
+  module = module or sync_bn.SyncBatchNorm
+  cap, c = 8, 4
+  rng = np.random.default_rng(0)
+  x = (rng.normal(size=(8 * cap, c)) * std + mean).astype(np.float32)
+  mask = np.zeros((8 * cap, 1), bool)
+  for d, n in enumerate(counts):
+    mask[d * cap:d * cap + n] = True
+  valid = mask[:, 0]
+  xv = x[valid].astype(np.float64)
+  want = (xv - xv.mean(0)) / np.sqrt(xv.var(0) + 1e-5)
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:8])
+  xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+  ms = jax.device_put(mask, NamedSharding(mesh, P("d")))
+  m = module(use_running_average=False, axis_name="d", momentum=0.0)
+  v = jax.tree.map(jnp.asarray, m.init(jax.random.key(0), x[:cap], mask=mask[:cap]))
+
+  def fwd(x, mk):
+    y, upd = m.apply(v, x, mask=mk, mutable=["batch_stats"])
+    return y, upd["batch_stats"]["mean"]
+
+  f = jax.jit(jax.shard_map(fwd, mesh=mesh, in_specs=(P("d"), P("d")),
+                            out_specs=(P("d"), P())))
+  y, running_mean = f(xs, ms)
+  y = np.asarray(y)
+  g = jax.jit(jax.shard_map(
+      lambda x, mk: jax.grad(lambda x: jnp.sum(jnp.where(mk, fwd(x, mk)[0], 0.0) ** 2))(x),
+      mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d")))
+  nonzero = lambda counts: {op: n for op, n in counts.items() if n}
+  return dict(counts=list(counts), data_mean=mean, data_std=std,
+              max_abs_error_valid=float(np.nanmax(np.abs(y[valid] - want))),
+              nan_outputs=int(np.isnan(y).sum()),
+              running_mean_error=float(np.nanmax(np.abs(np.asarray(running_mean) - xv.mean(0)))),
+              collectives_forward=nonzero(measure.collective_counts(f, xs, ms)),
+              collectives_forward_backward=nonzero(measure.collective_counts(g, xs, ms)))
+
+
+def run_tour(*, quick: bool = False, quiet: bool = False,
+             progress: bool = True) -> list[dict[str, Any]]:
+  """Every section's rows (`jmem.bench.run_bench`'s, with ``section`` and, for memory-only
+  rows, ``quoted_accuracy`` and its ``source``), then the SyncBN row."""
+  if jax.device_count() < 8:
+    raise ValueError(f"The tour's SyncBN and spatial rows need 8 devices, found "
+                     f"{jax.device_count()}; on CPU set XLA_FLAGS="
+                     "--xla_force_host_platform_device_count=8 before jax is imported (the "
+                     "jmem CLI does this itself).")
+  rows = []
+  for section, fields in SECTIONS:
+    fields = dict(fields)
+    if quick:
+      fields.update(_QUICK)
+      if fields["model"] == "video-vit":
+        fields.update(_QUICK_VIDEO)
+      if fields["model"] == "convnext-digits":
+        fields.update(image_size=16)
+    config = bench.BenchConfig(**fields)
+    for row in bench.run_bench(config, quiet=quiet, progress=progress):
+      row["section"] = section
+      if config.memory_only and row["technique"] in QUOTED:
+        row["quoted_accuracy"], row["source"] = QUOTED[row["technique"]]
+      rows.append(row)
+  check = sync_bn_check()
+  rows.append(dict(section="SyncBN (8 devices, unbalanced)", technique="sync-bn",
+                   model="BatchNorm layer", sync_bn=check,
+                   collectives=check["collectives_forward_backward"]))
+  return rows
+
+
+def _cell(v, fmt):
+  return "-" if v is None else format(v, fmt)
+
+
+def format_tour(rows) -> str:
+  lines = ["| section | technique | model | max-batch x | MiB / example | FLOPs / exact | "
+           "temp / exact | saved / exact | step time / exact | accuracy |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+  for r in rows:
+    if "sync_bn" in r:
+      s = r["sync_bn"]
+      lines.append(
+          f"| {r['section']} | sync-bn | {r['model']} | - | - | - | - | - | - | exact: max "
+          f"error {s['max_abs_error_valid']:.2g} on valid rows {s['counts']}, "
+          f"{s['nan_outputs']} NaN; collectives fwd+bwd "
+          + ", ".join(f"{n} {op}" for op, n in s["collectives_forward_backward"].items())
+          + " |")
+      continue
+    if r.get("accuracy") is not None:
+      acc = f"{100 * r['accuracy']:.2f}% ({r['steps']} steps)"
+    elif r.get("quoted_accuracy"):
+      acc = f"{r['quoted_accuracy']}, from {r['source']}"
+    else:
+      acc = "-"
+    lines.append(
+        f"| {r['section']} | {r['technique']} | {r['model']} | "
+        f"{_cell(r.get('max_batch_ratio'), '.2f')}x | "
+        f"{_cell(r['per_example_temp_bytes'] / 2**20, '.3g')} | {_cell(r.get('flops_ratio'), '.3f')} | "
+        f"{_cell(r.get('temp_ratio'), '.3f')} | {_cell(r.get('saved_ratio'), '.3f')} | "
+        f"{_cell(r.get('step_time_ratio'), '.2f')} | {acc} |")
+  return "\n".join(lines)
+
+
+def write_tour(rows, output_dir: str, meta: dict | None = None) -> dict[str, str]:
+  """``tour.json``, ``tour.md`` and ``tour.png`` (max-batch multiplier against FLOPs,
+  one point per technique) in ``output_dir``."""
+  import json  # pylint: disable=g-import-not-at-top
+  os.makedirs(output_dir, exist_ok=True)
+  paths = {ext: os.path.join(output_dir, f"tour.{ext}") for ext in ("json", "md", "png")}
+  with open(paths["json"], "w") as f:
+    json.dump({"meta": meta or {}, "rows": rows}, f, indent=1, default=str)
+  with open(paths["md"], "w") as f:
+    f.write("# jmem bench: the tour\n\n" + "".join(f"- {k}: {v}\n" for k, v in
+                                                   (meta or {}).items()) + "\n"
+            + format_tour(rows) + "\n")
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  ax.plot(1.0, 1.0, "ks")
+  ax.annotate("exact", (1.0, 1.0), textcoords="offset points", xytext=(5, -10), fontsize=8)
+  shown = [r for r in rows
+           if r.get("technique") != "exact" and r.get("max_batch_ratio") is not None]
+  for i, r in enumerate(sorted(shown, key=lambda r: r["max_batch_ratio"])):
+    where = " per device" if "per-device" in r.get("section", "") else ""
+    ax.plot(r["flops_ratio"], r["max_batch_ratio"], "o")
+    ax.annotate(f"{r['technique']} ({r['model']}{where})",
+                (r["flops_ratio"], r["max_batch_ratio"]), textcoords="offset points",
+                xytext=(5, 3 if i % 2 else -10), fontsize=8)
+  ax.set_xlabel("step FLOPs / exact (XLA cost analysis)")
+  ax.set_ylabel("max-batch multiplier vs exact")
+  ax.set_title("What each technique buys, and what it costs")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(paths["png"], dpi=110)
+  plt.close(fig)
+  return paths
