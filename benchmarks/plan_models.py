@@ -32,10 +32,8 @@ def device_bytes(model, x, y, optimizer):
   fns = train.model_fns(model)
   abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
                             jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
-  c = train.make_train_step(fns, optimizer).lower(abstract, x, y).compile()
-  cost = c.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return jmem.measure._memory_of(c).total_bytes, float(cost["flops"])  # pylint: disable=protected-access
+  return jmem.measure.device_bytes_and_flops(
+      train.make_train_step(fns, optimizer).lower(abstract, x, y).compile())
 
 
 def main():

@@ -37,11 +37,8 @@ def compiled_step(model, batch, size, optimizer):
   y = jax.ShapeDtypeStruct((batch,), jnp.int32)
   abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
                             jax.random.key(0), x)
-  c = train.make_train_step(fns, optimizer, donate=True).lower(abstract, x, y).compile()
-  mem = jmem.measure._memory_of(c)             # pylint: disable=protected-access
-  cost = c.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return mem.total_bytes, float(cost["flops"])
+  return jmem.measure.device_bytes_and_flops(
+      train.make_train_step(fns, optimizer, donate=True).lower(abstract, x, y).compile())
 
 
 def main():

@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
   sub = p.add_subparsers(dest="command", required=True)
 
   b = sub.add_parser("bench", help="train and measure every technique against exact",
+                     allow_abbrev=False,
                      description="Measures saved activation bytes, compiled temp bytes, "
                      "step time and test accuracy of each technique against exact backprop, "
                      "on the digits data embedded in scikit-learn. With none of the options "
@@ -92,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("--image-size", type=int, default=224)
   pl.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
   pl.add_argument("--batch-size", type=int, default=256)
-  pl.add_argument("--budget", default="16GiB", help="device memory, e.g. 16GiB, 800MiB")
+  pl.add_argument("--budget", default="16GiB",
+                  help="device memory, e.g. 16GiB, 800MiB, or a share of exact's: 50%%")
   pl.add_argument("--dtype", default="float32", choices=bench.DTYPES)
   pl.add_argument("--exact-only", action="store_true",
                   help="accuracy-safe: no compression, the gradients stay exact")
@@ -195,7 +197,9 @@ def _plan(args) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jmem import bench, models, planner as plan_lib, train  # pylint: disable=g-import-not-at-top
-  budget = plan_lib.parse_bytes(args.budget)          # bad input fails before any work
+  # Bad input fails before any work: a size, or a share of exact's bytes ("50%").
+  budget = (args.budget if plan_lib.budget_share(args.budget) is not None
+            else plan_lib.parse_bytes(args.budget))
   if args.batch_size < 1 or args.image_size < 1:
     raise ValueError(f"--batch-size and --image-size must be positive, got "
                      f"{args.batch_size} and {args.image_size}.")

@@ -32,7 +32,7 @@ __all__ = [
     "saved_residuals",
     "compiled_memory",
     "BatchFit",
-    "fit_batch",
+    "fit_batch", "device_bytes_and_flops",
     "PeakBuffer",
     "PeakReport",
     "peak_buffers",
@@ -260,11 +260,19 @@ _CALL_PRIMITIVES = frozenset({"shard_map", "pjit", "jit", "closed_call", "core_c
 
 def _module_path(eqn) -> str:
   """The module path in ``eqn``'s name stack: its transform-wrapped top element
-  (``jvp(ResNet)``) dropped, as are transform names (``checkpoint``, ``jvp(...)``)."""
+  (``jvp(ResNet)``) dropped, as are transform names (``checkpoint``, ``jvp(...)``); under
+  a `jmem.convert` wrapper (``Converted._run/model/...``) the wrapped model's own path."""
   if eqn is None:
     return ""
   parts = str(eqn.source_info.name_stack).split("/")[1:]
-  return "/".join(p for p in parts if p and "(" not in p and p != "checkpoint")
+  parts = [p for p in parts if p and "(" not in p and p != "checkpoint"]
+  while True:                         # Converted/Converted._run/model/..., maybe nested
+    if parts[:1] == ["Converted"]:
+      parts = parts[1:]
+    elif parts[:1] and parts[0].startswith("Converted.") and parts[1:2] == ["model"]:
+      parts = parts[2:]
+    else:
+      return "/".join(parts)
 
 
 def _producers(jaxpr) -> dict[Any, Any]:
@@ -381,6 +389,15 @@ def compiled_memory(f: Callable[..., Any], *args, **kwargs) -> CompiledMemory:
     A `CompiledMemory` from ``compiled.memory_analysis()``.
   """
   return _memory_of(_compile(f, args, kwargs))
+
+
+def device_bytes_and_flops(compiled) -> tuple[int, float]:
+  """``(device bytes, FLOPs)`` of a compiled step: its `CompiledMemory.total_bytes`
+  (arguments + outputs - donated + temp) and XLA's cost analysis (0.0 where the backend
+  gives none)."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return _memory_of(compiled).total_bytes, float((cost or {}).get("flops", 0.0))
 
 
 def _memory_of(compiled) -> CompiledMemory:

@@ -21,19 +21,21 @@ but its ``Dense`` layers, as `jmem.Remat`'s); each gets a `jmem.Policy`. How:
    at a time (save -> compress at 8, 4, 2 bits -> recompute from a 2-bit input; exact
    only: save -> recompute): every site climbs a rung before any climbs the next (all at
    8 bits before one goes to 4: fewer bits only where the budget needs them), the site
-   with the most bytes saved per FLOP added first, until the predicted step fits. The prediction is ``fixed + batch *
-   (working + sum of the sites' bytes)``, with ``fixed`` and ``working`` (what no site
-   holds: the head, inline code, the backward's working set) from the compiled exact
-   step at two batch sizes. A tighter budget only walks further along the same path, so
+   with the most bytes saved per FLOP added first (a rung that keeps no less is skipped),
+   until the predicted step fits. The prediction is ``fixed + batch * (working + sum of
+   the sites' bytes)``, with ``fixed`` and ``working`` (what no site holds: the head,
+   inline code, the backward's working set) from the compiled exact step at two batch
+   sizes. A tighter budget only walks further along the same path, so
    it never needs fewer FLOPs.
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the working bytes are corrected by the
-   miss and the walk goes on (at most ``max_compiles`` compiles in all); the largest batch
-   at the budget comes from the plan compiled at two batch sizes.
+   miss and the walk goes on (at most ``max_compiles`` compiles); the largest batch at the
+   budget is predicted by the line through the plan compiled at two batch sizes (one
+   compile more).
 
-Policies that move memory to the host (``offload``) are left out on a backend with one
-memory (CPU), where they save nothing; InPlace-ABN and spatial sharding are not searched
-(convert the model with them first, then plan).
+Not searched yet: ``offload`` (which on CPU, one memory for host and device, would save
+nothing), InPlace-ABN and spatial sharding (convert the model with them first, then
+plan: the plan's sites are then the converted model's block sites).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -57,7 +60,7 @@ from jmem._technique import BenchTechnique
 from jmem.ops.policy import Policy
 from jmem.techniques import register_technique
 
-__all__ = ["plan", "Plan", "SiteChoice", "parse_bytes"]
+__all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -70,8 +73,9 @@ _EXACT_LADDER = (("save", None), ("recompute", None))
 _QUANTIZE_FLOPS = 12.0
 
 
-def _fraction(budget) -> float | None:
-  """``"50%"`` -> 0.5; None for anything that is not a percentage."""
+def budget_share(budget) -> float | None:
+  """``"50%"`` -> 0.5 (a share of the exact step's device bytes); None for anything that
+  is not a percentage. Raises ValueError for a share outside (0%, 100%]."""
   if isinstance(budget, str) and budget.strip().endswith("%"):
     try:
       value = float(budget.strip()[:-1])
@@ -86,13 +90,13 @@ def _fraction(budget) -> float | None:
 
 def parse_bytes(budget: int | float | str) -> int:
   """``16 * 2**30``, ``"16GiB"``, ``"12.5 GB"``, ``"800MiB"`` -> bytes (int)."""
-  if isinstance(budget, (int, float)) and not isinstance(budget, bool):
-    if not math.isfinite(budget) or budget <= 0:
-      raise ValueError(f"budget must be a positive number of bytes, got {budget!r}.")
+  if isinstance(budget, numbers.Real) and not isinstance(budget, (bool, np.bool_)):
+    if not math.isfinite(budget) or budget < 1:
+      raise ValueError(f"budget must be at least 1 byte, got {budget!r}.")
     return int(budget)
   if isinstance(budget, str):
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-    if m and m.group(2).lower() in _UNITS and float(m.group(1)) > 0:
+    if m and m.group(2).lower() in _UNITS and float(m.group(1)) * _UNITS[m.group(2).lower()] >= 1:
       return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
   raise ValueError(f"budget {budget!r} is not a size: give bytes (an int) or a string such as "
                    "'16GiB', '800MiB' or '12GB'.")
@@ -132,15 +136,15 @@ class Plan:
 
   Attributes:
     budget_bytes, batch_size: the request.
-    choices: one `SiteChoice` per site, in call order.
+    choices: one `SiteChoice` per site, sorted by path.
     device_bytes: the planned step's compiled device bytes at ``batch_size`` (arguments,
       outputs and temp: parameters, optimiser state, the batch, activations).
     exact_device_bytes: the same for the unconverted model.
     flops, exact_flops: XLA's cost analysis of both steps.
     fits: ``device_bytes <= budget_bytes``.
-    max_batch: the largest batch of the planned step within the budget (two more compiles;
-      None if not measured).
-    exact_max_batch: the same for the exact step.
+    max_batch: the largest batch of the planned step within the budget, predicted by the
+      line through it compiled at two batch sizes (one more compile; None if not asked).
+    exact_max_batch: the same for the exact step (from its two compiles).
     compiles: the steps compiled.
     front: the estimated (device bytes, FLOPs) of each point of the upgrade path, for the
       Pareto plot; ``chosen``: the index of the chosen one.
@@ -185,8 +189,8 @@ class Plan:
               f"{_size(self.exact_device_bytes)}. FLOPs "
               f"{self.flops / max(self.exact_flops, 1):.3f}x exact's (XLA cost analysis)."]
     if self.max_batch is not None:
-      lines.append(f"Largest batch within the budget: {self.max_batch} (exact: "
-                   f"{self.exact_max_batch}).")
+      lines.append(f"Largest batch within the budget, predicted from two compiled batch "
+                   f"sizes: {self.max_batch} (exact: {self.exact_max_batch}).")
     lines.append(f"{self.compiles} steps compiled.")
     lines += [f"Note: {n}" for n in self.notes]
     return "\n".join(lines)
@@ -212,6 +216,7 @@ class _Site:
   path: str
   residual_bytes: float = 0.0       # per example, exact
   input_bytes: float = 0.0          # per example
+  input_values: float = 0.0         # per example (in whatever dtype the site takes)
   forward_flops: float = 0.0        # per example
   values: float = 0.0               # residual values per example (quantizer work)
 
@@ -270,8 +275,9 @@ def _estimate_sites(fns, abstract, x, y, paths) -> tuple[list[_Site], float]:
   def record(next_fun, args, kwargs, context):
     path = "/".join(context.module.scope.path) if context.module.scope else ""
     if path in sites and context.method_name == "__call__" and not sites[path].input_bytes:
-      sites[path].input_bytes = float(sum(
-          a.size * a.dtype.itemsize for a in jax.tree.leaves(args) if hasattr(a, "dtype")))
+      arrays = [a for a in jax.tree.leaves(args) if hasattr(a, "dtype")]
+      sites[path].input_bytes = float(sum(a.size * a.dtype.itemsize for a in arrays))
+      sites[path].input_values = float(sum(a.size for a in arrays))
     return next_fun(*args, **kwargs)
 
   def forward(params, model_state, xb):
@@ -286,12 +292,12 @@ def _estimate_sites(fns, abstract, x, y, paths) -> tuple[list[_Site], float]:
   _walk(closed.jaxpr, visit)
   out = list(sites.values())
   for s in out:
-    for f in ("residual_bytes", "input_bytes", "forward_flops", "values"):
+    for f in ("residual_bytes", "input_bytes", "input_values", "forward_flops", "values"):
       setattr(s, f, getattr(s, f) / batch)
   return out, outside / batch
 
 
-def _kept(site: _Site, rung, itemsize_bits: int) -> tuple[float, float]:
+def _kept(site: _Site, rung) -> tuple[float, float]:
   """(bytes per example the site keeps, FLOPs per example it adds) on ``rung``."""
   kind, bits = rung
   if kind == "save":
@@ -302,15 +308,13 @@ def _kept(site: _Site, rung, itemsize_bits: int) -> tuple[float, float]:
   if kind == "recompute":
     return site.input_bytes, site.forward_flops
   if kind == "recompute_compressed":
-    inputs = site.input_bytes * 8 / itemsize_bits
+    inputs = site.input_values
     masks = site.values / 8 / 4           # some of the values are masks, at 1 bit
     return inputs * (bits / 8 + meta) + masks, site.forward_flops + _QUANTIZE_FLOPS * inputs
-  if kind == "offload":
-    return 0.0, 0.0
   raise ValueError(kind)
 
 
-def _upgrade_path(sites, ladder, itemsize_bits):
+def _upgrade_path(sites, ladder):
   """The sequence of (rungs per site) from all-save, one rung at a time: the lowest rung
   any site has not passed first (so every site is at 8 bits before one goes to 4), and
   among the sites that can take it, the most bytes saved per FLOP added (per byte where
@@ -322,9 +326,11 @@ def _upgrade_path(sites, ladder, itemsize_bits):
     for i, site in enumerate(sites):
       if state[i] + 1 >= len(ladder):
         continue
-      b0, f0 = _kept(site, ladder[state[i]], itemsize_bits)
-      b1, f1 = _kept(site, ladder[state[i] + 1], itemsize_bits)
+      b0, f0 = _kept(site, ladder[state[i]])
+      b1, f1 = _kept(site, ladder[state[i] + 1])
       saved, added = b0 - b1, max(f1 - f0, 0.0)
+      if saved <= 0:
+        continue                          # a rung that keeps no less is never worth it
       key = (-state[i], saved / max(added, 1.0))
       if best_key is None or key > best_key:
         best, best_key = i, key
@@ -342,8 +348,8 @@ def _default_sites(model, x) -> list[str]:
         "jmem.plan takes linen models for now (it traces the model's module calls); for an "
         "NNX model convert it by hand with jmem.Policy per site.")
   kw = {"train": True} if train_lib.takes_train(model) else {}
-  found = surgery.sites(surgery.convert(model, Policy("save")), x, **kw)
-  return list(next(iter(found.values()), []))
+  probe = Policy("save")
+  return list(surgery.sites(surgery.convert(model, probe), x, **kw).get(repr(probe), []))
 
 
 def plan(model, example_batch, budget, *, batch_size: int | None = None,
@@ -361,18 +367,25 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     approximate: allow compression (ActNN's quantizer); False keeps the gradients exact
       (save or recompute only).
     optimizer: the optimiser whose state counts against the budget (default: jmem's AdamW).
-    max_compiles: the most steps compiled (at least 3).
+    max_compiles: the most steps compiled before the largest batch's (at least 3).
     max_batch: also compile the plan at a second batch size for its largest batch.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
     fits, the plan that goes furthest, with ``fits`` False and its excess in `Plan.table`.
   """
-  fraction = _fraction(budget)
+  fraction = budget_share(budget)
   budget_bytes = parse_bytes(budget) if fraction is None else None
   if max_compiles < 3:
-    raise ValueError(f"max_compiles must be at least 3 (exact, the plan, a correction), got "
-                     f"{max_compiles}.")
+    raise ValueError(f"max_compiles must be at least 3 (exact at two batch sizes, the plan), "
+                     f"got {max_compiles}.")
+  taken = [t for t in getattr(model, "techniques", ())
+           if not isinstance(t, (surgery.SyncBN, surgery.InPlaceABN, surgery.Spatial))]
+  if taken:
+    raise ValueError(f"jmem.plan chooses each block site's policy itself, but the model already "
+                     f"has {taken}: plan the model before converting it with block techniques "
+                     "(Remat, ActNN, Policy, SBP); BatchNorm and spatial techniques may come "
+                     "first.")
   x, y = example_batch
   batch = int(batch_size or x.shape[0])
   if batch < 1:
@@ -389,12 +402,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
                      "sites: the direct children of the top module but its Dense layers).")
   sites, outside = _estimate_sites(fns, abstract, xs, ys, paths)
-  itemsize_bits = 8 * jnp.dtype(x.dtype).itemsize
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
   notes = []
-  if jax.default_backend() == "cpu":
-    notes.append("offload left out: on CPU host and device memory are one, so it saves "
-                 "nothing here (plan on the GPU to include it)")
+  notes.append("offload not searched yet (and on CPU, where host and device memory are "
+               "one, it would save nothing)")
   compiles = 0
 
   def compiled(m, b):
@@ -402,26 +413,23 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     compiles += 1
     f = train_lib.model_fns(m)
     step = train_lib.make_train_step(f, optimizer, donate=True)
-    c = step.lower(abstract, spec(x, b), spec(y, b)).compile()
-    mem = measure._memory_of(c)                        # pylint: disable=protected-access
-    cost = c.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return mem.total_bytes, float((cost or {}).get("flops", 0.0))
+    return measure.device_bytes_and_flops(
+        step.lower(abstract, spec(x, b), spec(y, b)).compile())
 
   # The exact step at two batch sizes: fixed bytes and the per-example working bytes.
-  small = max(1, batch // 2)
+  small = batch // 2 if batch > 1 else 2
   exact_small, _ = compiled(model, small)
   exact_bytes, exact_flops = compiled(model, batch)
   if fraction is not None:
     budget_bytes = int(fraction * exact_bytes)
-  slope = (exact_bytes - exact_small) / max(batch - small, 1)
+  slope = (exact_bytes - exact_small) / (batch - small)
   fixed = exact_bytes - slope * batch
   working = slope - sum(s.residual_bytes for s in sites)
-  walk = _upgrade_path(sites, ladder, itemsize_bits)
+  walk = _upgrade_path(sites, ladder)
 
   def predicted(state):
-    kept = sum(_kept(s, ladder[r], itemsize_bits)[0] for s, r in zip(sites, state))
-    flops = sum(_kept(s, ladder[r], itemsize_bits)[1] for s, r in zip(sites, state))
+    kept = sum(_kept(s, ladder[r])[0] for s, r in zip(sites, state))
+    flops = sum(_kept(s, ladder[r])[1] for s, r in zip(sites, state))
     return fixed + batch * (working + kept), exact_flops + batch * flops
 
   def choose(after: int) -> int:
@@ -433,7 +441,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   def choices_of(state):
     out = []
     for s, r in zip(sites, state):
-      b, f = _kept(s, ladder[r], itemsize_bits)
+      b, f = _kept(s, ladder[r])
       out.append(SiteChoice(s.path, ladder[r][0], ladder[r][1], s.residual_bytes - b, f))
     return tuple(out)
 
@@ -451,25 +459,26 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   techniques = [t for t in (c.technique() for c in choices) if t]
   fits = device_bytes <= budget_bytes
   best = exact_best = None
-  if max_batch and compiles < max_compiles + 2:
-    exact_best = _largest(exact_small, exact_bytes, small, batch, budget_bytes)
+  if max_batch:
+    exact_best = _largest(*sorted([(small, exact_small), (batch, exact_bytes)]), budget_bytes)
     if index == 0:
       best = exact_best
     else:
       other = 2 * batch if fits else small
       at_other, _ = compiled(surgery.convert(model, *techniques), other)
-      points = sorted([(batch, device_bytes), (other, at_other)])
-      best = _largest(points[0][1], points[1][1], points[0][0], points[1][0], budget_bytes)
+      best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes)
   front = tuple(predicted(s) for s in walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes))
 
 
-def _largest(bytes_lo, bytes_hi, b_lo, b_hi, budget) -> int:
-  """The largest batch on the line through two compiled points, within ``budget``."""
-  slope = (bytes_hi - bytes_lo) / max(b_hi - b_lo, 1)
+def _largest(lo, hi, budget) -> int:
+  """The largest batch on the line through two compiled ``(batch, bytes)`` points within
+  ``budget`` (a prediction; 0 if none fits)."""
+  (b_lo, bytes_lo), (b_hi, bytes_hi) = lo, hi
+  slope = (bytes_hi - bytes_lo) / (b_hi - b_lo)
   if slope <= 0:
-    return b_hi
+    return b_hi if bytes_hi <= budget else 0
   return max(0, int((budget - (bytes_lo - slope * b_lo)) // slope))
 
 

@@ -90,12 +90,28 @@ def takes_train(module: nn.Module) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def _mode(module: nn.Module) -> Callable[[bool], tuple[nn.Module, dict[str, Any]]]:
+  """``train -> (module to call, keyword arguments)``: ``train=`` at call time where the
+  model takes it, else the model cloned with its ``train`` field (a `jmem.convert`
+  wrapper's wrapped model cloned), else the model as it is."""
+  if takes_train(module):
+    return lambda train: (module, {"train": train})
+  fields = lambda m: {f.name for f in dataclasses.fields(m)}
+  if "train" in fields(module):
+    return lambda train: (module.clone(train=train), {})
+  inner = getattr(module, "model", None)
+  if isinstance(inner, nn.Module) and "train" in fields(inner):
+    return lambda train: (module.clone(model=inner.clone(train=train)), {})
+  return lambda train: (module, {})
+
+
 def _from_linen(module: nn.Module) -> ModelFns:
-  mode = (lambda train: {"train": train}) if takes_train(module) else (lambda train: {})
+  mode = _mode(module)
 
   def init(key, x):
     k_params, k_dropout = jax.random.split(key)
-    variables = module.init({"params": k_params, "dropout": k_dropout}, x, **mode(False))
+    m, kw = mode(False)
+    variables = m.init({"params": k_params, "dropout": k_dropout}, x, **kw)
     variables = dict(variables)
     params = variables.pop("params")
     return params, variables
@@ -109,12 +125,12 @@ def _from_linen(module: nn.Module) -> ModelFns:
       # Evaluation has no backward pass, so ActNN's rounding and SBP's sampling draw nothing
       # that is used; a fixed key spares the "no 'actnn' RNG stream" warning.
       rngs = {"actnn": jax.random.key(0), "sbp": jax.random.key(0)}
+    m, kw = mode(train)
     with _masked(mask, linen=not getattr(module, "_jmem_guards_batch_mask", False)):
       if train and model_state:
-        logits, new_state = module.apply(variables, x, **mode(True), rngs=rngs,
-                                         mutable=list(model_state))
+        logits, new_state = m.apply(variables, x, **kw, rngs=rngs, mutable=list(model_state))
         return logits, dict(new_state)
-      return module.apply(variables, x, **mode(train), rngs=rngs), model_state
+      return m.apply(variables, x, **kw, rngs=rngs), model_state
 
   return ModelFns(init, apply, module)
 

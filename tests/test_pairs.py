@@ -40,7 +40,8 @@ PAIR_TESTS = {
     ("Remat", "Policy"): "test_policy::test_policy_bad_input_and_conflicts "
                          "test_pairs::test_policies_beside_remat_and_actnn",
     ("ActNN", "SyncBN"): "test_pairs::test_actnn_with_sync_bn_under_shard_map",
-    ("ActNN", "InPlaceABN"): "test_convert::test_inplace_abn_inside_actnn_keeps_the_output_it_inverts_exact",
+    ("ActNN", "InPlaceABN"):
+        "test_convert::test_inplace_abn_inside_actnn_keeps_the_output_it_inverts_exact",
     ("ActNN", "SBP"): "test_pairs::test_sbp_pairs",
     ("ActNN", "Spatial"): "test_pairs::test_actnn_with_spatial_is_unbiased",
     ("ActNN", "Policy"): "test_policy::test_policy_bad_input_and_conflicts "
@@ -396,7 +397,7 @@ def test_nnx_stack_of_three():
 def test_a_bfloat16_model_with_each_technique():
   """A user's mixed-precision model (bfloat16 compute, float32 parameters) under each
   technique: the gradient as close to the plain bfloat16 model's as in float32 (here
-  bfloat16's own error against float32 is ~0.17; the techniques add under 1e-3, 8-bit
+  bfloat16's own error against float32 is ~0.17; the techniques add under 5e-3, 8-bit
   compression included); Spatial's is at least as close to float32 (measured 0.017: the
   partitioned step rounds elsewhere; why it is closer was not traced); compression stores
   packed codes in place of bfloat16 residuals."""

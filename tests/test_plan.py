@@ -5,6 +5,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jmem
@@ -20,7 +21,7 @@ def _device_bytes(model, optimizer):
   abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
                             jax.random.key(0), X)
   compiled = train.make_train_step(fns, optimizer).lower(abstract, X, Y).compile()
-  return jmem.measure._memory_of(compiled).total_bytes   # pylint: disable=protected-access
+  return jmem.measure.device_bytes_and_flops(compiled)[0]
 
 
 def test_plans_fit_and_a_tighter_budget_never_needs_fewer_flops():
@@ -75,8 +76,39 @@ def test_a_model_whose_mode_is_a_field():
     loss = train.make_loss(fns)
     out = jax.eval_shape(lambda *a: loss(*a, jax.random.key(1)), params, state, x, y)
     assert out[0].shape == ()
+    # Evaluation runs the model in eval mode (its BatchNorm statistics are read, not
+    # written: in training mode this raised, batch_stats being immutable).
+    logits, _ = jax.eval_shape(lambda p, s, v: fns.apply(p, s, v, train=False), params,
+                               state, x)
+    assert logits.shape == (2, 16, 16, 3)
   p = plan_lib.plan(model, (x, y), 10**9, max_batch=False)
   assert sorted(c.path for c in p.choices) == ["dec0", "enc0", "enc1", "head"]
+
+
+def test_estimates_of_a_converted_model_are_its_own():
+  """Planning a model converted first (with SyncBN, say): the sites are its block sites and
+  the residuals are attributed to them through the convert wrapper's name scopes."""
+  model = tp.ThirdPartyResNet()
+  optimizer = train.default_optimizer(1e-3, 100)
+
+  def estimates(m):
+    fns = train.model_fns(m)
+    abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
+                              jax.random.key(0), X)
+    # pylint: disable=protected-access
+    paths = plan_lib._default_sites(m, jnp.zeros(X.shape))
+    sites, outside = plan_lib._estimate_sites(fns, abstract, X, Y, paths)
+    return {s.path: s.residual_bytes for s in sites}, outside
+
+  plain, _ = estimates(model)
+  assert set(plain) == {"conv_init", "bn_init", "BottleneckBlock_0", "BottleneckBlock_1"}
+  got, _ = estimates(jmem.convert(model, jmem.SyncBN()))
+  assert set(got) == set(plain)
+  for path in ("BottleneckBlock_0", "BottleneckBlock_1"):   # jmem's BatchNorm keeps less
+    assert 0.5 * plain[path] < got[path] <= 1.01 * plain[path], (path, got, plain)
+  # Block techniques are the planner's to choose: a model that has them is refused.
+  with pytest.raises(ValueError, match="before converting it"):
+    plan_lib.plan(jmem.convert(model, jmem.Remat()), (X, Y), "1GiB")
 
 
 def test_budgets_and_bad_input():
@@ -84,9 +116,17 @@ def test_budgets_and_bad_input():
   assert plan_lib.parse_bytes("800 MiB") == 800 * 2**20
   assert plan_lib.parse_bytes("12GB") == 12 * 10**9
   assert plan_lib.parse_bytes(1000) == 1000
-  for bad in ("16 GiBs", "-1GiB", "", 0, float("nan"), True, "lots"):
+  assert plan_lib.parse_bytes(np.int64(1000)) == 1000
+  for bad in ("16 GiBs", "-1GiB", "", 0, 0.5, "0.5", float("nan"), True, "lots"):
     with pytest.raises(ValueError, match="budget"):
       plan_lib.parse_bytes(bad)
+  assert plan_lib.budget_share("50%") == 0.5 and plan_lib.budget_share("16GiB") is None
+  for bad in ("0%", "150%", "x%"):
+    with pytest.raises(ValueError, match="share"):
+      plan_lib.budget_share(bad)
+  # The largest batch on the line through two compiled points; none if even those are over.
+  assert plan_lib._largest((4, 100), (8, 200), 500) == 20   # pylint: disable=protected-access
+  assert plan_lib._largest((4, 100), (8, 100), 50) == 0     # pylint: disable=protected-access
   with pytest.raises(ValueError, match="max_compiles"):
     plan_lib.plan(tp.FunctionalCNN(), (X, Y), "1GiB", max_compiles=2)
 

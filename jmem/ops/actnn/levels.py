@@ -235,7 +235,7 @@ def _wrap_sites(model, lv, wrap) -> dict[str, Any]:
   for field in ("block_transform", "stem_transform"):
     _need(model, field, lv)
     inner = getattr(model, field)
-    if getattr(inner, "func", inner) in (nn.remat, nn.checkpoint):
+    if getattr(inner, "func", inner) is nn.remat:        # nn.checkpoint is the same
       raise ValueError(
           f"ActNN {lv.name} over a recomputed {field} (nn.remat) would recompute each site "
           "from quantized residuals with its masks and batch statistics recomputed too (at 8 "
