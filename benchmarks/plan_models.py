@@ -28,14 +28,6 @@ UNIFORM = {"compress 2-bit": dict(kind="compress", bits=2), "recompute": dict(ki
            "recompute_compressed 2-bit": dict(kind="recompute_compressed", bits=2)}
 
 
-def device_bytes(model, x, y, optimizer):
-  fns = train.model_fns(model)
-  abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
-                            jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
-  return jmem.measure.device_bytes_and_flops(
-      train.make_train_step(fns, optimizer).lower(abstract, x, y).compile())
-
-
 def main():
   optimizer = train.default_optimizer(1e-3, 100)
   cases = [
@@ -56,7 +48,7 @@ def main():
     seconds = time.time() - t0
     uniform = {}
     for label, kw in UNIFORM.items():
-      total, flops = device_bytes(jmem.convert(model, jmem.Policy(**kw)), x, y, optimizer)
+      total, flops = planner.step_cost(jmem.convert(model, jmem.Policy(**kw)), optimizer, x, y)
       uniform[label] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                             fits=total <= result.budget_bytes)
     rows.append(dict(case=name, budget=budget, plan=result.to_json(), seconds=seconds,

@@ -31,16 +31,6 @@ UNIFORM = {
 }
 
 
-def compiled_step(model, batch, size, optimizer):
-  fns = train.model_fns(model)
-  x = jax.ShapeDtypeStruct((batch, size, size, 3), jnp.float32)
-  y = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
-                            jax.random.key(0), x)
-  return jmem.measure.device_bytes_and_flops(
-      train.make_train_step(fns, optimizer, donate=True).lower(abstract, x, y).compile())
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--cases", default="16GiB:256,16GiB:512,8GiB:128,8GiB:256")
@@ -59,7 +49,7 @@ def main():
     seconds = time.time() - t0
     uniform = {}
     for name, make in UNIFORM.items():
-      total, flops = compiled_step(make(base), batch, args.image_size, optimizer)
+      total, flops = plan_lib.step_cost(make(base), optimizer, x, y)
       uniform[name] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                            fits=total <= result.budget_bytes)
     fitting = [u["flops_ratio"] for u in uniform.values() if u["fits"]]

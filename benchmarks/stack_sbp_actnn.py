@@ -29,18 +29,11 @@ import third_party_models as tp  # noqa: E402
 from _common import write_report  # noqa: E402
 
 
-class Temporal(nn.Module):
-  @nn.compact
-  def __call__(self, f):
-    h = nn.gelu(nn.Conv(64, (3,), padding="SAME")(f))
-    return f + nn.Conv(f.shape[-1], (3,), padding="SAME")(h)
-
-
 class Clip(nn.Module):
   @nn.compact
   def __call__(self, clips, train: bool = True):
     f = tp.FrameEncoder(name="frames")(clips, train)
-    f = Temporal(name="temporal")(f)
+    f = tp.TemporalConv(64, name="temporal")(f)
     return nn.Dense(10)(f.reshape(f.shape[0], -1))
 
 
@@ -68,12 +61,12 @@ def main():
   g_exact, g_sbp = grads(model, key), grads(jmem.convert(model, sbp), key)
   res = {"errors": []}
   for bits in (8, 4, 2):
-    act = jmem.ActNN(bits=bits, where=Temporal)
+    act = jmem.ActNN(bits=bits, where=tp.TemporalConv)
     res["errors"].append({"bits": bits,
                           "actnn_alone": rel(grads(jmem.convert(model, act), key), g_exact),
                           "sbp_actnn_vs_sbp": rel(grads(jmem.convert(model, sbp, act), key),
                                                   g_sbp)})
-  stack = jmem.convert(model, sbp, jmem.ActNN(bits=2, where=Temporal))
+  stack = jmem.convert(model, sbp, jmem.ActNN(bits=2, where=tp.TemporalConv))
   gs = jnp.stack([grads(stack, jax.random.key(100 + i)) for i in range(64)])
   res["z_2bit_64_keys"] = []
   for j in range(3):

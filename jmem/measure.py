@@ -32,7 +32,7 @@ __all__ = [
     "saved_residuals",
     "compiled_memory",
     "BatchFit",
-    "fit_batch", "device_bytes_and_flops",
+    "fit_batch", "device_bytes_and_flops", "module_path",
     "PeakBuffer",
     "PeakReport",
     "peak_buffers",
@@ -223,7 +223,7 @@ def saved_residuals(f: Callable[..., Any], *args, argnums: int | Sequence[int] |
         eqn = producers.get(v)
         source = "activation"
         desc = f"output of {eqn.primitive.name}" if eqn is not None else "unknown"
-        scope = _module_path(eqn)
+        scope = module_path(eqn)
         found = origins.find(v, jaxpr)
         if found is not None:
           root, via = found
@@ -258,7 +258,7 @@ _CALL_PRIMITIVES = frozenset({"shard_map", "pjit", "jit", "closed_call", "core_c
                               "checkpoint", "remat", "custom_jvp_call"})
 
 
-def _module_path(eqn) -> str:
+def module_path(eqn) -> str:
   """The module path in ``eqn``'s name stack: its transform-wrapped top element
   (``jvp(ResNet)``) dropped, as are transform names (``checkpoint``, ``jvp(...)``); under
   a `jmem.convert` wrapper (``Converted._run/model/...``) the wrapped model's own path."""

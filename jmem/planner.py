@@ -60,7 +60,7 @@ from jmem._technique import BenchTechnique
 from jmem.ops.policy import Policy
 from jmem.techniques import register_technique
 
-__all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share"]
+__all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share", "step_cost"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -169,7 +169,7 @@ class Plan:
   @property
   def techniques(self) -> tuple[Policy, ...]:
     """What to pass to `jmem.convert` (empty: the exact model fits)."""
-    return tuple(t for t in (c.technique() for c in self.choices) if t is not None)
+    return _policies(self.choices)
 
   @property
   def approximate(self) -> bool:
@@ -203,6 +203,22 @@ class Plan:
     out["choices"] = [dict(dataclasses.asdict(c), policy=c.label) for c in self.choices]
     out["techniques"] = [repr(t) for t in self.techniques]
     return out
+
+
+def _policies(choices) -> tuple[Policy, ...]:
+  return tuple(t for t in (c.technique() for c in choices) if t is not None)
+
+
+def step_cost(model, optimizer, x, y, *, abstract=None) -> tuple[int, float]:
+  """``(device bytes, FLOPs)`` of ``model``'s donating train step (`jmem.train`'s, with
+  ``optimizer``) compiled for the batch ``x``, ``y`` (arrays or ShapeDtypeStructs);
+  ``abstract``: the train state's shapes, if already known."""
+  fns = train_lib.model_fns(model)
+  if abstract is None:
+    abstract = jax.eval_shape(lambda k, v: train_lib.init_state(fns, optimizer, k, v),
+                              jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
+  step = train_lib.make_train_step(fns, optimizer, donate=True)
+  return measure.device_bytes_and_flops(step.lower(abstract, x, y).compile())
 
 
 def _size(n: float) -> str:
@@ -286,7 +302,7 @@ def _estimate_sites(fns, abstract, x, y, paths) -> tuple[list[_Site], float]:
   closed = jax.make_jaxpr(forward)(abstract.params, abstract.model_state, x)
 
   def visit(eqn):
-    owner = _owner(measure._module_path(eqn), paths)   # pylint: disable=protected-access
+    owner = _owner(measure.module_path(eqn), paths)
     if owner is not None:
       sites[owner].forward_flops += _flops_of(eqn)
   _walk(closed.jaxpr, visit)
@@ -403,18 +419,14 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                      "sites: the direct children of the top module but its Dense layers).")
   sites, outside = _estimate_sites(fns, abstract, xs, ys, paths)
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
-  notes = []
-  notes.append("offload not searched yet (and on CPU, where host and device memory are "
-               "one, it would save nothing)")
+  notes = ("offload not searched yet (and on CPU, where host and device memory are one, it "
+           "would save nothing)",)
   compiles = 0
 
   def compiled(m, b):
     nonlocal compiles
     compiles += 1
-    f = train_lib.model_fns(m)
-    step = train_lib.make_train_step(f, optimizer, donate=True)
-    return measure.device_bytes_and_flops(
-        step.lower(abstract, spec(x, b), spec(y, b)).compile())
+    return step_cost(m, optimizer, spec(x, b), spec(y, b), abstract=abstract)
 
   # The exact step at two batch sizes: fixed bytes and the per-example working bytes.
   small = batch // 2 if batch > 1 else 2
@@ -428,8 +440,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   walk = _upgrade_path(sites, ladder)
 
   def predicted(state):
-    kept = sum(_kept(s, ladder[r])[0] for s, r in zip(sites, state))
-    flops = sum(_kept(s, ladder[r])[1] for s, r in zip(sites, state))
+    kept, flops = np.sum([_kept(s, ladder[r]) for s, r in zip(sites, state)], axis=0)
     return fixed + batch * (working + kept), exact_flops + batch * flops
 
   def choose(after: int) -> int:
@@ -449,14 +460,12 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   device_bytes, flops = exact_bytes, exact_flops
   while index > 0:
     choices = choices_of(walk[index])
-    device_bytes, flops = compiled(
-        surgery.convert(model, *[t for t in (c.technique() for c in choices) if t]), batch)
+    device_bytes, flops = compiled(surgery.convert(model, *_policies(choices)), batch)
     if device_bytes <= budget_bytes or index == len(walk) - 1 or compiles >= max_compiles:
       break
     working += (device_bytes - predicted(walk[index])[0]) / batch   # what the model missed
     index = choose(index + 1)
   choices = choices_of(walk[index])
-  techniques = [t for t in (c.technique() for c in choices) if t]
   fits = device_bytes <= budget_bytes
   best = exact_best = None
   if max_batch:
@@ -465,11 +474,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       best = exact_best
     else:
       other = 2 * batch if fits else small
-      at_other, _ = compiled(surgery.convert(model, *techniques), other)
+      at_other, _ = compiled(surgery.convert(model, *_policies(choices)), other)
       best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes)
   front = tuple(predicted(s) for s in walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
-              exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes))
+              exact_flops, fits, best, exact_best, compiles, front, index, notes)
 
 
 def _largest(lo, hi, budget) -> int:

@@ -119,18 +119,11 @@ class _Encoder(nn.Module):
     return jnp.mean(x, axis=(1, 2)).reshape(b, t, -1)
 
 
-class _Temporal(nn.Module):
-  @nn.compact
-  def __call__(self, f):
-    h = nn.gelu(nn.Conv(32, (3,), padding="SAME")(f))
-    return f + nn.Conv(f.shape[-1], (3,), padding="SAME")(h)
-
-
 class _Clip(nn.Module):
   @nn.compact
   def __call__(self, clips, train: bool = True):
     f = _Encoder(name="frames")(clips, train)
-    f = _Temporal(name="temporal")(f)
+    f = tp.TemporalConv(name="temporal")(f)
     return nn.Dense(10)(f.reshape(f.shape[0], -1))
 
 
@@ -155,8 +148,9 @@ def test_sbp_pairs():
   exact = grad_fn(model)(clips, key)
   alone = grad_fn(jmem.convert(model, sbp))(clips, key)
   assert _err(alone, exact) > 1e-2                      # SBP drops frames
-  for other in (jmem.Remat(where=_Temporal), jmem.Policy("recompute", where=_Temporal),
-                jmem.Policy("offload", where=_Temporal), jmem.SyncBN()):
+  temporal = tp.TemporalConv
+  for other in (jmem.Remat(where=temporal), jmem.Policy("recompute", where=temporal),
+                jmem.Policy("offload", where=temporal), jmem.SyncBN()):
     both = _converted(model, (sbp, other), clips, rngs={"sbp": key})
     got = grad_fn(both)(clips, key)
     assert _err(got, alone) < 1e-5, other
@@ -173,7 +167,7 @@ def test_sbp_pairs():
   assert _err(grad_fn(both, given)(clips, key), alone) < 1e-5
   # ActNN on the temporal part: 8 bits as close to SBP alone as ActNN alone is to exact,
   # 2 bits unbiased about SBP alone.
-  actnn = lambda bits: jmem.ActNN(bits=bits, where=_Temporal)
+  actnn = lambda bits: jmem.ActNN(bits=bits, where=tp.TemporalConv)
   one = _err(grad_fn(jmem.convert(model, actnn(8)))(clips, key), exact)
   stacked = _err(grad_fn(jmem.convert(model, sbp, actnn(8)))(clips, key), alone)
   assert 0 < stacked <= 2 * one, (stacked, one)

@@ -201,6 +201,17 @@ class FrameEncoder(nn.Module):
     return jnp.mean(x, axis=(1, 2)).reshape(b, t, -1)
 
 
+class TemporalConv(nn.Module):
+  """A residual block of two 1-D convolutions over the frames of ``[B, T, F]`` features."""
+
+  width: int = 32
+
+  @nn.compact
+  def __call__(self, f):
+    h = nn.gelu(nn.Conv(self.width, (3,), padding="SAME")(f))
+    return f + nn.Conv(f.shape[-1], (3,), padding="SAME")(h)
+
+
 class ClipClassifier(nn.Module):
   """Per-frame CNN, then a small temporal model over the frame features."""
 

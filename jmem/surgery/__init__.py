@@ -93,9 +93,9 @@ from jmem.techniques import convert_technique_names as technique_names
 from jmem.techniques import register_technique
 from jmem.techniques import technique as technique
 
-__all__ = ["convert", "Technique", "Remat", "ActNN", "Policy", "SyncBN", "InPlaceABN", "SBP",
-           "Spatial", "technique", "technique_names", "batch_mask", "rngs", "sites", "inplace_abn_params", "calibrate",
-           "convert_nnx"]
+__all__ = ["convert", "Technique", "TECHNIQUE_TYPES", "Remat", "ActNN", "Policy", "SyncBN",
+           "InPlaceABN", "SBP", "Spatial", "technique", "technique_names", "batch_mask", "rngs",
+           "sites", "inplace_abn_params", "calibrate", "convert_nnx"]
 
 
 # What `convert` takes (tests/test_pairs.py holds every pair of them to a test).
@@ -266,7 +266,6 @@ def inplace_abn_params(params: Mapping[str, Any], paths, *, to: str = "inplace_a
     nnx.replace_by_pure_dict(out, tree)
     return out
   return tree
-
 
 
 # ------------------------------------------------------------ Policy names in the registry

@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmem._axes import barrier
+
 __all__ = [
     "SAMPLERS", "Sampler", "sbp", "sbp_reference", "sbp_rows", "sbp_rows_reference",
     "num_kept", "sample_indices", "checkerboard", "get_sampler",
@@ -305,7 +307,7 @@ def _sbp_rows(f_full, f_rows, axis):
     # block's kept-rows forward early, right after the forward pass, and their attention
     # maps are all live at once under the exact blocks' backward (video-vit at r = 0.25:
     # temp 0.55x exact without the tie, 0.34x with it).
-    x, dy_kept = jax.lax.optimization_barrier((x, dy_kept))
+    x, dy_kept = barrier((x, dy_kept))
     _, vjp = jax.vjp(lambda p, v: f_rows(p, v, idx), params, x)
     d_params, dx = vjp(dy_kept)
     return d_params, dx, _float0_like(idx)
