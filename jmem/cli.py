@@ -196,6 +196,7 @@ def _bench(args) -> int:
 def _plan(args) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   from jmem import bench, models, planner as plan_lib, train  # pylint: disable=g-import-not-at-top
   # Bad input fails before any work: a size, or a share of exact's bytes ("50%").
   budget = (args.budget if plan_lib.budget_share(args.budget) is not None
@@ -204,15 +205,23 @@ def _plan(args) -> int:
     raise ValueError(f"--batch-size and --image-size must be positive, got "
                      f"{args.batch_size} and {args.image_size}.")
   output_dir = bench.check_output_dir(args.output_dir)
-  model = bench.create_model(args.model, 10, args.dtype)
   video = models.model_task(args.model) == "video"
   channels = 1 if video or args.model.endswith("digits") else 3
   shape = ((args.batch_size, args.num_frames) if video else (args.batch_size,)) + (
       args.image_size, args.image_size, channels)
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
   y = jax.ShapeDtypeStruct((args.batch_size,), jnp.int32)
+  calibration, classes = None, 10
+  if not args.exact_only:
+    # The embedded data at the plan's shapes: GACT sensitivities order the bit reductions.
+    data = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,
+                              train_clips=16)
+    cx = data.x_train[:16]
+    cx = np.repeat(cx, channels, axis=-1) if cx.shape[-1] != channels else cx
+    calibration, classes = (cx, data.y_train[:16]), data.num_classes
+  model = bench.create_model(args.model, classes, args.dtype)
   result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
-                         max_compiles=args.max_compiles)
+                         max_compiles=args.max_compiles, calibration_batch=calibration)
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:

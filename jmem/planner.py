@@ -22,7 +22,12 @@ but its ``Dense`` layers, as `jmem.Remat`'s); each gets a `jmem.Policy`. How:
    only: save -> recompute): every site climbs a rung before any climbs the next (all at
    8 bits before one goes to 4: fewer bits only where the budget needs them), the site
    with the most bytes saved per FLOP added first (a rung that keeps no less is skipped),
-   until the predicted step fits. The prediction is ``fixed + batch * (working + sum of
+   until the predicted step fits. Onto and down the compression rungs (which add the same
+   FLOPs per byte saved at every site) the order is GACT's instead when the gradient
+   sensitivities are known (``calibration_batch=`` or ``sensitivities=``;
+   `jmem.surgery.sensitivities`): most bytes saved per gradient variance added, the
+   variance a site adds at ``b`` bits being about ``C / (2^b - 1)^2``, so the sites whose
+   gradients tolerate it get fewer bits first. The prediction is ``fixed + batch * (working + sum of
    the sites' bytes)``, with ``fixed`` and ``working`` (what no site holds: the head,
    inline code, the backward's working set) from the compiled exact step at two batch
    sizes. A tighter budget only walks further along the same path, so
@@ -45,7 +50,7 @@ import json
 import math
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -57,6 +62,7 @@ from jmem import measure
 from jmem import surgery
 from jmem import train as train_lib
 from jmem._technique import BenchTechnique
+from jmem.ops.actnn import technique as actnn_technique
 from jmem.ops.policy import Policy
 from jmem.techniques import register_technique
 
@@ -112,6 +118,7 @@ class SiteChoice:
     bits: its bits (None: full precision).
     saved_bytes: estimated bytes per example it keeps less than ``save``.
     added_flops: estimated FLOPs per example it adds.
+    sensitivity: its GACT gradient sensitivity ``C`` (None: not measured).
   """
 
   path: str
@@ -119,6 +126,7 @@ class SiteChoice:
   bits: int | None
   saved_bytes: float
   added_flops: float
+  sensitivity: float | None = None
 
   @property
   def label(self) -> str:
@@ -176,11 +184,13 @@ class Plan:
     return any(c.bits is not None for c in self.choices)
 
   def table(self) -> str:
-    lines = ["| site | policy | saved MiB / example | added MFLOPs / example |",
-             "|---|---|---:|---:|"]
+    sens = any(c.sensitivity is not None for c in self.choices)
+    lines = ["| site | policy | saved MiB / example | added MFLOPs / example |" +
+             (" gradient sensitivity C |" if sens else ""),
+             "|---|---|---:|---:|" + ("---:|" if sens else "")]
     for c in self.choices:
       lines.append(f"| {c.path} | {c.label} | {c.saved_bytes / 2**20:.2f} | "
-                   f"{c.added_flops / 1e6:.1f} |")
+                   f"{c.added_flops / 1e6:.1f} |" + (f" {c.sensitivity:.3g} |" if sens else ""))
     verdict = ("fits" if self.fits else
                f"does NOT fit: {_size(self.device_bytes - self.budget_bytes)} over; this is "
                "the plan that goes furthest")
@@ -330,11 +340,18 @@ def _kept(site: _Site, rung) -> tuple[float, float]:
   raise ValueError(kind)
 
 
-def _upgrade_path(sites, ladder):
+def _variance(sensitivity: float, rung) -> float:
+  """The gradient variance a site of GACT sensitivity ``sensitivity`` adds on ``rung``."""
+  kind, bits = rung
+  return sensitivity / float(2**bits - 1) ** 2 if kind == "compress" else 0.0
+
+
+def _upgrade_path(sites, ladder, sensitivity=None):
   """The sequence of (rungs per site) from all-save, one rung at a time: the lowest rung
   any site has not passed first (so every site is at 8 bits before one goes to 4), and
   among the sites that can take it, the most bytes saved per FLOP added (per byte where
-  it adds none)."""
+  it adds none); onto a compression rung, with ``sensitivity`` (path -> GACT ``C``), the
+  most bytes saved per gradient variance added."""
   state = [0] * len(sites)
   path = [tuple(state)]
   while True:
@@ -347,7 +364,12 @@ def _upgrade_path(sites, ladder):
       saved, added = b0 - b1, max(f1 - f0, 0.0)
       if saved <= 0:
         continue                          # a rung that keeps no less is never worth it
-      key = (-state[i], saved / max(added, 1.0))
+      if sensitivity is not None and ladder[state[i] + 1][0] == "compress":
+        c = sensitivity[site.path]
+        added = _variance(c, ladder[state[i] + 1]) - _variance(c, ladder[state[i]])
+        key = (-state[i], saved / max(added, 1e-300))
+      else:
+        key = (-state[i], saved / max(added, 1.0))
       if best_key is None or key > best_key:
         best, best_key = i, key
     if best is None:
@@ -370,7 +392,8 @@ def _default_sites(model, x) -> list[str]:
 
 def plan(model, example_batch, budget, *, batch_size: int | None = None,
          approximate: bool = True, optimizer=None, max_compiles: int = 8,
-         max_batch: bool = True) -> Plan:
+         max_batch: bool = True, calibration_batch=None,
+         sensitivities: Mapping[str, float] | None = None) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
@@ -385,6 +408,12 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     optimizer: the optimiser whose state counts against the budget (default: jmem's AdamW).
     max_compiles: the most steps compiled before the largest batch's (at least 3).
     max_batch: also compile the plan at a second batch size for its largest batch.
+    calibration_batch: ``(x, y)`` arrays, a few real examples: the sites' GACT gradient
+      sensitivities, measured on them at the model's initial weights (seed 0; at most
+      `jmem.ops.actnn.CALIBRATION_BATCH` examples), order the bit reductions (the module
+      docstring). Without it (or ``sensitivities``) they go by bytes saved.
+    sensitivities: the sites' ``C`` (path -> float, as `jmem.surgery.sensitivities` gives),
+      measured by you, e.g. on trained weights; instead of ``calibration_batch``.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -419,8 +448,21 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                      "sites: the direct children of the top module but its Dense layers).")
   sites, outside = _estimate_sites(fns, abstract, xs, ys, paths)
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
-  notes = ("offload not searched yet (and on CPU, where host and device memory are one, it "
-           "would save nothing)",)
+  notes = ["offload not searched yet (and on CPU, where host and device memory are one, it "
+           "would save nothing)"]
+  sens = None
+  if sensitivities is not None:
+    missing = sorted(set(paths) - set(sensitivities))
+    if missing:
+      raise ValueError(f"sensitivities has no value for the sites {missing}; the plan's sites "
+                       f"are {paths} (jmem.surgery.sensitivities with ActNN(where=...) on "
+                       "them measures all).")
+    sens = {p: float(sensitivities[p]) for p in paths}
+  elif calibration_batch is not None:
+    sens = _gact_sensitivities(model, paths, calibration_batch, x)
+  elif approximate:
+    notes.append("bit reductions ordered by bytes saved, not by gradient sensitivity: pass "
+                 "calibration_batch=(x, y) (a few real examples) to order them by GACT's")
   compiles = 0
 
   def compiled(m, b):
@@ -437,7 +479,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   slope = (exact_bytes - exact_small) / (batch - small)
   fixed = exact_bytes - slope * batch
   working = slope - sum(s.residual_bytes for s in sites)
-  walk = _upgrade_path(sites, ladder)
+  walk = _upgrade_path(sites, ladder, sens if approximate else None)
 
   def predicted(state):
     kept, flops = np.sum([_kept(s, ladder[r]) for s, r in zip(sites, state)], axis=0)
@@ -453,7 +495,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     out = []
     for s, r in zip(sites, state):
       b, f = _kept(s, ladder[r])
-      out.append(SiteChoice(s.path, ladder[r][0], ladder[r][1], s.residual_bytes - b, f))
+      out.append(SiteChoice(s.path, ladder[r][0], ladder[r][1], s.residual_bytes - b, f,
+                            None if sens is None else sens[s.path]))
     return tuple(out)
 
   index = choose(0) if exact_bytes > budget_bytes else 0
@@ -478,7 +521,20 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes)
   front = tuple(predicted(s) for s in walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
-              exact_flops, fits, best, exact_best, compiles, front, index, notes)
+              exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes))
+
+
+def _gact_sensitivities(model, paths, batch, example) -> dict[str, float]:
+  """GACT ``C`` of each site on the examples ``batch`` at the model's initial weights."""
+  cx, cy = batch
+  if tuple(np.shape(cx)[1:]) != tuple(example.shape[1:]) or len(cx) != len(cy):
+    raise ValueError(f"calibration_batch must be (x, y) arrays of examples shaped like the "
+                     f"example batch's, {tuple(example.shape[1:])}, and as many labels; got x "
+                     f"{tuple(np.shape(cx))} and y {tuple(np.shape(cy))}.")
+  params, loss_fn, data = actnn_technique.calibration_problem_on(model, cx, cy)
+  where = "|".join(re.escape(p) for p in paths)
+  c, _ = surgery.sensitivities(model, loss_fn, params, data, surgery.ActNN("L3", where=where))
+  return {p: float(c.get(p, 0.0)) for p in paths}
 
 
 def _largest(lo, hi, budget) -> int:

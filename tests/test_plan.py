@@ -141,3 +141,39 @@ def test_plan_cli(tmp_path):
   assert (out / "plan.md").exists() and (out / "plan_front.png").exists()
   with pytest.raises(SystemExit):
     cli.main(["plan", "--budget", "sixteen", "--output-dir", str(out)])
+
+
+def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them():
+  """Down the compression rungs (the same FLOPs per byte at every site) the walk lowers
+  first the site that adds the least gradient variance per byte saved; without
+  sensitivities it goes by bytes. Measured sensitivities reach the plan's table."""
+  # pylint: disable=protected-access
+  sites = [plan_lib._Site("big", residual_bytes=4e6, values=1e6, input_bytes=4e5,
+                          input_values=1e5, forward_flops=1e8),
+           plan_lib._Site("small", residual_bytes=2e6, values=5e5, input_bytes=2e5,
+                          input_values=5e4, forward_flops=5e7)]
+  ladder = plan_lib._APPROXIMATE_LADDER
+
+  def first_to(bits, sensitivity):
+    for state in plan_lib._upgrade_path(sites, ladder, sensitivity):
+      lowered = [s.path for s, r in zip(sites, state) if ladder[r] == ("compress", bits)]
+      if lowered:
+        return lowered
+  assert first_to(4, None) == ["big"]                       # most bytes first
+  assert first_to(4, {"big": 1.0, "small": 100.0}) == ["big"]
+  assert first_to(4, {"big": 100.0, "small": 1.0}) == ["small"]   # 2x fewer bytes, 100x safer
+  assert first_to(2, {"big": 100.0, "small": 1.0}) == ["small"]
+  with pytest.raises(ValueError, match="no value for the sites"):
+    plan_lib.plan(tp.ThirdPartyResNet(), (X, Y), "1GiB", sensitivities={"conv_init": 1.0})
+
+  model = tp.ThirdPartyResNet()
+  rng = np.random.default_rng(0)
+  batch = (rng.normal(size=(4,) + X.shape[1:]).astype(np.float32),
+           rng.integers(0, 10, 4).astype(np.int32))
+  p = plan_lib.plan(model, (X, Y), "70%", max_batch=False, calibration_batch=batch)
+  assert all(c.sensitivity is not None and c.sensitivity >= 0 for c in p.choices)
+  assert any(c.sensitivity > 0 for c in p.choices)
+  assert "gradient sensitivity C" in p.table() and p.fits
+  assert not any("gradient sensitivity" in n for n in p.notes)
+  with pytest.raises(ValueError, match="calibration_batch"):
+    plan_lib.plan(model, (X, Y), "70%", calibration_batch=(batch[0][:, :8], batch[1]))

@@ -95,7 +95,7 @@ from jmem.techniques import technique as technique
 
 __all__ = ["convert", "Technique", "TECHNIQUE_TYPES", "Remat", "ActNN", "Policy", "SyncBN",
            "InPlaceABN", "SBP", "Spatial", "technique", "technique_names", "batch_mask", "rngs",
-           "sites", "inplace_abn_params", "calibrate", "convert_nnx"]
+           "sites", "inplace_abn_params", "sensitivities", "calibrate", "convert_nnx"]
 
 
 # What `convert` takes (tests/test_pairs.py holds every pair of them to a test).
@@ -140,6 +140,31 @@ def convert(model, *techniques: Technique | None):
                   f"{type(model).__name__}.")
 
 
+def sensitivities(model, loss_fn, params, batch, technique: ActNN | None = None, *,
+                  seed: int = 0) -> tuple[dict[str, float], dict[str, int]]:
+  """GACT gradient sensitivity of each site ``technique`` (default ``ActNN("L3")``; its
+  ``where=`` chooses the sites) compresses in the linen ``model``: per site path, ``C``
+  (the gradient variance the site adds at ``b`` bits is about ``C / (2^b - 1)^2``,
+  `jmem.ops.actnn.levels`) and the number of values it quantizes. ``loss_fn``, ``params``,
+  ``batch`` and ``seed`` as in `calibrate`, which allocates bits from these; `jmem.plan`
+  orders its bit reductions by them."""
+  technique = ActNN("L3") if technique is None else technique
+  if not isinstance(technique, ActNN):
+    raise TypeError(f"calibrate and sensitivities probe ActNN's sites; got {technique!r}.")
+  if isinstance(model, nnx.Module):
+    raise NotImplementedError(
+        "jmem.surgery.calibrate and sensitivities take linen models: NNX conversion changes the model in place, "
+        "so a probing copy cannot be made without touching yours. Calibrate on an nnx.clone "
+        "of the model converted by hand, or use ActNN(bits=...) with uniform bits.")
+  lv = technique.resolved_level()
+  if lv.block_bits is None:
+    raise ValueError(f"calibrate and sensitivities need an L3-L5 level (block sites); got "
+                     f"{lv.name}.")
+  probing = lambda probe: convert(model, dataclasses.replace(technique, probe=probe))
+  return actnn_lib.sensitivities(model, loss_fn, params, batch, level=lv, seed=seed,
+                                 probing_model=probing)
+
+
 def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
               budget: float | None = None, seed: int = 0) -> ActNN:
   """``technique`` (default ``ActNN("L3")``) with per-site bits from gradient sensitivity,
@@ -160,19 +185,8 @@ def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
     An `ActNN` whose level carries the per-site bits: ``jmem.convert(model, result)``.
   """
   technique = ActNN("L3") if technique is None else technique
-  if not isinstance(technique, ActNN):
-    raise TypeError(f"calibrate allocates ActNN's bits; got {technique!r}.")
-  if isinstance(model, nnx.Module):
-    raise NotImplementedError(
-        "jmem.surgery.calibrate takes linen models: NNX conversion changes the model in place, "
-        "so a probing copy cannot be made without touching yours. Calibrate on an nnx.clone "
-        "of the model converted by hand, or use ActNN(bits=...) with uniform bits.")
+  sens, weights = sensitivities(model, loss_fn, params, batch, technique, seed=seed)
   lv = technique.resolved_level()
-  if lv.block_bits is None:
-    raise ValueError(f"calibrate needs an L3-L5 level (block sites); got {lv.name}.")
-  probing = lambda probe: convert(model, dataclasses.replace(technique, probe=probe))
-  sens, weights = actnn_lib.sensitivities(model, loss_fn, params, batch, level=lv, seed=seed,
-                                          probing_model=probing)
   bits = actnn_lib.allocate_bits(sens, weights, budget=float(
       lv.block_bits if budget is None else budget))
   level = dataclasses.replace(lv, name=f"{lv.name}-calibrated", layer_bits=tuple(bits.items()))

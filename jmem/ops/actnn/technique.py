@@ -16,8 +16,8 @@ from jmem._technique import BenchTechnique, Technique
 from jmem.ops.actnn import levels
 from jmem.ops.actnn import quantize
 
-__all__ = ["ActNN", "calibration_problem", "CALIBRATION_BATCH", "CALIBRATION_VALUES",
-           "BENCH_TECHNIQUES"]
+__all__ = ["ActNN", "calibration_problem", "calibration_problem_on", "CALIBRATION_BATCH",
+           "CALIBRATION_VALUES", "BENCH_TECHNIQUES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +73,16 @@ def calibration_problem(model, dataset, batch_size: int):
   their bits (`jmem.ops.actnn.calibrate`): the initial weights (seed 0) and the first
   training examples, at most `CALIBRATION_BATCH` and at most `CALIBRATION_VALUES` input
   values (but 2 examples at least); ``loss_fn`` is the training loss of `jmem.train`."""
-  per_example = int(np.prod(dataset.example_shape))
-  n = min(batch_size, len(dataset.x_train),
-          max(2, min(CALIBRATION_BATCH, CALIBRATION_VALUES // per_example)))
-  x, y = jnp.asarray(dataset.x_train[:n]), jnp.asarray(dataset.y_train[:n])
+  return calibration_problem_on(model, dataset.x_train[:batch_size],
+                                dataset.y_train[:batch_size])
+
+
+def calibration_problem_on(model, x, y):
+  """`calibration_problem` on the examples ``x``, ``y`` (arrays; the first of them, as many
+  as `calibration_problem` takes)."""
+  per_example = int(np.prod(np.shape(x)[1:]))
+  n = min(len(x), max(2, min(CALIBRATION_BATCH, CALIBRATION_VALUES // max(per_example, 1))))
+  x, y = jnp.asarray(x[:n]), jnp.asarray(y[:n])
   params, state = train_lib.model_fns(model).init(jax.random.key(0), x[:1])
 
   def loss_fn(module, p, batch):
