@@ -132,7 +132,7 @@ class BenchConfig:
 
 
 def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
-                 train_clips: int = 1024) -> data_lib.Dataset:
+                 train_clips: int = 1024, test_clips: int = 256) -> data_lib.Dataset:
   """The data ``jmem bench`` and ``jmem train`` use for the model named ``model``.
 
   Image models get the digits resized to ``image_size``; video models get moving-digit clips
@@ -153,7 +153,7 @@ def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
         f"digit a third of the frame moving 1 px per frame needs frames of at least "
         f"{need}x{need}; use --image-size {need} or more, or fewer --num-frames.")
   return data_lib.moving_digits(num_frames, frame_size=image_size, digit_size=image_size // 3,
-                                num_train=train_clips)
+                                num_train=train_clips, num_test=test_clips)
 
 
 def _log(msg: str, quiet: bool) -> None:

@@ -198,6 +198,7 @@ def _plan(args) -> int:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jmem import bench, models, planner as plan_lib, train  # pylint: disable=g-import-not-at-top
+  from jmem import data as data_lib  # pylint: disable=g-import-not-at-top
   # Bad input fails before any work: a size, or a share of exact's bytes ("50%").
   budget = (args.budget if plan_lib.budget_share(args.budget) is not None
             else plan_lib.parse_bytes(args.budget))
@@ -211,14 +212,17 @@ def _plan(args) -> int:
       args.image_size, args.image_size, channels)
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
   y = jax.ShapeDtypeStruct((args.batch_size,), jnp.int32)
+  # 16 examples of the embedded data at the plan's shapes: their gradient sensitivities
+  # order the bit reductions (and they give the number of classes).
   calibration, classes = None, 10
   if not args.exact_only:
-    # The embedded data at the plan's shapes: GACT sensitivities order the bit reductions.
-    data = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,
-                              train_clips=16)
-    cx = data.x_train[:16]
-    cx = np.repeat(cx, channels, axis=-1) if cx.shape[-1] != channels else cx
-    calibration, classes = (cx, data.y_train[:16]), data.num_classes
+    if video:
+      clips = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,
+                                 train_clips=16, test_clips=1)
+      (cx, cy), classes = (clips.x_train, clips.y_train), clips.num_classes
+    else:
+      cx, cy = data_lib.digits_sample(16, args.image_size)
+    calibration = (np.repeat(cx, channels, axis=-1) if cx.shape[-1] != channels else cx, cy)
   model = bench.create_model(args.model, classes, args.dtype)
   result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
                          max_compiles=args.max_compiles, calibration_batch=calibration)

@@ -100,6 +100,20 @@ def digits(image_size: int = 8, *, test_fraction: float = 0.2, seed: int = 0) ->
   return Dataset(f"digits{image_size}", x[tr], labels[tr], x[te], labels[te], 10)
 
 
+def digits_sample(num: int, image_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """The first ``num`` training digits of `digits` resized to ``image_size`` (without
+  resizing all 1797), standardised by their own mean and standard deviation, and their
+  labels: a few real examples, e.g. `jmem plan`'s calibration batch."""
+  _check_positive(num=num, image_size=image_size)
+  images, labels = _raw_digits()
+  tr, _ = _split(len(labels), 0.2, 0, labels)
+  if num > len(tr):
+    raise ValueError(f"num must be at most {len(tr)} (the training digits), got {num}.")
+  x = _resize(images[tr[:num]], image_size)
+  x = (x - x.mean()) / max(float(x.std()), 1e-6)
+  return x[..., None].astype(np.float32), labels[tr[:num]]
+
+
 # Unit velocity per direction, as (dy, dx): right, down, left, up, then the diagonals.
 DIRECTIONS = ((0, 1), (1, 0), (0, -1), (-1, 0), (1, 1), (1, -1), (-1, -1), (-1, 1))
 

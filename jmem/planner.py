@@ -22,19 +22,24 @@ but its ``Dense`` layers, as `jmem.Remat`'s); each gets a `jmem.Policy`. How:
    only: save -> recompute): every site climbs a rung before any climbs the next (all at
    8 bits before one goes to 4: fewer bits only where the budget needs them), the site
    with the most bytes saved per FLOP added first (a rung that keeps no less is skipped),
-   until the predicted step fits. Onto and down the compression rungs (which add the same
-   FLOPs per byte saved at every site) the order is GACT's instead when the gradient
-   sensitivities are known (``calibration_batch=`` or ``sensitivities=``;
-   `jmem.surgery.sensitivities`): most bytes saved per gradient variance added, the
+   until the predicted step fits. Down the compression rungs (8 -> 4 -> 2 bits, which add
+   no FLOPs) the order is GACT's instead when the gradient
+   sensitivities are known (``calibration_batch=``: measured at 2 bits on a few real
+   examples at the initial weights, `jmem.surgery.sensitivities`; or your own
+   ``sensitivities=``): most bytes saved per gradient variance added, the
    variance a site adds at ``b`` bits being about ``C / (2^b - 1)^2``, so the sites whose
-   gradients tolerate it get fewer bits first. The prediction is ``fixed + batch * (working + sum of
-   the sites' bytes)``, with ``fixed`` and ``working`` (what no site holds: the head,
-   inline code, the backward's working set) from the compiled exact step at two batch
-   sizes. A tighter budget only walks further along the same path, so
-   it never needs fewer FLOPs.
+   gradients tolerate it get fewer bits first. The prediction is
+   ``fixed + batch * (working + sum of the sites' bytes)``, with ``fixed`` and
+   ``working`` (what no site holds: the head, inline code, the backward's working set)
+   from the compiled exact step at two batch sizes. A tighter budget only walks further
+   along the same path, so it never needs fewer FLOPs.
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the working bytes are corrected by the
-   miss and the walk goes on (at most ``max_compiles`` compiles); the largest batch at the
+   miss and the walk goes on (at most ``max_compiles`` compiles). With sensitivities, once
+   a plan fits, one more compile tries it with the bit reductions the prediction says the
+   budget does not need undone (the one adding the most variance first): the walk lowers
+   many small tolerant sites before a large sensitive one, and may not have needed all of
+   them. It is kept only if it fits. The largest batch at the
    budget is predicted by the line through the plan compiled at two batch sizes (one
    compile more).
 
@@ -77,6 +82,8 @@ _EXACT_LADDER = (("save", None), ("recompute", None))
 # XLA FLOPs per quantized value, compress and decompress (a measured order of magnitude:
 # ActNN L3 on ResNet-50 costs 1.03x exact's FLOPs); the plan's reported FLOPs are XLA's.
 _QUANTIZE_FLOPS = 12.0
+# Input values of the sensitivity batch, at most (16 examples of 128x128x1; 2 of 224x224x3).
+_CALIBRATION_VALUES = 2**18
 
 
 def budget_share(budget) -> float | None:
@@ -155,7 +162,8 @@ class Plan:
     exact_max_batch: the same for the exact step (from its two compiles).
     compiles: the steps compiled.
     front: the estimated (device bytes, FLOPs) of each point of the upgrade path, for the
-      Pareto plot; ``chosen``: the index of the chosen one.
+      Pareto plot; ``chosen``: the index of the walk's point the plan is (or, where
+      undoing unneeded bit reductions fitted, the plan started from: same FLOPs).
     notes: what was left out of the search and why.
   """
 
@@ -350,8 +358,8 @@ def _upgrade_path(sites, ladder, sensitivity=None):
   """The sequence of (rungs per site) from all-save, one rung at a time: the lowest rung
   any site has not passed first (so every site is at 8 bits before one goes to 4), and
   among the sites that can take it, the most bytes saved per FLOP added (per byte where
-  it adds none); onto a compression rung, with ``sensitivity`` (path -> GACT ``C``), the
-  most bytes saved per gradient variance added."""
+  it adds none); from one compression rung to the next (fewer bits, no more FLOPs), with
+  ``sensitivity`` (path -> GACT ``C``), the most bytes saved per gradient variance added."""
   state = [0] * len(sites)
   path = [tuple(state)]
   while True:
@@ -364,12 +372,12 @@ def _upgrade_path(sites, ladder, sensitivity=None):
       saved, added = b0 - b1, max(f1 - f0, 0.0)
       if saved <= 0:
         continue                          # a rung that keeps no less is never worth it
-      if sensitivity is not None and ladder[state[i] + 1][0] == "compress":
+      if sensitivity is not None and ladder[state[i]][0] == ladder[state[i] + 1][0] == "compress":
         c = sensitivity[site.path]
         added = _variance(c, ladder[state[i] + 1]) - _variance(c, ladder[state[i]])
-        key = (-state[i], saved / max(added, 1e-300))
+        key = (-state[i], saved / added if added > 0 else math.inf, saved)
       else:
-        key = (-state[i], saved / max(added, 1.0))
+        key = (-state[i], saved / max(added, 1.0), saved)
       if best_key is None or key > best_key:
         best, best_key = i, key
     if best is None:
@@ -408,12 +416,15 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     optimizer: the optimiser whose state counts against the budget (default: jmem's AdamW).
     max_compiles: the most steps compiled before the largest batch's (at least 3).
     max_batch: also compile the plan at a second batch size for its largest batch.
-    calibration_batch: ``(x, y)`` arrays, a few real examples: the sites' GACT gradient
-      sensitivities, measured on them at the model's initial weights (seed 0; at most
-      `jmem.ops.actnn.CALIBRATION_BATCH` examples), order the bit reductions (the module
-      docstring). Without it (or ``sensitivities``) they go by bytes saved.
-    sensitivities: the sites' ``C`` (path -> float, as `jmem.surgery.sensitivities` gives),
-      measured by you, e.g. on trained weights; instead of ``calibration_batch``.
+    calibration_batch: ``(x, y)`` arrays, at least 2 real examples shaped like the example
+      batch's: the sites' gradient sensitivities, measured on them at 2 bits at the
+      model's initial weights (seed 0; the first 16 examples at most, and no more than
+      2**18 input values: 2 examples of 224x224x3), order the bit reductions (the module
+      docstring). It costs one gradient compile and 2 x sites + 1 gradients (in the
+      plan's notes). Without it (or ``sensitivities``) they go by bytes saved.
+    sensitivities: the sites' ``C`` (path -> finite float >= 0, as
+      `jmem.surgery.sensitivities` gives), measured by you, e.g. on trained weights;
+      instead of ``calibration_batch``.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -451,18 +462,33 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   notes = ["offload not searched yet (and on CPU, where host and device memory are one, it "
            "would save nothing)"]
   sens = None
-  if sensitivities is not None:
+  if sensitivities is not None and calibration_batch is not None:
+    raise ValueError("give sensitivities or a calibration_batch to measure them on, not both.")
+  if not approximate and (sensitivities is not None or calibration_batch is not None):
+    notes.append("sensitivities unused: an exact plan (approximate=False) quantizes nothing")
+  elif sensitivities is not None:
     missing = sorted(set(paths) - set(sensitivities))
     if missing:
       raise ValueError(f"sensitivities has no value for the sites {missing}; the plan's sites "
                        f"are {paths} (jmem.surgery.sensitivities with ActNN(where=...) on "
                        "them measures all).")
     sens = {p: float(sensitivities[p]) for p in paths}
+    bad = {p: c for p, c in sens.items() if not (math.isfinite(c) and c >= 0)}
+    if bad:
+      raise ValueError(f"sensitivities must be finite and >= 0, got {bad}.")
   elif calibration_batch is not None:
-    sens = _gact_sensitivities(model, paths, calibration_batch, x)
+    sens, measured_on = _gact_sensitivities(model, paths, calibration_batch, x, y)
+    notes.append(f"gradient sensitivities measured at 2 bits on {measured_on} examples at the "
+                 f"initial weights: one gradient compile and {2 * len(paths) + 1} gradients, "
+                 "not counted in the steps compiled")
+    unseen = [p for p in paths if p not in sens]
+    if unseen:
+      notes.append(f"sites {unseen} quantize nothing the probe saw: their sensitivity is "
+                   "taken as the largest measured")
+      sens.update({p: max(sens.values(), default=1.0) for p in unseen})
   elif approximate:
     notes.append("bit reductions ordered by bytes saved, not by gradient sensitivity: pass "
-                 "calibration_batch=(x, y) (a few real examples) to order them by GACT's")
+                 "calibration_batch=(x, y) (a few real examples) to order them by it")
   compiles = 0
 
   def compiled(m, b):
@@ -500,15 +526,34 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     return tuple(out)
 
   index = choose(0) if exact_bytes > budget_bytes else 0
+  state = walk[index]
   device_bytes, flops = exact_bytes, exact_flops
   while index > 0:
-    choices = choices_of(walk[index])
-    device_bytes, flops = compiled(surgery.convert(model, *_policies(choices)), batch)
+    state = walk[index]
+    device_bytes, flops = compiled(surgery.convert(model, *_policies(choices_of(state))), batch)
     if device_bytes <= budget_bytes or index == len(walk) - 1 or compiles >= max_compiles:
       break
-    working += (device_bytes - predicted(walk[index])[0]) / batch   # what the model missed
+    working += (device_bytes - predicted(state)[0]) / batch   # what the model missed
     index = choose(index + 1)
-  choices = choices_of(walk[index])
+  if sens is not None and index > 0 and device_bytes <= budget_bytes:
+    # Once a plan fits: one try with the bit reductions it does not need undone.
+    working += (device_bytes - predicted(state)[0]) / batch
+    loose = _relax(state, sites, ladder, sens, lambda s: predicted(s)[0] <= budget_bytes)
+    if loose != state and compiles >= max_compiles:
+      notes.append("no compile left to try undoing the bit reductions the estimate does not "
+                   "need")
+    elif loose != state:
+      loose_bytes, loose_flops = compiled(surgery.convert(model, *_policies(choices_of(loose))),
+                                          batch)
+      undone = sum(a != b for a, b in zip(loose, state))
+      if loose_bytes <= budget_bytes:
+        state, device_bytes, flops = loose, loose_bytes, loose_flops
+        notes.append(f"undoing {undone} bit reductions the estimate did not need fitted: the "
+                     "plan has them undone")
+      else:
+        notes.append(f"undoing {undone} bit reductions the estimate did not need missed the "
+                     f"budget by {_size(loose_bytes - budget_bytes)}: the plan keeps them")
+  choices = choices_of(state)
   fits = device_bytes <= budget_bytes
   best = exact_best = None
   if max_batch:
@@ -524,17 +569,40 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes))
 
 
-def _gact_sensitivities(model, paths, batch, example) -> dict[str, float]:
-  """GACT ``C`` of each site on the examples ``batch`` at the model's initial weights."""
-  cx, cy = batch
-  if tuple(np.shape(cx)[1:]) != tuple(example.shape[1:]) or len(cx) != len(cy):
-    raise ValueError(f"calibration_batch must be (x, y) arrays of examples shaped like the "
-                     f"example batch's, {tuple(example.shape[1:])}, and as many labels; got x "
-                     f"{tuple(np.shape(cx))} and y {tuple(np.shape(cy))}.")
-  params, loss_fn, data = actnn_technique.calibration_problem_on(model, cx, cy)
+def _relax(state, sites, ladder, sensitivity, fits):
+  """``state`` with the bit reductions it does not need undone (one rung each), the one
+  adding the most gradient variance first, while ``fits(state)`` holds. Only reductions
+  between compression rungs are undone: the estimated FLOPs do not change."""
+  state = list(state)
+  added = lambda i: (_variance(sensitivity[sites[i].path], ladder[state[i]]) -
+                     _variance(sensitivity[sites[i].path], ladder[state[i] - 1]))
+  lowered = [i for i, r in enumerate(state)
+             if r > 0 and ladder[r][0] == ladder[r - 1][0] == "compress"]
+  for i in sorted(lowered, key=added, reverse=True):
+    state[i] -= 1
+    if not fits(state):
+      state[i] += 1
+  return tuple(state)
+
+
+def _gact_sensitivities(model, paths, batch, x, y) -> tuple[dict[str, float], int]:
+  """``C`` of each site the probe sees, measured at 2 bits on the examples ``batch`` at
+  the model's initial weights, and the number of examples used."""
+  ok = isinstance(batch, (tuple, list)) and len(batch) == 2
+  cx, cy = batch if ok else (None, None)
+  if not ok or (tuple(np.shape(cx)[1:]), tuple(np.shape(cy)[1:])) != (
+      tuple(x.shape[1:]), tuple(y.shape[1:])) or len(cx) != len(cy) or len(cx) < 2:
+    got = (f"x {np.shape(cx)} and y {np.shape(cy)}" if ok else
+           f"a {type(batch).__name__}")
+    raise ValueError(f"calibration_batch must be (x, y) arrays of at least 2 examples shaped "
+                     f"like the example batch's, x (n, {', '.join(map(str, x.shape[1:]))}) and "
+                     f"y (n{''.join(f', {d}' for d in y.shape[1:])}); got {got}.")
+  params, loss_fn, data = actnn_technique.calibration_problem_on(model, cx, cy,
+                                                                 max_values=_CALIBRATION_VALUES)
   where = "|".join(re.escape(p) for p in paths)
-  c, _ = surgery.sensitivities(model, loss_fn, params, data, surgery.ActNN("L3", where=where))
-  return {p: float(c.get(p, 0.0)) for p in paths}
+  c, _ = surgery.sensitivities(model, loss_fn, params, data, surgery.ActNN("L3", where=where),
+                               bits=2)
+  return {p: float(v) for p, v in c.items() if p in paths}, int(data[0].shape[0])
 
 
 def _largest(lo, hi, budget) -> int:
@@ -589,13 +657,15 @@ def _plan_technique(share: str):
   def prepare(model, dataset, batch_size):
     x = jax.ShapeDtypeStruct((batch_size,) + tuple(dataset.example_shape), jnp.float32)
     y = jax.ShapeDtypeStruct((batch_size,) + tuple(np.shape(dataset.y_train)[1:]), jnp.int32)
-    return surgery.convert(model, *plan(model, (x, y), share, max_batch=False).techniques)
+    calibration = (dataset.x_train[:16], dataset.y_train[:16])
+    return surgery.convert(model, *plan(model, (x, y), share, max_batch=False,
+                                        calibration_batch=calibration).techniques)
 
   def apply(model):
     raise ValueError(f"Technique 'plan-{share}' plans for a batch: the bench builds it with "
                      "its data (prepare); elsewhere call jmem.plan(model, (x, y), budget).")
   return BenchTechnique(f"plan-{share}", apply, f"jmem.plan's policies at {share} of exact's "
-                        "device bytes", prepare=prepare)
+                        "device bytes, bits by gradient sensitivity", prepare=prepare)
 
 
 register_technique(_plan_technique("50%"))

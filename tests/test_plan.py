@@ -170,10 +170,41 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them():
   rng = np.random.default_rng(0)
   batch = (rng.normal(size=(4,) + X.shape[1:]).astype(np.float32),
            rng.integers(0, 10, 4).astype(np.int32))
-  p = plan_lib.plan(model, (X, Y), "70%", max_batch=False, calibration_batch=batch)
-  assert all(c.sensitivity is not None and c.sensitivity >= 0 for c in p.choices)
-  assert any(c.sensitivity > 0 for c in p.choices)
-  assert "gradient sensitivity C" in p.table() and p.fits
-  assert not any("gradient sensitivity" in n for n in p.notes)
-  with pytest.raises(ValueError, match="calibration_batch"):
-    plan_lib.plan(model, (X, Y), "70%", calibration_batch=(batch[0][:, :8], batch[1]))
+  optimizer = train.default_optimizer(1e-3, 100)
+  loose = plan_lib.plan(model, (X, Y), "75%", max_batch=False, optimizer=optimizer,
+                        calibration_batch=batch)
+  assert any("measured at 2 bits on 4 examples" in n for n in loose.notes), loose.notes
+  tight = plan_lib.plan(model, (X, Y), "65%", max_batch=False, optimizer=optimizer,
+                        sensitivities={c.path: c.sensitivity for c in loose.choices})
+  for p in (loose, tight):
+    assert all(c.sensitivity is not None and c.sensitivity >= 0 for c in p.choices)
+    assert any(c.sensitivity > 0 for c in p.choices)
+    assert "gradient sensitivity C" in p.table() and p.fits
+  # On this path too: the reported peak is the planned model's compiled one, and a tighter
+  # budget needs no fewer FLOPs.
+  assert _device_bytes(jmem.convert(model, *tight.techniques), optimizer) == tight.device_bytes
+  assert tight.flops >= loose.flops and tight.chosen > loose.chosen
+  for bad in (batch[0], (batch[0][:, :8], batch[1]), (batch[0][:1], batch[1][:1]),
+              (batch[0], batch[1][:, None])):
+    with pytest.raises(ValueError, match="calibration_batch must be"):
+      plan_lib.plan(model, (X, Y), "70%", calibration_batch=bad)
+  with pytest.raises(ValueError, match="not both"):
+    plan_lib.plan(model, (X, Y), "70%", calibration_batch=batch,
+                  sensitivities={c.path: 1.0 for c in loose.choices})
+  with pytest.raises(ValueError, match="finite"):
+    plan_lib.plan(model, (X, Y), "70%", sensitivities={c.path: float("nan")
+                                                       for c in loose.choices})
+
+
+def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
+  """After the walk, the bit reductions a budget does not need are undone, the one adding
+  the most gradient variance first; save -> compress rungs (which add FLOPs) stay."""
+  # pylint: disable=protected-access
+  sites = [plan_lib._Site(p, residual_bytes=4.0, values=1.0) for p in "abc"]
+  ladder = plan_lib._APPROXIMATE_LADDER                 # 0 save, 1: 8 bits, 2: 4 bits
+  sens = {"a": 1.0, "b": 10.0, "c": 100.0}
+  kept = lambda state: sum(plan_lib._kept(s, ladder[r])[0] for s, r in zip(sites, state))
+  budget = kept((2, 2, 1)) + 1e-9                        # room for one site at 8 bits
+  assert plan_lib._relax((2, 2, 2), sites, ladder, sens, lambda s: kept(s) <= budget) == \
+      (2, 2, 1)                                          # c, the most sensitive, goes back
+  assert plan_lib._relax((1, 1, 1), sites, ladder, sens, lambda s: True) == (1, 1, 1)

@@ -141,13 +141,15 @@ def convert(model, *techniques: Technique | None):
 
 
 def sensitivities(model, loss_fn, params, batch, technique: ActNN | None = None, *,
-                  seed: int = 0) -> tuple[dict[str, float], dict[str, int]]:
+                  seed: int = 0, bits: int | None = None
+                  ) -> tuple[dict[str, float], dict[str, int]]:
   """GACT gradient sensitivity of each site ``technique`` (default ``ActNN("L3")``; its
   ``where=`` chooses the sites) compresses in the linen ``model``: per site path, ``C``
   (the gradient variance the site adds at ``b`` bits is about ``C / (2^b - 1)^2``,
   `jmem.ops.actnn.levels`) and the number of values it quantizes. ``loss_fn``, ``params``,
-  ``batch`` and ``seed`` as in `calibrate`, which allocates bits from these; `jmem.plan`
-  orders its bit reductions by them."""
+  ``batch`` and ``seed`` as in `calibrate`, which allocates bits from GACT's 1-bit
+  estimate; ``bits``: measure at ``bits`` instead (`jmem.ops.actnn.sensitivities`), as
+  `jmem.plan` does at 2 to order its bit reductions."""
   technique = ActNN("L3") if technique is None else technique
   if not isinstance(technique, ActNN):
     raise TypeError(f"calibrate and sensitivities probe ActNN's sites; got {technique!r}.")
@@ -162,7 +164,7 @@ def sensitivities(model, loss_fn, params, batch, technique: ActNN | None = None,
                      f"{lv.name}.")
   probing = lambda probe: convert(model, dataclasses.replace(technique, probe=probe))
   return actnn_lib.sensitivities(model, loss_fn, params, batch, level=lv, seed=seed,
-                                 probing_model=probing)
+                                 probing_model=probing, bits=bits)
 
 
 def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,

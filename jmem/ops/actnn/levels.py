@@ -330,7 +330,8 @@ def _sq_dist(a, b) -> float:
 
 
 def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
-                  level: str | Level = "L3", seed: int = 0, probing_model=None
+                  level: str | Level = "L3", seed: int = 0, probing_model=None,
+                  bits: int | None = None, num_seeds: int = 2
                   ) -> tuple[dict[str, float], dict[str, int]]:
   """GACT gradient sensitivity of every site ``level`` compresses as a whole block.
 
@@ -341,17 +342,36 @@ def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
     params: the parameters to differentiate (the current weights).
     batch: the calibration batch (any pytree of arrays, e.g. ``(x, y)``).
     level: gives the group size (and must compress blocks: L3, L4, L5 or your own).
-    seed: dither seed of the two 1-bit probes.
+    seed: dither seed of the probes.
     probing_model: ``probing_model(probe) -> module`` whose sites call ``probe.site``
       (`jmem.surgery.calibrate` uses it for models without jmem's hooks).
+    bits: None: GACT's estimate, from 1-bit probes. An int: measured at ``bits`` instead,
+      ``C_i = (2^bits - 1)^2`` times the mean over ``num_seeds`` dithers of
+      ``|g_i - g|^2`` (``g``: the exact gradient; ``g_i``: site i alone at ``bits``).
+      On ResNet-20, ``C / 15^2`` from 2 bits came to 0.38-1.59x each site's measured
+      4-bit variance, from the 1-bit probes to 0.14-0.43x, unevenly across sites
+      (benchmarks/results/plan_sensitivity.md; `jmem.plan` measures at 2 bits).
+    num_seeds: dithers per site when ``bits`` is given.
 
   Returns:
     ``(C, w)``: per site path, ``C_i`` (module docstring) and the number of values the site
     quantizes.
   """
+  if bits is not None and (isinstance(bits, bool) or bits not in q.SUPPORTED_BITS or
+                           num_seeds < 1):
+    raise ValueError(f"bits must be among {q.SUPPORTED_BITS} and num_seeds at least 1, got "
+                     f"{bits!r} and {num_seeds}.")
   grads, sites, weights = _probe_grads(model, loss_fn, params, batch, get_level(level),
                                        probing_model)
   out = {}
+  if bits is not None:
+    exact = _flat(grads(jnp.zeros((len(sites),), jnp.float32), jnp.uint32(0)))
+    for path, i in sites.items():
+      levels = jnp.zeros((len(sites),), jnp.float32).at[i].set(2.0**bits - 1)
+      err = np.mean([_sq_dist(_flat(grads(levels, jnp.uint32(num_seeds * seed + k + 1))), exact)
+                     for k in range(num_seeds)])
+      out[path] = float(err) * (2.0**bits - 1) ** 2
+    return out, weights
   for path, i in sites.items():
     one_hot = jnp.zeros((len(sites),), jnp.float32).at[i].set(1.0)
     g0 = _flat(grads(one_hot, jnp.uint32(2 * seed + 1)))

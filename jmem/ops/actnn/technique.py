@@ -77,11 +77,11 @@ def calibration_problem(model, dataset, batch_size: int):
                                 dataset.y_train[:batch_size])
 
 
-def calibration_problem_on(model, x, y):
+def calibration_problem_on(model, x, y, *, max_values: int = CALIBRATION_VALUES):
   """`calibration_problem` on the examples ``x``, ``y`` (arrays; the first of them, as many
-  as `calibration_problem` takes)."""
+  as `calibration_problem` takes, or up to ``max_values`` input values)."""
   per_example = int(np.prod(np.shape(x)[1:]))
-  n = min(len(x), max(2, min(CALIBRATION_BATCH, CALIBRATION_VALUES // max(per_example, 1))))
+  n = min(len(x), max(2, min(CALIBRATION_BATCH, max_values // max(per_example, 1))))
   x, y = jnp.asarray(x[:n]), jnp.asarray(y[:n])
   params, state = train_lib.model_fns(model).init(jax.random.key(0), x[:1])
 
