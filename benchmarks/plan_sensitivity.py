@@ -76,13 +76,13 @@ def main():
   gact, _ = jmem.surgery.sensitivities(model, loss_fn, params, batch, jmem.ActNN(
       "L3", where="|".join(re.escape(s) for s in rows[0]["bits"])))
   _, init_state = fns.init(jax.random.key(0), batch[0][:1])
+  exact = ravel_pytree(jax.grad(lambda p: loss_fn(model, p, batch))(params))[0]
   at4 = {}
   for site in rows[0]["bits"]:
     loss = train.make_loss(train.model_fns(jmem.convert(
         model, jmem.Policy("compress", bits=4, where=re.escape(site)))))
     g = jax.jit(lambda k, loss=loss: ravel_pytree(jax.grad(
         lambda p: loss(p, init_state, *batch, k)[0])(params))[0])
-    exact = ravel_pytree(jax.grad(lambda p: loss_fn(model, p, batch))(params))[0]
     at4[site] = float(np.mean([float(jnp.sum((g(jax.random.key(50 + s)) - exact) ** 2))
                                for s in range(8)]))
   sites = sorted(rows[0]["bits"])

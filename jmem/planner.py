@@ -477,7 +477,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     if bad:
       raise ValueError(f"sensitivities must be finite and >= 0, got {bad}.")
   elif calibration_batch is not None:
-    sens, measured_on = _gact_sensitivities(model, paths, calibration_batch, x, y)
+    sens, measured_on = _measured_sensitivities(model, paths, calibration_batch, x, y)
     notes.append(f"gradient sensitivities measured at 2 bits on {measured_on} examples at the "
                  f"initial weights: one gradient compile and {2 * len(paths) + 1} gradients, "
                  "not counted in the steps compiled")
@@ -585,7 +585,7 @@ def _relax(state, sites, ladder, sensitivity, fits):
   return tuple(state)
 
 
-def _gact_sensitivities(model, paths, batch, x, y) -> tuple[dict[str, float], int]:
+def _measured_sensitivities(model, paths, batch, x, y) -> tuple[dict[str, float], int]:
   """``C`` of each site the probe sees, measured at 2 bits on the examples ``batch`` at
   the model's initial weights, and the number of examples used."""
   ok = isinstance(batch, (tuple, list)) and len(batch) == 2

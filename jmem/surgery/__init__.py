@@ -155,8 +155,9 @@ def sensitivities(model, loss_fn, params, batch, technique: ActNN | None = None,
     raise TypeError(f"calibrate and sensitivities probe ActNN's sites; got {technique!r}.")
   if isinstance(model, nnx.Module):
     raise NotImplementedError(
-        "jmem.surgery.calibrate and sensitivities take linen models: NNX conversion changes the model in place, "
-        "so a probing copy cannot be made without touching yours. Calibrate on an nnx.clone "
+        "jmem.surgery.calibrate and sensitivities take linen models: NNX conversion changes "
+        "the model in place, so a probing copy cannot be made without touching yours. "
+        "Calibrate on an nnx.clone "
         "of the model converted by hand, or use ActNN(bits=...) with uniform bits.")
   lv = technique.resolved_level()
   if lv.block_bits is None:
