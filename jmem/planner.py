@@ -7,11 +7,16 @@ step into a budget at the least extra compute.
   print(plan)                                          # per-site table, peak, FLOPs, batch
   model = jmem.convert(model, *plan.techniques)
 
+The model is a linen or an NNX module, as `jmem.convert` takes (an NNX model is planned on
+``nnx.clone`` copies: yours is converted only when you call `jmem.convert` with the plan).
 The sites are `jmem.convert`'s default block sites (the direct children of the top module
-but its ``Dense`` layers, as `jmem.Remat`'s); each gets a `jmem.Policy`. How:
+but its ``Dense`` / ``nnx.Linear`` layers, as `jmem.Remat`'s); each gets a `jmem.Policy`.
+How:
 
 1. **Estimates, traced only.** The exact step's residuals are attributed to the sites by
-   the module path of the equation that made them (`jmem.measure.Residual.scope`); each
+   the module path of the equation that made them (`jmem.measure.Residual.scope`; NNX,
+   which names no scopes, is traced through a copy whose sites run in a
+   ``jax.named_scope`` of their path); each
    site's input size and forward FLOPs (convolutions and matmuls) come from the same
    trace. Per site and policy: the bytes it would keep per example (save: its residuals;
    compress at ``b`` bits: ``b`` of each value's bits plus group metadata; recompute: its
@@ -43,13 +48,21 @@ but its ``Dense`` layers, as `jmem.Remat`'s); each gets a `jmem.Policy`. How:
    budget is predicted by the line through the plan compiled at two batch sizes (one
    compile more).
 
+4. **InPlace-ABN as a second start.** Where the exact step does not fit and the model has
+   BatchNorms InPlace-ABN can take (followed by leaky_relu or elu in a Sequential,
+   `jmem.surgery.inplace_abn_sites`), the same walk also starts from InPlace-ABN on all
+   of them (exact: it keeps each BatchNorm's output only, one compile more). The start
+   whose walk is predicted to fit at fewer FLOPs is compiled first; if it misses the
+   budget, the other is tried with the compiles left.
+
 Not searched yet: ``offload`` (which on CPU, one memory for host and device, would save
-nothing), InPlace-ABN and spatial sharding (convert the model with them first, then
-plan: the plan's sites are then the converted model's block sites).
+nothing) and spatial sharding (convert the model with `jmem.Spatial` first, then plan:
+the plan's sites are then the converted model's block sites).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -62,6 +75,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jmem import measure
 from jmem import surgery
@@ -165,6 +179,9 @@ class Plan:
       Pareto plot; ``chosen``: the index of the walk's point the plan is (or, where
       undoing unneeded bit reductions fitted, the plan started from: same FLOPs).
     notes: what was left out of the search and why.
+    base: the techniques under every site's policy: ``(InPlaceABN(where=...),)`` where the
+      walk from InPlace-ABN on the BatchNorms it can take was predicted to fit at fewer
+      FLOPs, else empty.
   """
 
   budget_bytes: int
@@ -181,11 +198,12 @@ class Plan:
   front: tuple[tuple[float, float], ...]
   chosen: int
   notes: tuple[str, ...] = ()
+  base: tuple = ()
 
   @property
-  def techniques(self) -> tuple[Policy, ...]:
+  def techniques(self) -> tuple:
     """What to pass to `jmem.convert` (empty: the exact model fits)."""
-    return _policies(self.choices)
+    return tuple(self.base) + _policies(self.choices)
 
   @property
   def approximate(self) -> bool:
@@ -286,15 +304,58 @@ def _owner(scope: str, paths: Sequence[str]) -> str | None:
   return None
 
 
-def _estimate_sites(fns, abstract, x, y, paths) -> tuple[list[_Site], float]:
+def _nnx_probe(model, paths, record):
+  """A copy of the NNX ``model`` whose calls of the sites ``paths`` give their arguments to
+  ``record(path, args)`` and run in a ``jax.named_scope`` of their path (under one of the top
+  module's class name, as linen's name stack is), so `jmem.measure.module_path` finds them."""
+  probe = nnx.clone(model)
+
+  def scoped(base, name, path):
+    def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
+      if path is not None:
+        record(path, args)
+      with jax.named_scope(name):
+        return base.__call__(self, *args, **kwargs)
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__})
+
+  for p, m in list(nnx.iter_graph(probe)):
+    path = "/".join(str(k) for k in p)
+    if path in paths:
+      m.__class__ = scoped(type(m), path, path)
+  probe.__class__ = scoped(type(probe), type(probe).__name__, None)
+  return probe
+
+
+def _estimate_sites(model, optimizer, x, y, paths) -> tuple[list[_Site], float]:
   """Per-example residual bytes, input bytes and forward FLOPs of each site, and the
   residual bytes no site holds; traced at the example batch."""
   batch = x.shape[0]
+  sites = {p: _Site(p) for p in paths}
+
+  def record(path, args):
+    if path in sites and not sites[path].input_bytes:
+      arrays = [a for a in jax.tree.leaves(args) if hasattr(a, "dtype")]
+      sites[path].input_bytes = float(sum(a.size * a.dtype.itemsize for a in arrays))
+      sites[path].input_values = float(sum(a.size for a in arrays))
+
+  if isinstance(model, nnx.Module):
+    fns = train_lib.model_fns(_nnx_probe(model, set(paths), record))
+    calls = contextlib.nullcontext
+  else:
+    fns = train_lib.model_fns(model)
+
+    def intercept(next_fun, args, kwargs, context):    # linen: method interception
+      if context.method_name == "__call__" and context.module.scope:
+        record("/".join(context.module.scope.path), args)
+      return next_fun(*args, **kwargs)
+    calls = lambda: nn.intercept_methods(intercept)
+  abstract = jax.eval_shape(lambda k, v: train_lib.init_state(fns, optimizer, k, v),
+                            jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
   loss = train_lib.make_loss(fns)
   rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
                                    abstract.model_state, x, y, rng, argnums=0)
-  sites = {p: _Site(p) for p in paths}
   outside = 0.0
   for r in report.residuals:
     if r.source != "activation":
@@ -305,17 +366,9 @@ def _estimate_sites(fns, abstract, x, y, paths) -> tuple[list[_Site], float]:
     else:
       sites[owner].residual_bytes += r.nbytes
       sites[owner].values += math.prod(r.shape)
-  # Inputs: what each site module is called with (linen method interception).
-  def record(next_fun, args, kwargs, context):
-    path = "/".join(context.module.scope.path) if context.module.scope else ""
-    if path in sites and context.method_name == "__call__" and not sites[path].input_bytes:
-      arrays = [a for a in jax.tree.leaves(args) if hasattr(a, "dtype")]
-      sites[path].input_bytes = float(sum(a.size * a.dtype.itemsize for a in arrays))
-      sites[path].input_values = float(sum(a.size for a in arrays))
-    return next_fun(*args, **kwargs)
 
   def forward(params, model_state, xb):
-    with nn.intercept_methods(record):
+    with calls():
       return fns.apply(params, model_state, xb, train=True, rng=jax.random.key(0))
   closed = jax.make_jaxpr(forward)(abstract.params, abstract.model_state, x)
 
@@ -388,25 +441,41 @@ def _upgrade_path(sites, ladder, sensitivity=None):
 
 # ------------------------------------------------------------------ the plan
 
+def _converted(model, techniques):
+  """``jmem.convert(model, *techniques)``; of a copy for an NNX model (convert changes an
+  NNX model in place, and the planner converts it many times)."""
+  if isinstance(model, nnx.Module):
+    model = nnx.clone(model)
+  return surgery.convert(model, *techniques)
+
+
 def _default_sites(model, x) -> list[str]:
-  if not isinstance(model, nn.Module):
-    raise NotImplementedError(
-        "jmem.plan takes linen models for now (it traces the model's module calls); for an "
-        "NNX model convert it by hand with jmem.Policy per site.")
-  kw = {"train": True} if train_lib.takes_train(model) else {}
   probe = Policy("save")
+  if isinstance(model, nnx.Module):
+    return list(surgery.sites(_converted(model, [probe])).get("save", []))
+  kw = {"train": True} if train_lib.takes_train(model) else {}
   return list(surgery.sites(surgery.convert(model, probe), x, **kw).get(repr(probe), []))
+
+
+def _block_techniques(model) -> list:
+  """The block techniques (`Remat`, `ActNN`, `Policy`, `SBP`) ``model`` was converted with."""
+  if isinstance(model, nnx.Module):
+    return [f"{kind} at {paths}" for kind, paths in surgery.sites(model).items()
+            if kind not in ("sync", "abn")]
+  return [t for t in getattr(model, "techniques", ())
+          if not isinstance(t, (surgery.SyncBN, surgery.InPlaceABN, surgery.Spatial))]
 
 
 def plan(model, example_batch, budget, *, batch_size: int | None = None,
          approximate: bool = True, optimizer=None, max_compiles: int = 8,
          max_batch: bool = True, calibration_batch=None,
-         sensitivities: Mapping[str, float] | None = None) -> Plan:
+         sensitivities: Mapping[str, float] | None = None, inplace_abn: bool = True) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
-    model: an unbound linen classifier (``apply(variables, x, train=...)``; integer labels,
-      one per example or per pixel).
+    model: a classifier, an unbound linen module (``apply(variables, x, train=...)``) or an
+      NNX module (``model(x)``, ``model.train()``; left unchanged: planned on copies);
+      integer labels, one per example or per pixel.
     example_batch: ``(x, y)`` arrays or `jax.ShapeDtypeStruct`s (shapes are enough).
     budget: device bytes (int), a size string (``"16GiB"``), or a share of the exact
       step's device bytes at the batch (``"50%"``).
@@ -418,13 +487,18 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     max_batch: also compile the plan at a second batch size for its largest batch.
     calibration_batch: ``(x, y)`` arrays, at least 2 real examples shaped like the example
       batch's: the sites' gradient sensitivities, measured on them at 2 bits at the
-      model's initial weights (seed 0; the first 16 examples at most, and no more than
+      model's initial weights (linen: seed 0; NNX: the model's own; the first 16
+      examples at most, and no more than
       2**18 input values: 2 examples of 224x224x3), order the bit reductions (the module
       docstring). It costs one gradient compile and 2 x sites + 1 gradients (in the
       plan's notes). Without it (or ``sensitivities``) they go by bytes saved.
     sensitivities: the sites' ``C`` (path -> finite float >= 0, as
       `jmem.surgery.sensitivities` gives), measured by you, e.g. on trained weights;
       instead of ``calibration_batch``.
+    inplace_abn: where the exact step does not fit, also walk from InPlace-ABN on every
+      BatchNorm it can take (`jmem.surgery.inplace_abn_sites`; exact, one compile more)
+      and keep that start if its walk is predicted to fit at fewer FLOPs. Its scale is
+      ``|gamma| + epsilon``: existing weights map with `jmem.surgery.inplace_abn_params`.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -435,8 +509,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if max_compiles < 3:
     raise ValueError(f"max_compiles must be at least 3 (exact at two batch sizes, the plan), "
                      f"got {max_compiles}.")
-  taken = [t for t in getattr(model, "techniques", ())
-           if not isinstance(t, (surgery.SyncBN, surgery.InPlaceABN, surgery.Spatial))]
+  if not isinstance(model, (nn.Module, nnx.Module)):
+    raise TypeError(f"jmem.plan takes a flax.linen or flax.nnx Module, got "
+                    f"{type(model).__name__}.")
+  taken = _block_techniques(model)
   if taken:
     raise ValueError(f"jmem.plan chooses each block site's policy itself, but the model already "
                      f"has {taken}: plan the model before converting it with block techniques "
@@ -457,7 +533,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if not paths:
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
                      "sites: the direct children of the top module but its Dense layers).")
-  sites, outside = _estimate_sites(fns, abstract, xs, ys, paths)
+  sites, outside = _estimate_sites(model, optimizer, xs, ys, paths)
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
   notes = ["offload not searched yet (and on CPU, where host and device memory are one, it "
            "would save nothing)"]
@@ -478,8 +554,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       raise ValueError(f"sensitivities must be finite and >= 0, got {bad}.")
   elif calibration_batch is not None:
     sens, measured_on = _measured_sensitivities(model, paths, calibration_batch, x, y)
-    notes.append(f"gradient sensitivities measured at 2 bits on {measured_on} examples at the "
-                 f"initial weights: one gradient compile and {2 * len(paths) + 1} gradients, "
+    weights = "the model's weights" if isinstance(model, nnx.Module) else "the initial weights"
+    notes.append(f"gradient sensitivities measured at 2 bits on {measured_on} examples at "
+                 f"{weights}: one gradient compile and {2 * len(paths) + 1} gradients, "
                  "not counted in the steps compiled")
     unseen = [p for p in paths if p not in sens]
     if unseen:
@@ -491,60 +568,92 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
   compiles = 0
 
-  def compiled(m, b):
+  def compiled(techniques, b):
     nonlocal compiles
     compiles += 1
+    m = _converted(model, techniques) if techniques else model
     return step_cost(m, optimizer, spec(x, b), spec(y, b), abstract=abstract)
 
   # The exact step at two batch sizes: fixed bytes and the per-example working bytes.
   small = batch // 2 if batch > 1 else 2
-  exact_small, _ = compiled(model, small)
-  exact_bytes, exact_flops = compiled(model, batch)
+  exact_small, _ = compiled((), small)
+  exact_bytes, exact_flops = compiled((), batch)
   if fraction is not None:
     budget_bytes = int(fraction * exact_bytes)
   slope = (exact_bytes - exact_small) / (batch - small)
   fixed = exact_bytes - slope * batch
-  working = slope - sum(s.residual_bytes for s in sites)
-  walk = _upgrade_path(sites, ladder, sens if approximate else None)
+  starts = [_Start((), sites, slope - sum(s.residual_bytes for s in sites), exact_flops)]
+  if exact_bytes > budget_bytes:
+    abn, note = _inplace_abn(model, xs, inplace_abn and max_compiles >= 5)
+    notes += [note] if note else []
+    if abn is not None:
+      # The same walk from InPlace-ABN on every BatchNorm it can take: one compile more.
+      abn_bytes, abn_flops = compiled((abn,), batch)
+      abn_sites, _ = _estimate_sites(_converted(model, (abn,)), optimizer, xs, ys, paths)
+      starts.append(_Start((abn,), abn_sites, (abn_bytes - fixed) / batch -
+                           sum(s.residual_bytes for s in abn_sites), abn_flops))
+  for st in starts:
+    st.walk = _upgrade_path(st.sites, ladder, sens if approximate else None)
 
-  def predicted(state):
-    kept, flops = np.sum([_kept(s, ladder[r]) for s, r in zip(sites, state)], axis=0)
-    return fixed + batch * (working + kept), exact_flops + batch * flops
+  def predicted(st, state):
+    kept, flops = np.sum([_kept(s, ladder[r]) for s, r in zip(st.sites, state)], axis=0)
+    return fixed + batch * (st.working + kept), st.flops + batch * flops
 
-  def choose(after: int) -> int:
-    for i in range(after, len(walk)):
-      if predicted(walk[i])[0] <= budget_bytes:
+  def choose(st, after: int) -> int:
+    for i in range(after, len(st.walk)):
+      if predicted(st, st.walk[i])[0] <= budget_bytes:
         return i
-    return len(walk) - 1
+    return len(st.walk) - 1
 
-  def choices_of(state):
+  def choices_of(st, state):
     out = []
-    for s, r in zip(sites, state):
+    for s, r in zip(st.sites, state):
       b, f = _kept(s, ladder[r])
       out.append(SiteChoice(s.path, ladder[r][0], ladder[r][1], s.residual_bytes - b, f,
                             None if sens is None else sens[s.path]))
     return tuple(out)
 
-  index = choose(0) if exact_bytes > budget_bytes else 0
-  state = walk[index]
-  device_bytes, flops = exact_bytes, exact_flops
-  while index > 0:
-    state = walk[index]
-    device_bytes, flops = compiled(surgery.convert(model, *_policies(choices_of(state))), batch)
-    if device_bytes <= budget_bytes or index == len(walk) - 1 or compiles >= max_compiles:
-      break
-    working += (device_bytes - predicted(state)[0]) / batch   # what the model missed
-    index = choose(index + 1)
+  techniques_of = lambda st, state: st.techniques + _policies(choices_of(st, state))
+
+  def confirm(st, index, limit):
+    """Compiles the walk's point ``index`` and, while it misses, corrects ``st``'s working
+    bytes by the miss and goes on along the walk (at most ``limit`` compiles in all)."""
+    while True:
+      device_bytes, flops = compiled(techniques_of(st, st.walk[index]), batch)
+      if device_bytes <= budget_bytes or index == len(st.walk) - 1 or compiles >= limit:
+        return index, device_bytes, flops
+      st.working += (device_bytes - predicted(st, st.walk[index])[0]) / batch
+      index = choose(st, index + 1)
+
+  st, index, device_bytes, flops = starts[0], 0, exact_bytes, exact_flops
+  if exact_bytes > budget_bytes:
+    # The starts by their walk's predicted FLOPs where it fits (else by how far it goes);
+    # one that misses when compiled leaves a compile at least for the next.
+    def rank(st_):
+      b, f = predicted(st_, st_.walk[choose(st_, 0)])
+      return (0, f) if b <= budget_bytes else (1, b)
+    tried = []
+    for k, st_ in enumerate(sorted(starts, key=rank)):
+      if compiles >= max_compiles - (len(starts) - 1 - k) and tried:
+        break
+      tried.append((st_, *confirm(st_, choose(st_, 0), max_compiles - (len(starts) - 1 - k))))
+      if tried[-1][2] <= budget_bytes:
+        break
+    st, index, device_bytes, flops = min(tried, key=lambda t: (t[2] > budget_bytes, t[2]))
+    if len(tried) > 1:
+      notes.append(f"the walk from {_start_name(tried[0][0])} missed the budget when compiled; "
+                   f"the one from {_start_name(tried[1][0])} was tried next")
+  state = st.walk[index]
   if sens is not None and index > 0 and device_bytes <= budget_bytes:
     # Once a plan fits: one try with the bit reductions it does not need undone.
-    working += (device_bytes - predicted(state)[0]) / batch
-    loose = _relax(state, sites, ladder, sens, lambda s: predicted(s)[0] <= budget_bytes)
+    st.working += (device_bytes - predicted(st, state)[0]) / batch
+    loose = _relax(state, st.sites, ladder, sens,
+                   lambda s_: predicted(st, s_)[0] <= budget_bytes)
     if loose != state and compiles >= max_compiles:
       notes.append("no compile left to try undoing the bit reductions the estimate does not "
                    "need")
     elif loose != state:
-      loose_bytes, loose_flops = compiled(surgery.convert(model, *_policies(choices_of(loose))),
-                                          batch)
+      loose_bytes, loose_flops = compiled(techniques_of(st, loose), batch)
       undone = sum(a != b for a, b in zip(loose, state))
       if loose_bytes <= budget_bytes:
         state, device_bytes, flops = loose, loose_bytes, loose_flops
@@ -553,20 +662,57 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       else:
         notes.append(f"undoing {undone} bit reductions the estimate did not need missed the "
                      f"budget by {_size(loose_bytes - budget_bytes)}: the plan keeps them")
-  choices = choices_of(state)
+  choices = choices_of(st, state)
+  if st.techniques:
+    notes.append(f"InPlace-ABN on the BatchNorms {st.techniques[0].where!r} (their activation "
+                 "inverted from the output; exact, but the scale is |gamma| + epsilon: map "
+                 "existing weights with jmem.surgery.inplace_abn_params)")
   fits = device_bytes <= budget_bytes
   best = exact_best = None
   if max_batch:
     exact_best = _largest(*sorted([(small, exact_small), (batch, exact_bytes)]), budget_bytes)
-    if index == 0:
+    if not (st.techniques or index):
       best = exact_best
     else:
       other = 2 * batch if fits else small
-      at_other, _ = compiled(surgery.convert(model, *_policies(choices)), other)
+      at_other, _ = compiled(techniques_of(st, state), other)
       best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes)
-  front = tuple(predicted(s) for s in walk)
+  front = tuple(predicted(st, s_) for s_ in st.walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
-              exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes))
+              exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
+              st.techniques)
+
+
+def _start_name(st) -> str:
+  return "InPlace-ABN" if st.techniques else "the exact model"
+
+
+@dataclasses.dataclass
+class _Start:
+  """A walk's starting point: the techniques under every plan on it (none, or InPlace-ABN),
+  its sites' estimates, the working bytes per example no site holds, its step's FLOPs."""
+  techniques: tuple
+  sites: list
+  working: float
+  flops: float
+  walk: list = dataclasses.field(default_factory=list)
+
+
+def _inplace_abn(model, x, allowed: bool):
+  """``(InPlaceABN over every BatchNorm it can take, or None, a note or None)``."""
+  if not allowed:
+    return None, None
+  if isinstance(model, nn.Module) and any(isinstance(t, surgery.InPlaceABN)
+                                          for t in getattr(model, "techniques", ())):
+    return None, None                     # converted with it by the user
+  if isinstance(model, nnx.Module) and "abn" in surgery.sites(model):
+    return None, None
+  kw = {"train": True} if isinstance(model, nn.Module) and train_lib.takes_train(model) else {}
+  paths = surgery.inplace_abn_sites(model, jnp.zeros(x.shape, x.dtype), **kw)
+  if not paths:
+    return None, ("InPlace-ABN not applicable: no BatchNorm followed by leaky_relu or elu in "
+                  "a Sequential (what jmem.InPlaceABN converts)")
+  return surgery.InPlaceABN(where="|".join(re.escape(p) for p in paths)), None
 
 
 def _relax(state, sites, ladder, sensitivity, fits):

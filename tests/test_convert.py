@@ -472,8 +472,6 @@ def test_calibrate_any_linen_model():
   assert set(bits.values()) <= {1, 2, 4, 8} and len(set(bits.values())) > 1, bits
   converted = jmem.convert(model, technique)
   assert np.isfinite(float(jax.jit(lambda p: loss_fn(converted, p, (x, y)))(variables["params"])))
-  with pytest.raises(NotImplementedError, match="linen"):
-    surgery.calibrate(tp.NNXCNN(rngs=nnx.Rngs(0)), loss_fn, None, None)
 
 
 def test_review_findings_fail_loudly():

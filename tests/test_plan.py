@@ -92,12 +92,9 @@ def test_estimates_of_a_converted_model_are_its_own():
   optimizer = train.default_optimizer(1e-3, 100)
 
   def estimates(m):
-    fns = train.model_fns(m)
-    abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
-                              jax.random.key(0), X)
     # pylint: disable=protected-access
     paths = plan_lib._default_sites(m, jnp.zeros(X.shape))
-    sites, outside = plan_lib._estimate_sites(fns, abstract, X, Y, paths)
+    sites, outside = plan_lib._estimate_sites(m, optimizer, X, Y, paths)
     return {s.path: s.residual_bytes for s in sites}, outside
 
   plain, _ = estimates(model)
@@ -109,6 +106,72 @@ def test_estimates_of_a_converted_model_are_its_own():
   # Block techniques are the planner's to choose: a model that has them is refused.
   with pytest.raises(ValueError, match="before converting it"):
     plan_lib.plan(jmem.convert(model, jmem.Remat()), (X, Y), "1GiB")
+
+
+def test_nnx_models_are_planned_through_copies():
+  """An NNX model (converted in place by jmem.convert) is planned on copies: yours is left as
+  it was; its sites' residuals are found through name scopes of their paths, and its
+  sensitivities through a probing copy; converting it with the plan gives the reported
+  step."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  model = tp.NNXViT(rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 16, 16, 3)).astype(np.float32)
+  y = rng.integers(0, 10, 32).astype(np.int32)
+  optimizer = train.default_optimizer(1e-3, 100)
+  paths = plan_lib._default_sites(model, x)   # pylint: disable=protected-access
+  assert paths == ["blocks/0", "blocks/1", "norm", "patchify"]
+  sites, outside = plan_lib._estimate_sites(model, optimizer, x, y, paths)  # pylint: disable=protected-access
+  got = {s.path: s for s in sites}
+  # Each transformer block keeps the same; the head's residuals are the only ones outside.
+  assert got["blocks/0"].residual_bytes == got["blocks/1"].residual_bytes > 20 * outside > 0
+  assert got["blocks/0"].forward_flops > 0 and got["blocks/0"].input_bytes == 16 * 16 * 4
+  p = plan_lib.plan(model, (x, y), "75%", optimizer=optimizer, max_batch=False,
+                    calibration_batch=(x[:8], y[:8]))
+  assert p.fits and p.techniques and all(c.sensitivity > 0 for c in p.choices), p.table()
+  assert jmem.surgery.sites(model) == {}                     # not converted by planning
+  assert type(model.blocks[0]) is tp.NNXViTBlock
+  converted = jmem.convert(model, *p.techniques)
+  fns = train.model_fns(converted)
+  abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
+                            jax.random.key(0), x[:1])
+  compiled = train.make_train_step(fns, optimizer, donate=True).lower(
+      abstract, jax.ShapeDtypeStruct(x.shape, x.dtype),
+      jax.ShapeDtypeStruct(y.shape, y.dtype)).compile()
+  assert jmem.measure.device_bytes_and_flops(compiled)[0] == p.device_bytes
+  with pytest.raises(ValueError, match="before converting it"):
+    plan_lib.plan(converted, (x, y), "1GiB")
+
+
+def test_inplace_abn_is_a_start_of_the_walk_where_it_applies():
+  """Where the exact step does not fit, the planner also walks from InPlace-ABN on every
+  BatchNorm it can take (`jmem.surgery.inplace_abn_sites`): on the NNX CNN, whose stem has
+  BatchNorm + leaky_relu in an nnx.Sequential, an exact plan at 90% is InPlace-ABN alone,
+  fewer FLOPs than recomputing; where its walk misses, the exact model's is tried next."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  x = jax.ShapeDtypeStruct((64, 32, 32, 3), jnp.float32)
+  assert jmem.surgery.inplace_abn_sites(tp.SequentialABNCNN(), jnp.zeros((2, 8, 8, 3))) == [
+      "BatchNorm_0", "BatchNorm_1"]
+  assert jmem.surgery.inplace_abn_sites(tp.ThirdPartyResNet(), jnp.zeros((2, 8, 8, 3)),
+                                        train=True) == []
+  model = tp.NNXCNN(rngs=nnx.Rngs(0))
+  assert jmem.surgery.inplace_abn_sites(model) == ["stem/layers/1"]
+  optimizer = train.default_optimizer(1e-3, 100)
+  with_abn = plan_lib.plan(model, (x, Y), "90%", approximate=False, optimizer=optimizer,
+                           max_batch=False)
+  without = plan_lib.plan(model, (x, Y), "90%", approximate=False, optimizer=optimizer,
+                          max_batch=False, inplace_abn=False)
+  assert with_abn.fits and without.fits, (with_abn.table(), without.table())
+  assert with_abn.techniques == (jmem.InPlaceABN(where="stem/layers/1"),), with_abn.table()
+  assert with_abn.flops < without.flops and not with_abn.approximate
+  assert any("inplace_abn_params" in n for n in with_abn.notes)
+  converted = jmem.convert(nnx.clone(model), *with_abn.techniques)
+  assert plan_lib.step_cost(converted, optimizer, x, Y)[0] == with_abn.device_bytes
+  # Tighter: InPlace-ABN's walk is predicted cheaper, misses when compiled, and the exact
+  # model's walk is tried next and fits.
+  tight = plan_lib.plan(model, (x, Y), "75%", optimizer=optimizer, max_batch=False)
+  assert tight.fits and not tight.base, tight.table()
+  assert any("was tried next" in n for n in tight.notes), tight.notes
 
 
 def test_budgets_and_bad_input():

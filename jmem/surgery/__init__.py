@@ -95,7 +95,8 @@ from jmem.techniques import technique as technique
 
 __all__ = ["convert", "Technique", "TECHNIQUE_TYPES", "Remat", "ActNN", "Policy", "SyncBN",
            "InPlaceABN", "SBP", "Spatial", "technique", "technique_names", "batch_mask", "rngs",
-           "sites", "inplace_abn_params", "sensitivities", "calibrate", "convert_nnx"]
+           "sites", "inplace_abn_sites", "inplace_abn_params", "sensitivities", "calibrate",
+           "convert_nnx"]
 
 
 # What `convert` takes (tests/test_pairs.py holds every pair of them to a test).
@@ -144,7 +145,8 @@ def sensitivities(model, loss_fn, params, batch, technique: ActNN | None = None,
                   seed: int = 0, bits: int | None = None
                   ) -> tuple[dict[str, float], dict[str, int]]:
   """GACT gradient sensitivity of each site ``technique`` (default ``ActNN("L3")``; its
-  ``where=`` chooses the sites) compresses in the linen ``model``: per site path, ``C``
+  ``where=`` chooses the sites) compresses in ``model`` (linen, or NNX: probed through
+  ``nnx.clone`` copies, yours is not converted): per site path, ``C``
   (the gradient variance the site adds at ``b`` bits is about ``C / (2^b - 1)^2``,
   `jmem.ops.actnn.levels`) and the number of values it quantizes. ``loss_fn``, ``params``,
   ``batch`` and ``seed`` as in `calibrate`, which allocates bits from GACT's 1-bit
@@ -153,17 +155,13 @@ def sensitivities(model, loss_fn, params, batch, technique: ActNN | None = None,
   technique = ActNN("L3") if technique is None else technique
   if not isinstance(technique, ActNN):
     raise TypeError(f"calibrate and sensitivities probe ActNN's sites; got {technique!r}.")
-  if isinstance(model, nnx.Module):
-    raise NotImplementedError(
-        "jmem.surgery.calibrate and sensitivities take linen models: NNX conversion changes "
-        "the model in place, so a probing copy cannot be made without touching yours. "
-        "Calibrate on an nnx.clone "
-        "of the model converted by hand, or use ActNN(bits=...) with uniform bits.")
   lv = technique.resolved_level()
   if lv.block_bits is None:
     raise ValueError(f"calibrate and sensitivities need an L3-L5 level (block sites); got "
                      f"{lv.name}.")
-  probing = lambda probe: convert(model, dataclasses.replace(technique, probe=probe))
+  # An NNX model is probed through a copy: converting it changes it in place.
+  copy = nnx.clone if isinstance(model, nnx.Module) else lambda m: m
+  probing = lambda probe: convert(copy(model), dataclasses.replace(technique, probe=probe))
   return actnn_lib.sensitivities(model, loss_fn, params, batch, level=lv, seed=seed,
                                  probing_model=probing, bits=bits)
 
@@ -171,14 +169,15 @@ def sensitivities(model, loss_fn, params, batch, technique: ActNN | None = None,
 def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
               budget: float | None = None, seed: int = 0) -> ActNN:
   """``technique`` (default ``ActNN("L3")``) with per-site bits from gradient sensitivity,
-  for any linen model: `jmem.ops.actnn.calibrate`'s method (GACT sensitivities, ActNN's
+  for any linen or NNX model: `jmem.ops.actnn.calibrate`'s method (GACT sensitivities, ActNN's
   greedy allocation at ``budget`` average bits, default the level's) on the sites that
   ``technique`` selects in ``model``.
 
   Args:
-    model: the unconverted linen model.
+    model: the unconverted linen or NNX model (NNX: probed through copies, left as it is).
     loss_fn: ``loss_fn(module, params, batch) -> scalar``, called with a probing conversion
-      of ``model`` (same parameters).
+      of ``model`` (same parameters; NNX: ``nnx.merge`` the module's graph with
+      ``params``, an ``nnx.Param`` state, as `jmem.train.model_fns` does).
     params, batch: the weights and the calibration batch.
     technique: an L3-L5 `ActNN` (its ``where=`` chooses the sites).
     budget: average bits (default: the level's block bits).
@@ -249,6 +248,47 @@ def sites(model, *args, rngs=None, **kwargs) -> dict[str, list[str]]:
   finally:
     _linen.RECORD.reset(token)
   return {repr(model.techniques[i]): sorted(set(p)) for i, p in collected.items()}
+
+
+def inplace_abn_sites(model, *args, **kwargs) -> list[str]:
+  """The paths of the BatchNorms an `InPlaceABN` can take in the unconverted ``model``:
+  a plain ``nn.BatchNorm`` / ``nnx.BatchNorm`` with scale and bias, followed in an
+  ``nn.Sequential`` / ``nnx.Sequential`` by an invertible activation (``leaky_relu`` with
+  a slope > 0, ``elu`` with alpha > 0). ``InPlaceABN(where=...)`` over them converts; an
+  `InPlaceABN` without ``where=`` raises on any other BatchNorm. linen: found by tracing
+  ``model.init`` on ``args`` (shapes only, nothing runs); NNX: read from the model."""
+  def invertible(bn, fn) -> bool:
+    pair = _common.activation_of(fn)
+    return (pair is not None and pair[0] != "other" and
+            pair[1].get("slope", 1.0) > 0 and pair[1].get("alpha", 1.0) > 0)
+
+  if isinstance(model, nnx.Module):
+    paths = {id(m): "/".join(str(k) for k in p) for p, m in nnx.iter_graph(model)}
+    found = []
+    for _, m in nnx.iter_graph(model):
+      if isinstance(m, nnx.Sequential):
+        layers = list(m.layers)
+        found += [paths[id(bn)] for bn, fn in zip(layers, layers[1:])
+                  if _common.nnx_bn_status(bn) == "bn" and bn.scale is not None and
+                  bn.bias is not None and invertible(bn, fn)]
+    return sorted(found)
+  if not isinstance(model, nn.Module):
+    raise TypeError(f"inplace_abn_sites takes a flax.linen or flax.nnx Module, got "
+                    f"{type(model).__name__}.")
+  found = set()
+
+  def record(next_fun, args_, kwargs_, context):
+    mod = context.module
+    if isinstance(mod, nn.Sequential) and context.method_name == "__call__":
+      layers = list(mod.layers)
+      found.update("/".join(bn.scope.path) for bn, fn in zip(layers, layers[1:])
+                   if type(bn) is nn.BatchNorm and bn.use_scale and bn.use_bias  # pylint: disable=unidiomatic-typecheck
+                   and invertible(bn, fn))
+    return next_fun(*args_, **kwargs_)
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda: model.init({"params": jax.random.key(0)}, *args, **kwargs))
+  return sorted(found)
 
 
 def inplace_abn_params(params: Mapping[str, Any], paths, *, to: str = "inplace_abn",

@@ -237,25 +237,26 @@ def nested_site(found, path: str, enclosing):
   return left, spec
 
 
-def _probing(found):
-  """The `ActNN` of ``found`` that carries a calibration probe, or None."""
-  return next((t for _, t, _ in found if isinstance(t, ActNN) and t.probe is not None), None)
+def probe_of(found):
+  """``(probe, group size)`` of the `ActNN` of ``found`` that carries a calibration probe
+  (`jmem.surgery.sensitivities`), or None."""
+  t = next((t for _, t, _ in found if isinstance(t, ActNN) and t.probe is not None), None)
+  return None if t is None else (t.probe, t.resolved_level().group_size)
 
 
-def block_transform(found, spec: SiteSpec, key, path: str):
-  """``pure -> g`` of a block site: ActNN's calibration probe if one of ``found`` carries
+def block_transform(probe, spec: SiteSpec, key, path: str):
+  """``pure -> g`` of a block site: the calibration ``probe`` (`probe_of`) if there is
   one, else `site_transform` of ``spec``."""
-  t = _probing(found)
-  if t is None:
+  if probe is None:
     return site_transform(spec, key)
-  group_size = t.resolved_level().group_size
-  return lambda pure: t.probe.site(recomputed(spec, pure), path, group_size=group_size,
-                                   arguments_only=spec.keeps_exact)
+  probe, group_size = probe
+  return lambda pure: probe.site(recomputed(spec, pure), path, group_size=group_size,
+                                 arguments_only=spec.keeps_exact)
 
 
-def needs_key(found, spec: SiteSpec) -> bool:
+def needs_key(probe, spec: SiteSpec) -> bool:
   """Whether the site draws a stochastic-rounding key (compresses, and is not probing)."""
-  return spec.draws and _probing(found) is None
+  return spec.draws and probe is None
 
 
 def check_sbp_alone(found, path: str) -> None:

@@ -293,14 +293,15 @@ class _Trace:
       transform = c.sbp_transform(t, self.sbp_keys[index], path)
     else:
       key = None
-      if c.needs_key(found, spec):
+      probe = c.probe_of(found)
+      if c.needs_key(probe, spec):
         if mod.scope.has_rng("actnn"):
           key = mod.make_rng("actnn")
         else:
           key = c.context_key("actnn", path, (args, kwargs, mod.variables))
           if key is None:
             c.no_key_warning()
-      transform = c.block_transform(found, spec, key, path)
+      transform = c.block_transform(probe, spec, key, path)
 
     def fn(cloned, *a, **kw):
       self.in_site.add(id(cloned))

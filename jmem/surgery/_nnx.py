@@ -11,7 +11,7 @@ from jax import lax
 
 from jmem.ops.inplace_abn import core as abn_lib
 from jmem.ops.inplace_abn.technique import InPlaceABN
-from jmem.ops.policy import Policy, site_transform
+from jmem.ops.policy import Policy
 from jmem.ops.remat import Remat
 from jmem.ops.sbp import sites as sbp_sites
 from jmem.ops.sbp.technique import SBP
@@ -24,18 +24,21 @@ from jmem.surgery import _common as c
 _CLASSES: dict = {}
 
 
-def _subclass(base: type, kind: str, cfg, call) -> type:
+def _subclass(base: type, kind: str, cfg, call, *, cache: bool = True) -> type:
   key = (base, kind, cfg)
-  if key not in _CLASSES:
-    cls = type(base.__name__, (base,), {"__call__": call(base, cfg), "__module__":
-                                        base.__module__, "__qualname__": base.__qualname__,
-                                        "_jmem_site": (kind, cfg)})
+  if key in _CLASSES:
+    return _CLASSES[key]
+  cls = type(base.__name__, (base,), {"__call__": call(base, cfg), "__module__":
+                                      base.__module__, "__qualname__": base.__qualname__,
+                                      "_jmem_site": (kind, cfg)})
+  if cache:
     _CLASSES[key] = cls
-  return _CLASSES[key]
+  return cls
 
 
 def _block_call(base, cfg):
-  kind, path, opts = cfg
+  kind, path, opts = cfg[:3]
+  probe = cfg[3] if len(cfg) > 3 else None     # a calibration probe (`_common.probe_of`)
 
   def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
     graphdef, state = nnx.split(self)
@@ -61,11 +64,11 @@ def _block_call(base, cfg):
       transform = c.sbp_transform(opts, c.sbp_key(path, (arrays,)), path)
     else:
       key = None
-      if opts.draws:
+      if c.needs_key(probe, opts):
         key = c.context_key("actnn", path, (arrays, state))
         if key is None:
           c.no_key_warning()
-      transform = site_transform(opts, key)
+      transform = c.block_transform(probe, opts, key, path)
     y, new_state = transform(pure)(state, keys, *arrays)
     nnx.update(self, new_state)
     return y
@@ -267,6 +270,8 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
       cfg = ("sbp", path, found[0][1])
     else:
       cfg = ("remat" if spec.name == "recompute" else spec.name, path, spec)
+      probe = c.probe_of(found)
+      cfg += (probe,) if probe is not None else ()
     actions.append(functools.partial(_set_block_class, by_path[p], cfg))
   for p, found in block_paths.items():
     for i, _, _ in found:
@@ -348,8 +353,9 @@ def _set_guard_class(module, path):
 
 
 def _set_block_class(module, cfg):
-  # After any BatchNorm class change of the same module: the block wraps it.
-  module.__class__ = _subclass(type(module), "block", cfg, _block_call)
+  # After any BatchNorm class change of the same module: the block wraps it. A probing
+  # class (`jmem.surgery.sensitivities`, one per probe) is not kept for reuse.
+  module.__class__ = _subclass(type(module), "block", cfg, _block_call, cache=len(cfg) == 3)
 
 
 def _callable(m) -> bool:
