@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("--exact-only", action="store_true",
                   help="accuracy-safe: no compression, the gradients stay exact")
   pl.add_argument("--max-compiles", type=int, default=8)
+  pl.add_argument("--spatial", default=None, metavar="HxW",
+                  help="shard the activations over H x W devices (jmem.Spatial under every "
+                  "plan; the budget is per device; on CPU, H*W devices are simulated)")
   pl.add_argument("--verify-steps", type=int, default=0, metavar="N",
                   help="train the planned model next to exact for N steps on the embedded "
                   "data (at --verify-image-size) and report both accuracies")
@@ -206,6 +209,15 @@ def _plan(args) -> int:
     raise ValueError(f"--batch-size and --image-size must be positive, got "
                      f"{args.batch_size} and {args.image_size}.")
   output_dir = bench.check_output_dir(args.output_dir)
+  mesh = None
+  if args.spatial:
+    from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
+    h, w = _spatial_shape(args.spatial)
+    if h * w > jax.device_count():
+      raise ValueError(f"--spatial {args.spatial} needs {h * w} devices; there are "
+                       f"{jax.device_count()}.")
+    mesh = jax.make_mesh((h, w), ("h", "w"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:h * w])
   video = models.model_task(args.model) == "video"
   channels = 1 if video or args.model.endswith("digits") else 3
   shape = ((args.batch_size, args.num_frames) if video else (args.batch_size,)) + (
@@ -225,7 +237,8 @@ def _plan(args) -> int:
     calibration = (np.repeat(cx, channels, axis=-1) if cx.shape[-1] != channels else cx, cy)
   model = bench.create_model(args.model, classes, args.dtype)
   result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
-                         max_compiles=args.max_compiles, calibration_batch=calibration)
+                         max_compiles=args.max_compiles, calibration_batch=calibration,
+                         mesh=mesh)
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:
@@ -235,9 +248,11 @@ def _plan(args) -> int:
         dataset.x_train)), progress=False)
     base = bench.create_model(args.model, dataset.num_classes, args.dtype)
     from jmem import surgery  # pylint: disable=g-import-not-at-top
+    # On one device: Spatial is exact, the verification is of the approximate policies.
+    techniques = [t for t in result.techniques if not isinstance(t, surgery.Spatial)]
     accuracy = {name: train.train(m, dataset, config).test_accuracy
                 for name, m in (("exact", base),
-                                ("plan", surgery.convert(base, *result.techniques)))}
+                                ("plan", surgery.convert(base, *techniques)))}
     out["verify"] = dict(steps=args.verify_steps, image_size=args.verify_image_size,
                          accuracy=accuracy)
   if args.json:
@@ -252,6 +267,14 @@ def _plan(args) -> int:
             f"{100 * acc['plan']:.2f}%")
     print(f"\nwrote {', '.join(paths)}")
   return 0 if result.fits else 1
+
+
+def _spatial_shape(text: str) -> tuple[int, int]:
+  m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text or "")
+  if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+    raise ValueError(f"--spatial takes HxW, two positive device counts such as 2x4; got "
+                     f"{text!r}.")
+  return int(m.group(1)), int(m.group(2))
 
 
 def _on_mesh(model, shape: tuple[int, int, int], technique: str):
@@ -339,9 +362,11 @@ def _train(args) -> int:
   return 0
 
 
-def _simulate_host_devices(argv, local_devices: int | None = None) -> None:
-  """Spatial techniques need 8 devices: on a CPU-only machine, simulate them; and
-  ``--local-devices N`` simulates N (read when the backend starts, so before any work)."""
+def _simulate_host_devices(argv, local_devices: int | None = None,
+                           spatial: str | None = None) -> None:
+  """Spatial techniques need 8 devices (``jmem plan --spatial HxW``: H*W): on a CPU-only
+  machine, simulate them; and ``--local-devices N`` simulates N (read when the backend
+  starts, so before any work)."""
   flags = os.environ.get("XLA_FLAGS", "")
   if local_devices is not None:
     if local_devices < 1:
@@ -350,10 +375,14 @@ def _simulate_host_devices(argv, local_devices: int | None = None) -> None:
     os.environ["XLA_FLAGS"] = (
         f"{flags} --xla_force_host_platform_device_count={local_devices}".strip())
     return
-  wanted = (_is_tour(argv) or
-            any("spatial-" in a for a in (sys.argv[1:] if argv is None else argv)))
+  wanted = 8 if (_is_tour(argv) or any(
+      "spatial-" in a for a in (sys.argv[1:] if argv is None else argv))) else 0
+  if spatial:                               # jmem plan --spatial HxW
+    h, w = _spatial_shape(spatial)
+    wanted = max(wanted, h * w)
   if wanted and "host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={wanted}".strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   args.tour = _is_tour(argv)
   try:
-    _simulate_host_devices(argv, getattr(args, "local_devices", None))
+    _simulate_host_devices(argv, getattr(args, "local_devices", None),
+                           getattr(args, "spatial", None))
     return {"bench": _bench, "train": _train, "plan": _plan}[args.command](args)
   except ValueError as e:
     parser.exit(2, f"jmem {args.command}: error: {e}\n")

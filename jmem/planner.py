@@ -55,9 +55,13 @@ How:
    whose walk is predicted to fit at fewer FLOPs is compiled first; if it misses the
    budget, the other is tried with the compiles left.
 
+5. **Devices.** With ``mesh=``, every step (the exact one too) stacks on
+   ``jmem.Spatial(mesh)``, compiled with the batch sharded over H and W and the train state
+   replicated; the budget and the figures are per device, and the sites' estimates are
+   the one-device trace's divided by the devices of the H and W axes.
+
 Not searched yet: ``offload`` (which on CPU, one memory for host and device, would save
-nothing) and spatial sharding (convert the model with `jmem.Spatial` first, then plan:
-the plan's sites are then the converted model's block sites).
+nothing); with ``mesh=``, whether to shard at all (Spatial is always under the plan).
 """
 
 from __future__ import annotations
@@ -76,6 +80,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jmem import measure
 from jmem import surgery
@@ -469,7 +476,8 @@ def _block_techniques(model) -> list:
 def plan(model, example_batch, budget, *, batch_size: int | None = None,
          approximate: bool = True, optimizer=None, max_compiles: int = 8,
          max_batch: bool = True, calibration_batch=None,
-         sensitivities: Mapping[str, float] | None = None, inplace_abn: bool = True) -> Plan:
+         sensitivities: Mapping[str, float] | None = None, inplace_abn: bool = True,
+         mesh=None, spatial_axes: tuple = ("h", "w")) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
@@ -499,6 +507,13 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       BatchNorm it can take (`jmem.surgery.inplace_abn_sites`; exact, one compile more)
       and keep that start if its walk is predicted to fit at fewer FLOPs. Its scale is
       ``|gamma| + epsilon``: existing weights map with `jmem.surgery.inplace_abn_params`.
+    mesh: devices to shard the activations over (a `jax.sharding.Mesh` with the axes
+      ``spatial_axes``, ``AxisType.Auto``): every plan then stacks on
+      ``jmem.Spatial(mesh, axes=spatial_axes)``, each step is compiled with the batch
+      sharded over H and W (NHWC images; per-pixel labels likewise, others replicated)
+      and the parameters and optimiser state replicated, and the budget and every figure
+      are per device (the exact step is `jmem.Spatial` alone).
+    spatial_axes: the mesh axes of H and W (None: that side not sharded).
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -516,14 +531,20 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if taken:
     raise ValueError(f"jmem.plan chooses each block site's policy itself, but the model already "
                      f"has {taken}: plan the model before converting it with block techniques "
-                     "(Remat, ActNN, Policy, SBP); BatchNorm and spatial techniques may come "
-                     "first.")
+                     "(Remat, ActNN, Policy, SBP); BatchNorm techniques may come first, and "
+                     "jmem.Spatial comes with mesh=.")
   x, y = example_batch
   batch = int(batch_size or x.shape[0])
   if batch < 1:
     raise ValueError(f"batch_size must be positive, got {batch}.")
   spec = lambda a, b: jax.ShapeDtypeStruct((b,) + tuple(a.shape[1:]), a.dtype)
   optimizer = optimizer or train_lib.default_optimizer(1e-3, 100)
+  notes = []
+  base, shards, shard, replicate = _spatial(model, mesh, tuple(spatial_axes), x)
+  if base:
+    notes.append(f"figures per device: every step, the exact one too, has jmem.Spatial, the "
+                 f"batch's H and W sharded over the mesh axes {tuple(spatial_axes)} ({shards} "
+                 "devices), parameters and optimiser state replicated")
   fns = train_lib.model_fns(model)
   trace_batch = max(2, min(int(x.shape[0]), 8))
   xs, ys = spec(x, trace_batch), spec(y, trace_batch)
@@ -533,10 +554,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if not paths:
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
                      "sites: the direct children of the top module but its Dense layers).")
-  sites, outside = _estimate_sites(model, optimizer, xs, ys, paths)
+  sites = _per_device(_estimate_sites(model, optimizer, xs, ys, paths)[0], shards)
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
-  notes = ["offload not searched yet (and on CPU, where host and device memory are one, it "
-           "would save nothing)"]
+  notes += ["offload not searched yet (and on CPU, where host and device memory are one, it "
+            "would save nothing)"]
   sens = None
   if sensitivities is not None and calibration_batch is not None:
     raise ValueError("give sensitivities or a calibration_batch to measure them on, not both.")
@@ -571,8 +592,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   def compiled(techniques, b):
     nonlocal compiles
     compiles += 1
+    techniques = base + tuple(techniques)
     m = _converted(model, techniques) if techniques else model
-    return step_cost(m, optimizer, spec(x, b), spec(y, b), abstract=abstract)
+    return step_cost(m, optimizer, shard(spec(x, b)), shard(spec(y, b)),
+                     abstract=jax.tree.map(replicate, abstract))
 
   # The exact step at two batch sizes: fixed bytes and the per-example working bytes.
   small = batch // 2 if batch > 1 else 2
@@ -589,7 +612,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     if abn is not None:
       # The same walk from InPlace-ABN on every BatchNorm it can take: one compile more.
       abn_bytes, abn_flops = compiled((abn,), batch)
-      abn_sites, _ = _estimate_sites(_converted(model, (abn,)), optimizer, xs, ys, paths)
+      abn_sites = _per_device(_estimate_sites(_converted(model, (abn,)), optimizer, xs, ys,
+                                              paths)[0], shards)
       starts.append(_Start((abn,), abn_sites, (abn_bytes - fixed) / batch -
                            sum(s.residual_bytes for s in abn_sites), abn_flops))
   for st in starts:
@@ -672,7 +696,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if max_batch:
     exact_best = _largest(*sorted([(small, exact_small), (batch, exact_bytes)]), budget_bytes)
     if not (st.techniques or index):
-      best = exact_best
+      best = exact_best                   # the exact step's
     else:
       other = 2 * batch if fits else small
       at_other, _ = compiled(techniques_of(st, state), other)
@@ -680,7 +704,57 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   front = tuple(predicted(st, s_) for s_ in st.walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
-              st.techniques)
+              base + st.techniques)
+
+
+def _spatial(model, mesh, axes, x):
+  """``(techniques under every plan, devices the activations are sharded over, and two
+  functions giving a ShapeDtypeStruct its sharding: a batch's, the train state's)`` for
+  ``mesh`` (None: one device)."""
+  if mesh is None:
+    if _has_spatial(model):
+      raise ValueError("this model was converted with jmem.Spatial: give jmem.plan the mesh "
+                       "(mesh=) instead, so that it compiles every step with the batch "
+                       "sharded over H and W, and the Spatial technique comes with the plan.")
+    return (), 1, lambda a: a, lambda a: a
+  if _has_spatial(model):
+    raise ValueError("give jmem.plan the unconverted model with mesh=: the plan stacks on "
+                     "jmem.Spatial(mesh) itself.")
+  technique = surgery.Spatial(mesh, axes=axes)         # checks the mesh and the axes
+  if len(x.shape) != 4:
+    raise ValueError(f"jmem.plan(mesh=...) shards NHWC images over H and W; got x of shape "
+                     f"{tuple(x.shape)}.")
+  shards = math.prod(mesh.shape[a] for a in axes if a is not None)
+
+  sides = [(x.shape[1 + i], ax, mesh.shape[ax]) for i, ax in enumerate(axes) if ax is not None]
+  if any(n % k for n, _, k in sides):
+    raise ValueError(f"jmem.plan(mesh=...) shards the image's H and W over the mesh axes "
+                     f"{axes}: the sides {[n for n, _, _ in sides]} must be multiples of the "
+                     f"axes' sizes {[k for _, _, k in sides]}.")
+
+  def shard(a):
+    dims = P(None, *axes, *[None] * (a.ndim - 3)) if a.ndim >= 3 else P()
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, dims))
+
+  def replicate(a):
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
+  return (technique,), shards, shard, replicate
+
+
+def _has_spatial(model) -> bool:
+  if isinstance(model, nnx.Module):
+    return any(isinstance(m, nnx.Conv) and m.conv_general_dilated is not lax.conv_general_dilated
+               for _, m in nnx.iter_graph(model))
+  return any(isinstance(t, surgery.Spatial) for t in getattr(model, "techniques", ()))
+
+
+def _per_device(sites, shards: int):
+  """``sites`` with their bytes and FLOPs shared by ``shards`` devices."""
+  if shards == 1:
+    return sites
+  return [dataclasses.replace(s, **{f: getattr(s, f) / shards for f in (
+      "residual_bytes", "input_bytes", "input_values", "forward_flops", "values")})
+          for s in sites]
 
 
 def _start_name(st) -> str:
