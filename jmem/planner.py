@@ -51,9 +51,11 @@ How:
 4. **InPlace-ABN as a second start.** Where the exact step does not fit and the model has
    BatchNorms InPlace-ABN can take (followed by leaky_relu or elu in a Sequential,
    `jmem.surgery.inplace_abn_sites`), the same walk also starts from InPlace-ABN on all
-   of them (exact: it keeps each BatchNorm's output only, one compile more). The start
-   whose walk is predicted to fit at fewer FLOPs is compiled first; if it misses the
-   budget, the other is tried with the compiles left.
+   of them (exact: it keeps each BatchNorm's output only; one compile more). Both walks
+   are compiled, the one predicted to fit at fewer FLOPs first (leaving a compile for
+   the other), and the plan is the one that fits at fewer compiled FLOPs: the estimates
+   count only convolutions and matmuls, so they cannot rank InPlace-ABN's elementwise
+   work against a recomputation's.
 
 5. **Devices.** With ``mesh=``, every step (the exact one too) stacks on
    ``jmem.Spatial(mesh)``, compiled with the batch sharded over H and W and the train state
@@ -186,9 +188,9 @@ class Plan:
       Pareto plot; ``chosen``: the index of the walk's point the plan is (or, where
       undoing unneeded bit reductions fitted, the plan started from: same FLOPs).
     notes: what was left out of the search and why.
-    base: the techniques under every site's policy: ``(InPlaceABN(where=...),)`` where the
-      walk from InPlace-ABN on the BatchNorms it can take was predicted to fit at fewer
-      FLOPs, else empty.
+    base: the techniques under every site's policy: ``jmem.Spatial(mesh)`` with ``mesh=``,
+      then ``InPlaceABN(where=...)`` where the walk from InPlace-ABN on the BatchNorms it
+      can take fitted at fewer compiled FLOPs; else empty.
   """
 
   budget_bytes: int
@@ -224,6 +226,8 @@ class Plan:
     for c in self.choices:
       lines.append(f"| {c.path} | {c.label} | {c.saved_bytes / 2**20:.2f} | "
                    f"{c.added_flops / 1e6:.1f} |" + (f" {c.sensitivity:.3g} |" if sens else ""))
+    if self.base:
+      lines += ["", "Under every site: " + ", ".join(_short(t) for t in self.base) + "."]
     verdict = ("fits" if self.fits else
                f"does NOT fit: {_size(self.device_bytes - self.budget_bytes)} over; this is "
                "the plan that goes furthest")
@@ -246,6 +250,13 @@ class Plan:
     out["choices"] = [dict(dataclasses.asdict(c), policy=c.label) for c in self.choices]
     out["techniques"] = [repr(t) for t in self.techniques]
     return out
+
+
+def _short(technique) -> str:
+  if isinstance(technique, surgery.Spatial):
+    return (f"jmem.Spatial over the mesh axes {technique.axes} "
+            f"({dict(technique.mesh.shape)})")
+  return f"jmem.InPlaceABN(where={technique.where!r})"
 
 
 def _policies(choices) -> tuple[Policy, ...]:
@@ -465,10 +476,8 @@ def _default_sites(model, x) -> list[str]:
 
 
 def _block_techniques(model) -> list:
-  """The block techniques (`Remat`, `ActNN`, `Policy`, `SBP`) ``model`` was converted with."""
-  if isinstance(model, nnx.Module):
-    return [f"{kind} at {paths}" for kind, paths in surgery.sites(model).items()
-            if kind not in ("sync", "abn")]
+  """The block techniques (`Remat`, `ActNN`, `Policy`, `SBP`) the linen ``model`` was
+  converted with."""
   return [t for t in getattr(model, "techniques", ())
           if not isinstance(t, (surgery.SyncBN, surgery.InPlaceABN, surgery.Spatial))]
 
@@ -505,7 +514,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       instead of ``calibration_batch``.
     inplace_abn: where the exact step does not fit, also walk from InPlace-ABN on every
       BatchNorm it can take (`jmem.surgery.inplace_abn_sites`; exact, one compile more)
-      and keep that start if its walk is predicted to fit at fewer FLOPs. Its scale is
+      and keep that walk if it fits at fewer compiled FLOPs. Its scale is
       ``|gamma| + epsilon``: existing weights map with `jmem.surgery.inplace_abn_params`.
     mesh: devices to shard the activations over (a `jax.sharding.Mesh` with the axes
       ``spatial_axes``, ``AxisType.Auto``): every plan then stacks on
@@ -527,6 +536,13 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if not isinstance(model, (nn.Module, nnx.Module)):
     raise TypeError(f"jmem.plan takes a flax.linen or flax.nnx Module, got "
                     f"{type(model).__name__}.")
+  if isinstance(model, nnx.Module) and surgery.sites(model):
+    raise ValueError(
+        f"jmem.plan takes the unconverted NNX model; this one has jmem.convert sites "
+        f"{surgery.sites(model)}. jmem.convert changes an NNX model in place and converts it "
+        "once, so the planner, which converts copies, cannot add to it: plan the model as it "
+        "was and convert it once with your techniques and the plan's, e.g. "
+        "jmem.convert(model, jmem.SyncBN(...), *plan.techniques).")
   taken = _block_techniques(model)
   if taken:
     raise ValueError(f"jmem.plan chooses each block site's policy itself, but the model already "
@@ -607,7 +623,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   fixed = exact_bytes - slope * batch
   starts = [_Start((), sites, slope - sum(s.residual_bytes for s in sites), exact_flops)]
   if exact_bytes > budget_bytes:
-    abn, note = _inplace_abn(model, xs, inplace_abn and max_compiles >= 5)
+    abn, note = _inplace_abn(model, xs, inplace_abn, max_compiles)
     notes += [note] if note else []
     if abn is not None:
       # The same walk from InPlace-ABN on every BatchNorm it can take: one compile more.
@@ -618,6 +634,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                            sum(s.residual_bytes for s in abn_sites), abn_flops))
   for st in starts:
     st.walk = _upgrade_path(st.sites, ladder, sens if approximate else None)
+  if len(starts) > 1:
+    starts[1].compiled[starts[1].walk[0]] = (abn_bytes, abn_flops)    # InPlace-ABN alone
 
   def predicted(st, state):
     kept, flops = np.sum([_kept(s, ladder[r]) for s, r in zip(st.sites, state)], axis=0)
@@ -640,33 +658,42 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   techniques_of = lambda st, state: st.techniques + _policies(choices_of(st, state))
 
   def confirm(st, index, limit):
-    """Compiles the walk's point ``index`` and, while it misses, corrects ``st``'s working
-    bytes by the miss and goes on along the walk (at most ``limit`` compiles in all)."""
+    """Compiles the walk's point ``index`` (once: ``st.compiled`` keeps it) and, while it
+    misses, corrects ``st``'s working bytes by the miss and goes on along the walk (at
+    most ``limit`` compiles in all)."""
     while True:
-      device_bytes, flops = compiled(techniques_of(st, st.walk[index]), batch)
+      point = st.walk[index]
+      if point not in st.compiled:
+        st.compiled[point] = compiled(techniques_of(st, point), batch)
+      device_bytes, flops = st.compiled[point]
       if device_bytes <= budget_bytes or index == len(st.walk) - 1 or compiles >= limit:
         return index, device_bytes, flops
-      st.working += (device_bytes - predicted(st, st.walk[index])[0]) / batch
+      st.working += (device_bytes - predicted(st, point)[0]) / batch
       index = choose(st, index + 1)
 
   st, index, device_bytes, flops = starts[0], 0, exact_bytes, exact_flops
   if exact_bytes > budget_bytes:
-    # The starts by their walk's predicted FLOPs where it fits (else by how far it goes);
-    # one that misses when compiled leaves a compile at least for the next.
+    # Each start's walk, the one predicted to fit at fewer FLOPs (else to go further)
+    # first, leaving a compile for the other; the plan is the one that fits at the fewest
+    # compiled FLOPs (else the one closest to the budget). Estimated FLOPs count only
+    # convolutions and matmuls, so the starts are compared on compiled ones.
     def rank(st_):
       b, f = predicted(st_, st_.walk[choose(st_, 0)])
       return (0, f) if b <= budget_bytes else (1, b)
     tried = []
     for k, st_ in enumerate(sorted(starts, key=rank)):
-      if compiles >= max_compiles - (len(starts) - 1 - k) and tried:
-        break
-      tried.append((st_, *confirm(st_, choose(st_, 0), max_compiles - (len(starts) - 1 - k))))
-      if tried[-1][2] <= budget_bytes:
-        break
-    st, index, device_bytes, flops = min(tried, key=lambda t: (t[2] > budget_bytes, t[2]))
+      limit = max_compiles - (len(starts) - 1 - k)
+      if tried and compiles >= limit and st_.walk[choose(st_, 0)] not in st_.compiled:
+        notes.append(f"no compile left to try the walk from {_start_name(st_)}")
+        continue
+      tried.append((st_, *confirm(st_, choose(st_, 0), limit)))
+    st, index, device_bytes, flops = min(
+        tried, key=lambda t: (0, t[3]) if t[2] <= budget_bytes else (1, t[2]))
     if len(tried) > 1:
-      notes.append(f"the walk from {_start_name(tried[0][0])} missed the budget when compiled; "
-                   f"the one from {_start_name(tried[1][0])} was tried next")
+      notes.append("walks compiled from " + " and from ".join(
+          f"{_start_name(t[0])} ({'fits' if t[2] <= budget_bytes else 'over'}, "
+          f"{t[3] / max(exact_flops, 1):.3f}x FLOPs)" for t in tried) +
+                   f": the plan is the one from {_start_name(st)}")
   state = st.walk[index]
   if sens is not None and index > 0 and device_bytes <= budget_bytes:
     # Once a plan fits: one try with the bit reductions it does not need undone.
@@ -721,6 +748,11 @@ def _spatial(model, mesh, axes, x):
     raise ValueError("give jmem.plan the unconverted model with mesh=: the plan stacks on "
                      "jmem.Spatial(mesh) itself.")
   technique = surgery.Spatial(mesh, axes=axes)         # checks the mesh and the axes
+  others = {a: n for a, n in mesh.shape.items() if a not in axes and n > 1}
+  if others:
+    raise ValueError(f"jmem.plan(mesh=...) shards H and W over the axes {axes}; the mesh's "
+                     f"other axes {others} would hold copies of the same work. Give a mesh "
+                     "of the H and W axes only.")
   if len(x.shape) != 4:
     raise ValueError(f"jmem.plan(mesh=...) shards NHWC images over H and W; got x of shape "
                      f"{tuple(x.shape)}.")
@@ -770,17 +802,20 @@ class _Start:
   working: float
   flops: float
   walk: list = dataclasses.field(default_factory=list)
+  compiled: dict = dataclasses.field(default_factory=dict)   # point -> (bytes, FLOPs)
 
 
-def _inplace_abn(model, x, allowed: bool):
+def _inplace_abn(model, x, allowed: bool, max_compiles: int):
   """``(InPlaceABN over every BatchNorm it can take, or None, a note or None)``."""
   if not allowed:
     return None, None
-  if isinstance(model, nn.Module) and any(isinstance(t, surgery.InPlaceABN)
-                                          for t in getattr(model, "techniques", ())):
-    return None, None                     # converted with it by the user
-  if isinstance(model, nnx.Module) and "abn" in surgery.sites(model):
-    return None, None
+  if max_compiles < 5:
+    return None, (f"InPlace-ABN not tried: max_compiles={max_compiles} (it needs 5: the exact "
+                  "step twice, InPlace-ABN's, one per walk)")
+  if any(isinstance(t, (surgery.SyncBN, surgery.InPlaceABN))
+         for t in getattr(model, "techniques", ())):
+    return None, ("InPlace-ABN not tried: the model's BatchNorms were converted already "
+                  "(SyncBN or InPlaceABN)")
   kw = {"train": True} if isinstance(model, nn.Module) and train_lib.takes_train(model) else {}
   paths = surgery.inplace_abn_sites(model, jnp.zeros(x.shape, x.dtype), **kw)
   if not paths:
