@@ -169,9 +169,9 @@ def sensitivities(model, loss_fn, params, batch, technique: ActNN | None = None,
 def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
               budget: float | None = None, seed: int = 0) -> ActNN:
   """``technique`` (default ``ActNN("L3")``) with per-site bits from gradient sensitivity,
-  for any linen or NNX model: `jmem.ops.actnn.calibrate`'s method (GACT sensitivities, ActNN's
-  greedy allocation at ``budget`` average bits, default the level's) on the sites that
-  ``technique`` selects in ``model``.
+  for any linen or NNX model: `jmem.ops.actnn.calibrate`'s method (GACT sensitivities,
+  ActNN's greedy allocation at ``budget`` average bits, default the level's) on the sites
+  that ``technique`` selects in ``model``.
 
   Args:
     model: the unconverted linen or NNX model (NNX: probed through copies, left as it is).
@@ -257,7 +257,7 @@ def inplace_abn_sites(model, *args, **kwargs) -> list[str]:
   a slope > 0, ``elu`` with alpha > 0). ``InPlaceABN(where=...)`` over them converts; an
   `InPlaceABN` without ``where=`` raises on any other BatchNorm. linen: found by tracing
   ``model.init`` on ``args`` (shapes only, nothing runs); NNX: read from the model."""
-  def invertible(bn, fn) -> bool:
+  def invertible(fn) -> bool:
     pair = _common.activation_of(fn)
     return (pair is not None and pair[0] != "other" and
             pair[1].get("slope", 1.0) > 0 and pair[1].get("alpha", 1.0) > 0)
@@ -270,7 +270,7 @@ def inplace_abn_sites(model, *args, **kwargs) -> list[str]:
         layers = list(m.layers)
         found += [paths[id(bn)] for bn, fn in zip(layers, layers[1:])
                   if _common.nnx_bn_status(bn) == "bn" and bn.scale is not None and
-                  bn.bias is not None and invertible(bn, fn)]
+                  bn.bias is not None and invertible(fn)]
     return sorted(found)
   if not isinstance(model, nn.Module):
     raise TypeError(f"inplace_abn_sites takes a flax.linen or flax.nnx Module, got "
@@ -283,7 +283,7 @@ def inplace_abn_sites(model, *args, **kwargs) -> list[str]:
       layers = list(mod.layers)
       found.update("/".join(bn.scope.path) for bn, fn in zip(layers, layers[1:])
                    if type(bn) is nn.BatchNorm and bn.use_scale and bn.use_bias  # pylint: disable=unidiomatic-typecheck
-                   and invertible(bn, fn))
+                   and invertible(fn))
     return next_fun(*args_, **kwargs_)
 
   with nn.intercept_methods(record):
