@@ -37,7 +37,8 @@ How:
    ``fixed + batch * (working + sum of the sites' bytes)``, with ``fixed`` and
    ``working`` (what no site holds: the head, inline code, the backward's working set)
    from the compiled exact step at two batch sizes. A tighter budget only walks further
-   along the same path, so it never needs fewer FLOPs.
+   along the same path, so it never needs fewer FLOPs (nor with InPlace-ABN, item 4: the
+   cheaper of the walk's plan and a fixed-cost alternative).
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the working bytes are corrected by the
    miss and the walk goes on (at most ``max_compiles`` compiles). With sensitivities, once
@@ -48,14 +49,15 @@ How:
    budget is predicted by the line through the plan compiled at two batch sizes (one
    compile more).
 
-4. **InPlace-ABN as a second start.** Where the exact step does not fit and the model has
-   BatchNorms InPlace-ABN can take (followed by leaky_relu or elu in a Sequential,
-   `jmem.surgery.inplace_abn_sites`), the same walk also starts from InPlace-ABN on all
-   of them (exact: it keeps each BatchNorm's output only; one compile more). Both walks
-   are compiled, the one predicted to fit at fewer FLOPs first (leaving a compile for
-   the other), and the plan is the one that fits at fewer compiled FLOPs: the estimates
-   count only convolutions and matmuls, so they cannot rank InPlace-ABN's elementwise
-   work against a recomputation's.
+4. **InPlace-ABN alone.** Where the exact step does not fit and the model has BatchNorms
+   InPlace-ABN can take (followed by leaky_relu or elu in a Sequential,
+   `jmem.surgery.inplace_abn_sites`), InPlace-ABN on all of them (exact: it keeps each
+   BatchNorm's output only) is compiled once, and it is the plan where it fits at fewer
+   compiled FLOPs than the walk's plan (or where that does not fit). The comparison is on
+   compiled FLOPs: the estimates count only convolutions and matmuls, so they cannot rank
+   InPlace-ABN's elementwise work against a recomputation's. InPlace-ABN under per-site
+   policies is not searched: a walk from it, tried first, took compiles the plain walk
+   needed, and never gave the plan in a sweep of the third-party NNX CNN.
 
 5. **Devices.** With ``mesh=``, every step (the exact one too) stacks on
    ``jmem.Spatial(mesh)``, compiled with the batch sharded over H and W and the train state
@@ -186,11 +188,13 @@ class Plan:
     compiles: the steps compiled.
     front: the estimated (device bytes, FLOPs) of each point of the upgrade path, for the
       Pareto plot; ``chosen``: the index of the walk's point the plan is (or, where
-      undoing unneeded bit reductions fitted, the plan started from: same FLOPs).
+      undoing unneeded bit reductions fitted, the plan started from: same FLOPs; 0 for
+      InPlace-ABN alone).
     notes: what was left out of the search and why.
-    base: the techniques under every site's policy: ``jmem.Spatial(mesh)`` with ``mesh=``,
-      then ``InPlaceABN(where=...)`` where the walk from InPlace-ABN on the BatchNorms it
-      can take fitted at fewer compiled FLOPs; else empty.
+    base: the techniques besides the sites' policies: ``jmem.Spatial(mesh)`` with
+      ``mesh=``, then ``InPlaceABN(where=...)`` where InPlace-ABN alone on the BatchNorms
+      it can take fitted at fewer compiled FLOPs than the walk's plan (every site then
+      saves); else empty.
   """
 
   budget_bytes: int
@@ -512,9 +516,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     sensitivities: the sites' ``C`` (path -> finite float >= 0, as
       `jmem.surgery.sensitivities` gives), measured by you, e.g. on trained weights;
       instead of ``calibration_batch``.
-    inplace_abn: where the exact step does not fit, also walk from InPlace-ABN on every
+    inplace_abn: where the exact step does not fit, also compile InPlace-ABN alone on every
       BatchNorm it can take (`jmem.surgery.inplace_abn_sites`; exact, one compile more)
-      and keep that walk if it fits at fewer compiled FLOPs. Its scale is
+      and make it the plan if it fits at fewer compiled FLOPs than the walk's. Its scale is
       ``|gamma| + epsilon``: existing weights map with `jmem.surgery.inplace_abn_params`.
     mesh: devices to shard the activations over (a `jax.sharding.Mesh` with the axes
       ``spatial_axes``, ``AxisType.Auto``): every plan then stacks on
@@ -621,90 +625,62 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     budget_bytes = int(fraction * exact_bytes)
   slope = (exact_bytes - exact_small) / (batch - small)
   fixed = exact_bytes - slope * batch
-  starts = [_Start((), sites, slope - sum(s.residual_bytes for s in sites), exact_flops)]
+  working = slope - sum(s.residual_bytes for s in sites)
+  walk = _upgrade_path(sites, ladder, sens if approximate else None)
+  abn = abn_cost = None
   if exact_bytes > budget_bytes:
     abn, note = _inplace_abn(model, xs, inplace_abn, max_compiles)
     notes += [note] if note else []
     if abn is not None:
-      # The same walk from InPlace-ABN on every BatchNorm it can take: one compile more.
-      abn_bytes, abn_flops = compiled((abn,), batch)
-      abn_sites = _per_device(_estimate_sites(_converted(model, (abn,)), optimizer, xs, ys,
-                                              paths)[0], shards)
-      starts.append(_Start((abn,), abn_sites, (abn_bytes - fixed) / batch -
-                           sum(s.residual_bytes for s in abn_sites), abn_flops))
-  for st in starts:
-    st.walk = _upgrade_path(st.sites, ladder, sens if approximate else None)
-  if len(starts) > 1:
-    starts[1].compiled[starts[1].walk[0]] = (abn_bytes, abn_flops)    # InPlace-ABN alone
+      abn_cost = compiled((abn,), batch)      # InPlace-ABN alone: one compile
 
-  def predicted(st, state):
-    kept, flops = np.sum([_kept(s, ladder[r]) for s, r in zip(st.sites, state)], axis=0)
-    return fixed + batch * (st.working + kept), st.flops + batch * flops
+  def predicted(state):
+    kept, flops = np.sum([_kept(s, ladder[r]) for s, r in zip(sites, state)], axis=0)
+    return fixed + batch * (working + kept), exact_flops + batch * flops
 
-  def choose(st, after: int) -> int:
-    for i in range(after, len(st.walk)):
-      if predicted(st, st.walk[i])[0] <= budget_bytes:
+  def choose(after: int) -> int:
+    for i in range(after, len(walk)):
+      if predicted(walk[i])[0] <= budget_bytes:
         return i
-    return len(st.walk) - 1
+    return len(walk) - 1
 
-  def choices_of(st, state):
+  def choices_of(state):
     out = []
-    for s, r in zip(st.sites, state):
+    for s, r in zip(sites, state):
       b, f = _kept(s, ladder[r])
       out.append(SiteChoice(s.path, ladder[r][0], ladder[r][1], s.residual_bytes - b, f,
                             None if sens is None else sens[s.path]))
     return tuple(out)
 
-  techniques_of = lambda st, state: st.techniques + _policies(choices_of(st, state))
+  costs = {}                                  # walk point -> compiled (bytes, FLOPs)
 
-  def confirm(st, index, limit):
-    """Compiles the walk's point ``index`` (once: ``st.compiled`` keeps it) and, while it
-    misses, corrects ``st``'s working bytes by the miss and goes on along the walk (at
-    most ``limit`` compiles in all)."""
-    while True:
-      point = st.walk[index]
-      if point not in st.compiled:
-        st.compiled[point] = compiled(techniques_of(st, point), batch)
-      device_bytes, flops = st.compiled[point]
-      if device_bytes <= budget_bytes or index == len(st.walk) - 1 or compiles >= limit:
-        return index, device_bytes, flops
-      st.working += (device_bytes - predicted(st, point)[0]) / batch
-      index = choose(st, index + 1)
+  def cost(state):
+    if state not in costs:
+      costs[state] = compiled(_policies(choices_of(state)), batch)
+    return costs[state]
 
-  st, index, device_bytes, flops = starts[0], 0, exact_bytes, exact_flops
-  if exact_bytes > budget_bytes:
-    # Each start's walk, the one predicted to fit at fewer FLOPs (else to go further)
-    # first, leaving a compile for the other; the plan is the one that fits at the fewest
-    # compiled FLOPs (else the one closest to the budget). Estimated FLOPs count only
-    # convolutions and matmuls, so the starts are compared on compiled ones.
-    def rank(st_):
-      b, f = predicted(st_, st_.walk[choose(st_, 0)])
-      return (0, f) if b <= budget_bytes else (1, b)
-    tried = []
-    for k, st_ in enumerate(sorted(starts, key=rank)):
-      limit = max_compiles - (len(starts) - 1 - k)
-      if tried and compiles >= limit and st_.walk[choose(st_, 0)] not in st_.compiled:
-        notes.append(f"no compile left to try the walk from {_start_name(st_)}")
-        continue
-      tried.append((st_, *confirm(st_, choose(st_, 0), limit)))
-    st, index, device_bytes, flops = min(
-        tried, key=lambda t: (0, t[3]) if t[2] <= budget_bytes else (1, t[2]))
-    if len(tried) > 1:
-      notes.append("walks compiled from " + " and from ".join(
-          f"{_start_name(t[0])} ({'fits' if t[2] <= budget_bytes else 'over'}, "
-          f"{t[3] / max(exact_flops, 1):.3f}x FLOPs)" for t in tried) +
-                   f": the plan is the one from {_start_name(st)}")
-  state = st.walk[index]
+  index = choose(0) if exact_bytes > budget_bytes else 0
+  state = walk[index]
+  device_bytes, flops = exact_bytes, exact_flops
+  while index > 0:
+    state = walk[index]
+    device_bytes, flops = cost(state)
+    if device_bytes <= budget_bytes or index == len(walk) - 1 or compiles >= max_compiles:
+      break
+    working += (device_bytes - predicted(state)[0]) / batch   # what the model missed
+    index = choose(index + 1)
+  if index > 0 and device_bytes > budget_bytes and index < len(walk) - 1:
+    notes.append(f"the walk stopped over the budget at max_compiles={max_compiles}: more "
+                 "compiles may find a plan that fits")
   if sens is not None and index > 0 and device_bytes <= budget_bytes:
     # Once a plan fits: one try with the bit reductions it does not need undone.
-    st.working += (device_bytes - predicted(st, state)[0]) / batch
-    loose = _relax(state, st.sites, ladder, sens,
-                   lambda s_: predicted(st, s_)[0] <= budget_bytes)
-    if loose != state and compiles >= max_compiles:
+    working += (device_bytes - predicted(state)[0]) / batch
+    loose = _relax(state, sites, ladder, sens, lambda s_: predicted(s_)[0] <= budget_bytes)
+    if loose != state and loose not in costs and compiles >= max_compiles:
       notes.append("no compile left to try undoing the bit reductions the estimate does not "
                    "need")
     elif loose != state:
-      loose_bytes, loose_flops = compiled(techniques_of(st, loose), batch)
+      loose_bytes, loose_flops = cost(loose)
       undone = sum(a != b for a, b in zip(loose, state))
       if loose_bytes <= budget_bytes:
         state, device_bytes, flops = loose, loose_bytes, loose_flops
@@ -713,25 +689,41 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       else:
         notes.append(f"undoing {undone} bit reductions the estimate did not need missed the "
                      f"budget by {_size(loose_bytes - budget_bytes)}: the plan keeps them")
-  choices = choices_of(st, state)
-  if st.techniques:
-    notes.append(f"InPlace-ABN on the BatchNorms {st.techniques[0].where!r} (their activation "
-                 "inverted from the output; exact, but the scale is |gamma| + epsilon: map "
-                 "existing weights with jmem.surgery.inplace_abn_params)")
+  under = ()                                  # techniques under every site (and the base)
+  if abn_cost is not None:
+    (abn_bytes, abn_flops), ratio = abn_cost, lambda f: f / max(exact_flops, 1)
+    walk_fits = device_bytes <= budget_bytes
+    if abn_bytes <= budget_bytes and (not walk_fits or abn_flops < flops):
+      notes.append(f"InPlace-ABN alone fits at {ratio(abn_flops):.3f}x exact's FLOPs" +
+                   (f", fewer than the per-site walk's {ratio(flops):.3f}x" if walk_fits else
+                    ", where the per-site walk does not") +
+                   f": the plan is InPlace-ABN on the BatchNorms {abn.where!r} (their "
+                   "activation inverted from the output; exact, but the scale is "
+                   "|gamma| + epsilon: map existing weights with "
+                   "jmem.surgery.inplace_abn_params)")
+      under, index, state, device_bytes, flops = (abn,), 0, walk[0], abn_bytes, abn_flops
+    else:
+      notes.append("InPlace-ABN alone " + (
+          f"fits at {ratio(abn_flops):.3f}x exact's FLOPs, no fewer than the per-site walk's "
+          f"{ratio(flops):.3f}x" if abn_bytes <= budget_bytes else
+          f"misses the budget by {_size(abn_bytes - budget_bytes)}") +
+                   ": the plan is the walk's (InPlace-ABN with per-site policies is not "
+                   "searched)")
+  choices = choices_of(state)
   fits = device_bytes <= budget_bytes
   best = exact_best = None
   if max_batch:
     exact_best = _largest(*sorted([(small, exact_small), (batch, exact_bytes)]), budget_bytes)
-    if not (st.techniques or index):
+    if not (under or index):
       best = exact_best                   # the exact step's
     else:
       other = 2 * batch if fits else small
-      at_other, _ = compiled(techniques_of(st, state), other)
+      at_other, _ = compiled(under + _policies(choices), other)
       best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes)
-  front = tuple(predicted(st, s_) for s_ in st.walk)
+  front = tuple(predicted(s_) for s_ in walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
-              base + st.techniques)
+              base + under)
 
 
 def _spatial(model, mesh, axes, x):
@@ -789,29 +781,13 @@ def _per_device(sites, shards: int):
           for s in sites]
 
 
-def _start_name(st) -> str:
-  return "InPlace-ABN" if st.techniques else "the exact model"
-
-
-@dataclasses.dataclass
-class _Start:
-  """A walk's starting point: the techniques under every plan on it (none, or InPlace-ABN),
-  its sites' estimates, the working bytes per example no site holds, its step's FLOPs."""
-  techniques: tuple
-  sites: list
-  working: float
-  flops: float
-  walk: list = dataclasses.field(default_factory=list)
-  compiled: dict = dataclasses.field(default_factory=dict)   # point -> (bytes, FLOPs)
-
-
 def _inplace_abn(model, x, allowed: bool, max_compiles: int):
   """``(InPlaceABN over every BatchNorm it can take, or None, a note or None)``."""
   if not allowed:
     return None, None
-  if max_compiles < 5:
-    return None, (f"InPlace-ABN not tried: max_compiles={max_compiles} (it needs 5: the exact "
-                  "step twice, InPlace-ABN's, one per walk)")
+  if max_compiles < 4:
+    return None, (f"InPlace-ABN not tried: max_compiles={max_compiles} (it needs 4: the exact "
+                  "step twice, InPlace-ABN's, the walk's)")
   if any(isinstance(t, (surgery.SyncBN, surgery.InPlaceABN))
          for t in getattr(model, "techniques", ())):
     return None, ("InPlace-ABN not tried: the model's BatchNorms were converted already "
