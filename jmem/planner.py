@@ -36,9 +36,11 @@ How:
    gradients tolerate it get fewer bits first. The prediction is
    ``fixed + batch * (working + sum of the sites' bytes)``, with ``fixed`` and
    ``working`` (what no site holds: the head, inline code, the backward's working set)
-   from the compiled exact step at two batch sizes. A tighter budget only walks further
-   along the same path, so it never needs fewer FLOPs (nor with InPlace-ABN, item 4: the
-   cheaper of the walk's plan and a fixed-cost alternative).
+   from the compiled exact step at two batch sizes. A tighter budget walks further along
+   the same path, so it needs no fewer FLOPs (with InPlace-ABN, item 4, the cheaper of
+   the walk's plan and a fixed-cost alternative keeps that). Not a proof: the compiles'
+   corrections and the undo step depend on the budget, and compiled FLOPs need not grow
+   along the path exactly as estimated; the tests and sweeps have not seen it fail.
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the working bytes are corrected by the
    miss and the walk goes on (at most ``max_compiles`` compiles). With sensitivities, once
@@ -53,7 +55,8 @@ How:
    InPlace-ABN can take (followed by leaky_relu or elu in a Sequential,
    `jmem.surgery.inplace_abn_sites`), InPlace-ABN on all of them (exact: it keeps each
    BatchNorm's output only) is compiled once, and it is the plan where it fits at fewer
-   compiled FLOPs than the walk's plan (or where that does not fit). The comparison is on
+   compiled FLOPs than the walk's plan, or fits where that does not (or, nothing fitting,
+   comes closer to the budget). The comparison is on
    compiled FLOPs: the estimates count only convolutions and matmuls, so they cannot rank
    InPlace-ABN's elementwise work against a recomputation's. InPlace-ABN under per-site
    policies is not searched: a walk from it, tried first, took compiles the plain walk
@@ -193,8 +196,8 @@ class Plan:
     notes: what was left out of the search and why.
     base: the techniques besides the sites' policies: ``jmem.Spatial(mesh)`` with
       ``mesh=``, then ``InPlaceABN(where=...)`` where InPlace-ABN alone on the BatchNorms
-      it can take fitted at fewer compiled FLOPs than the walk's plan (every site then
-      saves); else empty.
+      it can take is the plan (module docstring, item 4; every site then saves); else
+      empty.
   """
 
   budget_bytes: int
@@ -518,7 +521,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       instead of ``calibration_batch``.
     inplace_abn: where the exact step does not fit, also compile InPlace-ABN alone on every
       BatchNorm it can take (`jmem.surgery.inplace_abn_sites`; exact, one compile more)
-      and make it the plan if it fits at fewer compiled FLOPs than the walk's. Its scale is
+      and make it the plan if it fits at fewer compiled FLOPs than the walk's plan (or
+      fits where that does not, or comes closer where nothing fits). Its scale is
       ``|gamma| + epsilon``: existing weights map with `jmem.surgery.inplace_abn_params`.
     mesh: devices to shard the activations over (a `jax.sharding.Mesh` with the axes
       ``spatial_axes``, ``AxisType.Auto``): every plan then stacks on
@@ -669,11 +673,35 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       break
     working += (device_bytes - predicted(state)[0]) / batch   # what the model missed
     index = choose(index + 1)
-  if index > 0 and device_bytes > budget_bytes and index < len(walk) - 1:
-    notes.append(f"the walk stopped over the budget at max_compiles={max_compiles}: more "
-                 "compiles may find a plan that fits")
+  cut = index > 0 and device_bytes > budget_bytes and index < len(walk) - 1
+  # InPlace-ABN alone is the plan where it fits at fewer compiled FLOPs than the walk's
+  # plan, or fits where that does not, or (nothing fits) comes closer.
+  under = ()                                  # techniques under every site (and the base)
+  if abn_cost is not None:
+    (abn_bytes, abn_flops), ratio = abn_cost, lambda f: f / max(exact_flops, 1)
+    walk_fits = device_bytes <= budget_bytes
+    if abn_bytes > budget_bytes:
+      why = f"misses the budget by {_size(abn_bytes - budget_bytes)}"
+    elif walk_fits:
+      why = (f"fits at {ratio(abn_flops):.3f}x exact's FLOPs, "
+             f"{'fewer' if abn_flops < flops else 'no fewer'} than the per-site walk's "
+             f"{ratio(flops):.3f}x")
+    else:
+      why = f"fits at {ratio(abn_flops):.3f}x exact's FLOPs, where the per-site walk does not"
+    if (abn_bytes <= budget_bytes and (not walk_fits or abn_flops < flops)) or (
+        not walk_fits and abn_bytes < device_bytes):
+      notes.append(f"InPlace-ABN alone {why}" + (", less than the per-site walk" if
+                                                 abn_bytes > budget_bytes else "") +
+                   f": the plan is InPlace-ABN on the BatchNorms {abn.where!r} (their "
+                   "activation inverted from the output; exact, but the scale is "
+                   "|gamma| + epsilon: map existing weights with "
+                   "jmem.surgery.inplace_abn_params)")
+      under, index, state, device_bytes, flops = (abn,), 0, walk[0], abn_bytes, abn_flops
+    else:
+      notes.append(f"InPlace-ABN alone {why}: the plan is the walk's (InPlace-ABN with "
+                   "per-site policies is not searched)")
   if sens is not None and index > 0 and device_bytes <= budget_bytes:
-    # Once a plan fits: one try with the bit reductions it does not need undone.
+    # Once the walk's plan fits: one try with the bit reductions it does not need undone.
     working += (device_bytes - predicted(state)[0]) / batch
     loose = _relax(state, sites, ladder, sens, lambda s_: predicted(s_)[0] <= budget_bytes)
     if loose != state and loose not in costs and compiles >= max_compiles:
@@ -689,26 +717,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       else:
         notes.append(f"undoing {undone} bit reductions the estimate did not need missed the "
                      f"budget by {_size(loose_bytes - budget_bytes)}: the plan keeps them")
-  under = ()                                  # techniques under every site (and the base)
-  if abn_cost is not None:
-    (abn_bytes, abn_flops), ratio = abn_cost, lambda f: f / max(exact_flops, 1)
-    walk_fits = device_bytes <= budget_bytes
-    if abn_bytes <= budget_bytes and (not walk_fits or abn_flops < flops):
-      notes.append(f"InPlace-ABN alone fits at {ratio(abn_flops):.3f}x exact's FLOPs" +
-                   (f", fewer than the per-site walk's {ratio(flops):.3f}x" if walk_fits else
-                    ", where the per-site walk does not") +
-                   f": the plan is InPlace-ABN on the BatchNorms {abn.where!r} (their "
-                   "activation inverted from the output; exact, but the scale is "
-                   "|gamma| + epsilon: map existing weights with "
-                   "jmem.surgery.inplace_abn_params)")
-      under, index, state, device_bytes, flops = (abn,), 0, walk[0], abn_bytes, abn_flops
-    else:
-      notes.append("InPlace-ABN alone " + (
-          f"fits at {ratio(abn_flops):.3f}x exact's FLOPs, no fewer than the per-site walk's "
-          f"{ratio(flops):.3f}x" if abn_bytes <= budget_bytes else
-          f"misses the budget by {_size(abn_bytes - budget_bytes)}") +
-                   ": the plan is the walk's (InPlace-ABN with per-site policies is not "
-                   "searched)")
+  if cut and device_bytes > budget_bytes:
+    notes.append(f"the per-site walk stopped over the budget at max_compiles={max_compiles}"
+                 f"{' (InPlace-ABN alone took one)' if abn_cost is not None else ''}: more "
+                 "compiles may find a plan that fits")
   choices = choices_of(state)
   fits = device_bytes <= budget_bytes
   best = exact_best = None
