@@ -533,23 +533,13 @@ def test_bit_allocation_errors():
                         level="L2")
 
 
-def test_sensitivities_measured_at_two_bits_predict_the_variance_at_four():
-  """``sensitivities(..., bits=2)`` (what `jmem.plan` orders bits by): ``C / (2^4 - 1)^2``
-  is each site's measured gradient variance at 4 bits (mean over 4 dithers of
-  |g_4 - g|^2, the site alone compressed by `jmem.Policy`) within 2x, and ranks the sites
-  as the measurement does."""
+def _variance_at_four_bits(model, params, batch, paths, copy=lambda m: m):
+  """Per site of ``paths``: the mean over 4 dithers of |g_4 - g|^2, ``g_4`` the gradient
+  with the site alone compressed at 4 bits by `jmem.Policy` (converting ``copy(model)``),
+  ``g`` the exact one."""
   import re  # pylint: disable=g-import-not-at-top
   import jmem  # pylint: disable=g-import-not-at-top
   from jax.flatten_util import ravel_pytree  # pylint: disable=g-import-not-at-top
-  from jmem.ops.actnn import technique as actnn_technique  # pylint: disable=g-import-not-at-top
-  model = tp.ThirdPartyResNet()
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(8, 32, 32, 3)).astype(np.float32)
-  y = rng.integers(0, 10, 8).astype(np.int32)
-  params, loss_fn, batch = actnn_technique.calibration_problem_on(model, x, y, max_values=10**9)
-  paths = ["conv_init", "bn_init", "BottleneckBlock_0", "BottleneckBlock_1"]
-  c, _ = jmem.surgery.sensitivities(model, loss_fn, params, batch,
-                                    jmem.ActNN("L3", where="|".join(paths)), bits=2)
   _, state = train.model_fns(model).init(jax.random.key(0), batch[0][:1])
 
   def grads(m):
@@ -559,9 +549,28 @@ def test_sensitivities_measured_at_two_bits_predict_the_variance_at_four():
   exact = grads(model)(jax.random.key(0))
   measured = {}
   for p in paths:
-    g = grads(jmem.convert(model, jmem.Policy("compress", bits=4, where=re.escape(p))))
+    g = grads(jmem.convert(copy(model), jmem.Policy("compress", bits=4, where=re.escape(p))))
     measured[p] = np.mean([float(jnp.sum((g(jax.random.key(10 + s)) - exact) ** 2))
                            for s in range(4)])
+  return measured
+
+
+def test_sensitivities_measured_at_two_bits_predict_the_variance_at_four():
+  """``sensitivities(..., bits=2)`` (what `jmem.plan` orders bits by): ``C / (2^4 - 1)^2``
+  is each site's measured gradient variance at 4 bits (mean over 4 dithers of
+  |g_4 - g|^2, the site alone compressed by `jmem.Policy`) within 2x, and ranks the sites
+  as the measurement does."""
+  import jmem  # pylint: disable=g-import-not-at-top
+  from jmem.ops.actnn import technique as actnn_technique  # pylint: disable=g-import-not-at-top
+  model = tp.ThirdPartyResNet()
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(8, 32, 32, 3)).astype(np.float32)
+  y = rng.integers(0, 10, 8).astype(np.int32)
+  params, loss_fn, batch = actnn_technique.calibration_problem_on(model, x, y, max_values=10**9)
+  paths = ["conv_init", "bn_init", "BottleneckBlock_0", "BottleneckBlock_1"]
+  c, _ = jmem.surgery.sensitivities(model, loss_fn, params, batch,
+                                    jmem.ActNN("L3", where="|".join(paths)), bits=2)
+  measured = _variance_at_four_bits(model, params, batch, paths)
   for p in paths:
     assert 0.5 < measured[p] / (c[p] / 15**2) < 2.0, (p, measured[p], c[p] / 15**2)
   assert sorted(paths, key=c.get) == sorted(paths, key=measured.get)
@@ -573,10 +582,8 @@ def test_nnx_sensitivities_probe_a_copy_and_predict_the_variance_at_four():
   """`jmem.surgery.sensitivities` on an NNX model (converted in place by jmem.convert)
   probes a copy: the model is left as it was, and ``C / 15^2`` from 2 bits is each site's
   measured 4-bit variance within 2x, as for linen; `calibrate` gives each site bits."""
-  import re  # pylint: disable=g-import-not-at-top
   import jmem  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from jax.flatten_util import ravel_pytree  # pylint: disable=g-import-not-at-top
   from jmem.ops.actnn import technique as actnn_technique  # pylint: disable=g-import-not-at-top
   model = tp.NNXCNN(rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
@@ -586,19 +593,9 @@ def test_nnx_sensitivities_probe_a_copy_and_predict_the_variance_at_four():
   c, _ = jmem.surgery.sensitivities(model, loss_fn, params, batch, bits=2)
   assert sorted(c) == ["bn", "conv", "stem"]
   assert jmem.surgery.sites(model) == {} and type(model.stem) is nnx.Sequential
-  _, state = train.model_fns(model).init(jax.random.key(0), batch[0][:1])
-
-  def grads(m):
-    loss = train.make_loss(train.model_fns(m))
-    return jax.jit(lambda k: ravel_pytree(jax.grad(
-        lambda p: loss(p, state, *batch, k)[0])(params))[0])
-  exact = grads(model)(jax.random.key(0))
+  measured = _variance_at_four_bits(model, params, batch, c, copy=nnx.clone)
   for p in c:
-    g = grads(jmem.convert(nnx.clone(model), jmem.Policy("compress", bits=4,
-                                                         where=re.escape(p))))
-    measured = np.mean([float(jnp.sum((g(jax.random.key(10 + s)) - exact) ** 2))
-                        for s in range(4)])
-    assert 0.5 < measured / (c[p] / 15**2) < 2.0, (p, measured, c[p] / 15**2)
+    assert 0.5 < measured[p] / (c[p] / 15**2) < 2.0, (p, measured[p], c[p] / 15**2)
   technique = jmem.surgery.calibrate(model, loss_fn, params, batch)
   assert sorted(dict(technique.level.layer_bits)) == ["bn", "conv", "stem"]
   assert jmem.surgery.sites(model) == {}

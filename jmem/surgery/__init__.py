@@ -257,21 +257,17 @@ def inplace_abn_sites(model, *args, **kwargs) -> list[str]:
   a slope > 0, ``elu`` with alpha > 0). ``InPlaceABN(where=...)`` over them converts; an
   `InPlaceABN` without ``where=`` raises on any other BatchNorm. linen: found by tracing
   ``model.init`` on ``args`` (shapes only, nothing runs); NNX: read from the model."""
-  def invertible(fn) -> bool:
-    pair = _common.activation_of(fn)
+  def invertible(pair) -> bool:
     return (pair is not None and pair[0] != "other" and
             pair[1].get("slope", 1.0) > 0 and pair[1].get("alpha", 1.0) > 0)
 
   if isinstance(model, nnx.Module):
-    paths = {id(m): "/".join(str(k) for k in p) for p, m in nnx.iter_graph(model)}
-    found = []
-    for _, m in nnx.iter_graph(model):
-      if isinstance(m, nnx.Sequential):
-        layers = list(m.layers)
-        found += [paths[id(bn)] for bn, fn in zip(layers, layers[1:])
-                  if _common.nnx_bn_status(bn) == "bn" and bn.scale is not None and
-                  bn.bias is not None and invertible(fn)]
-    return sorted(found)
+    from jmem.surgery import _nnx  # pylint: disable=g-import-not-at-top
+    nodes = {id(m): ("/".join(str(k) for k in p), m) for p, m in nnx.iter_graph(model)}
+    pairs = _nnx.bn_activation_pairs(m for _, m in nodes.values())
+    return sorted(path for i, (path, bn) in nodes.items() if i in pairs and
+                  _common.nnx_bn_status(bn) == "bn" and bn.scale is not None and
+                  bn.bias is not None and invertible(pairs[i][0]))
   if not isinstance(model, nn.Module):
     raise TypeError(f"inplace_abn_sites takes a flax.linen or flax.nnx Module, got "
                     f"{type(model).__name__}.")
@@ -283,7 +279,7 @@ def inplace_abn_sites(model, *args, **kwargs) -> list[str]:
       layers = list(mod.layers)
       found.update("/".join(bn.scope.path) for bn, fn in zip(layers, layers[1:])
                    if type(bn) is nn.BatchNorm and bn.use_scale and bn.use_bias  # pylint: disable=unidiomatic-typecheck
-                   and invertible(fn))
+                   and invertible(_common.activation_of(fn)))
     return next_fun(*args_, **kwargs_)
 
   with nn.intercept_methods(record):

@@ -121,6 +121,21 @@ def _identity(x):
   return x
 
 
+def bn_activation_pairs(modules) -> dict:
+  """BatchNorm-like module followed by a plain function in the ``nnx.Sequential``s among
+  ``modules``: ``id(bn) -> (activation_of(fn), the Sequential, fn's index)``."""
+  pairs = {}
+  for m in modules:
+    if isinstance(m, nnx.Sequential):
+      layers = list(m.layers)
+      for i in range(len(layers) - 1):
+        if c.nnx_bn_status(layers[i]) is not None:
+          pair = c.activation_of(layers[i + 1])
+          if pair is not None:
+            pairs[id(layers[i])] = (pair, m, i + 1)
+  return pairs
+
+
 def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
   nodes = list(nnx.iter_graph(model))
   done = [("/".join(str(k) for k in p) or "<top>") for p, n in nodes
@@ -143,16 +158,7 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
     return p != () and not any(isinstance(by_path.get(p[:k]), nnx.Module) and
                                _callable(by_path[p[:k]]) for k in range(1, len(p)))
 
-  # BatchNorm + activation pairs in Sequential modules.
-  pairs = {}
-  for _, m in modules:
-    if isinstance(m, nnx.Sequential):
-      layers = list(m.layers)
-      for i in range(len(layers) - 1):
-        if c.nnx_bn_status(layers[i]) is not None:
-          pair = c.activation_of(layers[i + 1])
-          if pair is not None:
-            pairs[id(layers[i])] = (pair, m, i + 1)
+  pairs = bn_activation_pairs(m for _, m in modules)
 
   hits = {i: [] for i in range(len(techniques))}
   bn_plan, block_plan = {}, {}
