@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -99,9 +100,10 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("--exact-only", action="store_true",
                   help="accuracy-safe: no compression, the gradients stay exact")
   pl.add_argument("--max-compiles", type=int, default=8)
-  pl.add_argument("--spatial", default=None, metavar="HxW",
-                  help="shard the activations over H x W devices (jmem.Spatial under every "
-                  "plan; the budget is per device; on CPU, H*W devices are simulated)")
+  pl.add_argument("--mesh", type=_mesh_shape, default=None, metavar="D|DxHxW",
+                  help="plan for D x H x W devices: the batch split over D (data parallel), "
+                  "the image's H and W over H x W (jmem.Spatial under every plan); the "
+                  "budget is per device; on CPU, D*H*W devices are simulated")
   pl.add_argument("--verify-steps", type=int, default=0, metavar="N",
                   help="train the planned model next to exact for N steps on the embedded "
                   "data (at --verify-image-size) and report both accuracies")
@@ -209,15 +211,17 @@ def _plan(args) -> int:
     raise ValueError(f"--batch-size and --image-size must be positive, got "
                      f"{args.batch_size} and {args.image_size}.")
   output_dir = bench.check_output_dir(args.output_dir)
-  mesh = None
-  if args.spatial:
+  mesh, axes = None, {}
+  if args.mesh and math.prod(args.mesh) > 1:
     from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
-    h, w = _spatial_shape(args.spatial)
-    if h * w > jax.device_count():
-      raise ValueError(f"--spatial {args.spatial} needs {h * w} devices; there are "
-                       f"{jax.device_count()}.")
-    mesh = jax.make_mesh((h, w), ("h", "w"), axis_types=(AxisType.Auto,) * 2,
-                         devices=jax.devices()[:h * w])
+    d, h, w = args.mesh
+    if d * h * w > jax.device_count():
+      raise ValueError(f"--mesh {'x'.join(map(str, args.mesh))} needs {d * h * w} devices; "
+                       f"there are {jax.device_count()}.")
+    mesh = jax.make_mesh(args.mesh, ("data", "h", "w"), axis_types=(AxisType.Auto,) * 3,
+                         devices=jax.devices()[:d * h * w])
+    axes = dict(data_axis="data" if d > 1 else None,
+                spatial_axes=("h", "w") if h * w > 1 else None)
   video = models.model_task(args.model) == "video"
   channels = 1 if video or args.model.endswith("digits") else 3
   shape = ((args.batch_size, args.num_frames) if video else (args.batch_size,)) + (
@@ -238,7 +242,7 @@ def _plan(args) -> int:
   model = bench.create_model(args.model, classes, args.dtype)
   result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
                          max_compiles=args.max_compiles, calibration_batch=calibration,
-                         mesh=mesh)
+                         mesh=mesh, **axes)
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:
@@ -267,14 +271,6 @@ def _plan(args) -> int:
             f"{100 * acc['plan']:.2f}%")
     print(f"\nwrote {', '.join(paths)}")
   return 0 if result.fits else 1
-
-
-def _spatial_shape(text: str) -> tuple[int, int]:
-  m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text or "")
-  if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-    raise ValueError(f"--spatial takes HxW, two positive device counts such as 2x4; got "
-                     f"{text!r}.")
-  return int(m.group(1)), int(m.group(2))
 
 
 def _on_mesh(model, shape: tuple[int, int, int], technique: str):
@@ -363,8 +359,8 @@ def _train(args) -> int:
 
 
 def _simulate_host_devices(argv, local_devices: int | None = None,
-                           spatial: str | None = None) -> None:
-  """Spatial techniques need 8 devices (``jmem plan --spatial HxW``: H*W): on a CPU-only
+                           plan_mesh: tuple[int, int, int] | None = None) -> None:
+  """Spatial techniques need 8 devices (``jmem plan --mesh DxHxW``: D*H*W): on a CPU-only
   machine, simulate them; and ``--local-devices N`` simulates N (read when the backend
   starts, so before any work)."""
   flags = os.environ.get("XLA_FLAGS", "")
@@ -377,9 +373,8 @@ def _simulate_host_devices(argv, local_devices: int | None = None,
     return
   wanted = 8 if (_is_tour(argv) or any(
       "spatial-" in a for a in (sys.argv[1:] if argv is None else argv))) else 0
-  if spatial:                               # jmem plan --spatial HxW
-    h, w = _spatial_shape(spatial)
-    wanted = max(wanted, h * w)
+  if plan_mesh:                             # jmem plan --mesh DxHxW
+    wanted = max(wanted, math.prod(plan_mesh))
   if wanted and "host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (
         f"{flags} --xla_force_host_platform_device_count={wanted}".strip())
@@ -391,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
   args.tour = _is_tour(argv)
   try:
     _simulate_host_devices(argv, getattr(args, "local_devices", None),
-                           getattr(args, "spatial", None))
+                           args.mesh if args.command == "plan" else None)
     return {"bench": _bench, "train": _train, "plan": _plan}[args.command](args)
   except ValueError as e:
     parser.exit(2, f"jmem {args.command}: error: {e}\n")

@@ -62,13 +62,14 @@ How:
    policies is not searched: a walk from it, tried first, took compiles the plain walk
    needed, and never gave the plan in a sweep of the third-party NNX CNN.
 
-5. **Devices.** With ``mesh=``, every step (the exact one too) stacks on
-   ``jmem.Spatial(mesh)``, compiled with the batch sharded over H and W and the train state
-   replicated; the budget and the figures are per device, and the sites' estimates are
-   the one-device trace's divided by the devices of the H and W axes.
+5. **Devices.** With ``mesh=``, every step (the exact one too) is compiled with the batch
+   split over ``data_axis`` (data parallelism) and/or its H and W over ``spatial_axes``
+   (then stacked on ``jmem.Spatial(mesh)``), the train state replicated; the budget and
+   the figures are per device, and the sites' estimates are the one-device trace's
+   divided by the devices of those axes.
 
 Not searched yet: ``offload`` (which on CPU, one memory for host and device, would save
-nothing); with ``mesh=``, whether to shard at all (Spatial is always under the plan).
+nothing); with ``mesh=``, how to lay the devices out (the axes are the caller's).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmem import measure
@@ -194,10 +195,13 @@ class Plan:
       undoing unneeded bit reductions fitted, the plan started from: same FLOPs; 0 for
       InPlace-ABN alone).
     notes: what was left out of the search and why.
-    base: the techniques besides the sites' policies: ``jmem.Spatial(mesh)`` with
-      ``mesh=``, then ``InPlaceABN(where=...)`` where InPlace-ABN alone on the BatchNorms
-      it can take is the plan (module docstring, item 4; every site then saves); else
-      empty.
+    base: the techniques besides the sites' policies: ``jmem.Spatial(mesh)`` with a
+      mesh of spatial axes, then ``InPlaceABN(where=...)`` where InPlace-ABN alone on the
+      BatchNorms it can take is the plan (module docstring, item 4; every site then
+      saves); else empty.
+    measured: ``(what, device bytes, FLOPs)`` of every step compiled at ``batch_size``:
+      "exact", "InPlace-ABN alone", "walk point i" (``front[i]`` compiled), "bit
+      reductions undone".
   """
 
   budget_bytes: int
@@ -215,6 +219,7 @@ class Plan:
   chosen: int
   notes: tuple[str, ...] = ()
   base: tuple = ()
+  measured: tuple[tuple[str, int, float], ...] = ()
 
   @property
   def techniques(self) -> tuple:
@@ -493,7 +498,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
          approximate: bool = True, optimizer=None, max_compiles: int = 8,
          max_batch: bool = True, calibration_batch=None,
          sensitivities: Mapping[str, float] | None = None, inplace_abn: bool = True,
-         mesh=None, spatial_axes: tuple = ("h", "w")) -> Plan:
+         mesh=None, spatial_axes: tuple | None = ("h", "w"),
+         data_axis: str | None = None) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
@@ -524,13 +530,18 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       and make it the plan if it fits at fewer compiled FLOPs than the walk's plan (or
       fits where that does not, or comes closer where nothing fits). Its scale is
       ``|gamma| + epsilon``: existing weights map with `jmem.surgery.inplace_abn_params`.
-    mesh: devices to shard the activations over (a `jax.sharding.Mesh` with the axes
-      ``spatial_axes``, ``AxisType.Auto``): every plan then stacks on
-      ``jmem.Spatial(mesh, axes=spatial_axes)``, each step is compiled with the batch
-      sharded over H and W (NHWC images; per-pixel labels likewise, others replicated)
-      and the parameters and optimiser state replicated, and the budget and every figure
-      are per device (the exact step is `jmem.Spatial` alone).
-    spatial_axes: the mesh axes of H and W (None: that side not sharded).
+    mesh: devices to shard the activations over (a `jax.sharding.Mesh`, ``AxisType.Auto``,
+      of the axes ``spatial_axes`` and ``data_axis``): each step, the exact one too, is
+      compiled with the batch sharded over them and the parameters and optimiser state
+      replicated, and the budget and every figure are per device. With spatial axes every
+      plan stacks on ``jmem.Spatial(mesh, axes=spatial_axes, data_axis=data_axis)`` (NHWC
+      images sharded over H and W; per-pixel labels likewise); with ``data_axis`` the
+      batch is split over it (data parallelism: BatchNorm statistics over the whole batch,
+      as `jmem.parallel.data_parallel` trains it), and the batch sizes are multiples of
+      its size.
+    spatial_axes: the mesh axes of H and W (None for a side: not sharded; None: no
+      jmem.Spatial, for data parallelism alone).
+    data_axis: the mesh axis the batch is split over (None: not split).
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -564,11 +575,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   spec = lambda a, b: jax.ShapeDtypeStruct((b,) + tuple(a.shape[1:]), a.dtype)
   optimizer = optimizer or train_lib.default_optimizer(1e-3, 100)
   notes = []
-  base, shards, shard, replicate = _spatial(model, mesh, tuple(spatial_axes), x)
-  if base:
-    notes.append(f"figures per device: every step, the exact one too, has jmem.Spatial, the "
-                 f"batch's H and W sharded over the mesh axes {tuple(spatial_axes)} ({shards} "
-                 "devices), parameters and optimiser state replicated")
+  layout = _layout(model, mesh, spatial_axes, data_axis, x, batch)
+  base, shard = layout.base, layout.shard
+  notes += [layout.note] if layout.note else []
   fns = train_lib.model_fns(model)
   trace_batch = max(2, min(int(x.shape[0]), 8))
   xs, ys = spec(x, trace_batch), spec(y, trace_batch)
@@ -578,7 +587,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if not paths:
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
                      "sites: the direct children of the top module but its Dense layers).")
-  sites = _per_device(_estimate_sites(model, optimizer, xs, ys, paths)[0], shards)
+  sites = _per_device(_estimate_sites(model, optimizer, xs, ys, paths)[0], layout.shards)
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
   notes += ["offload not searched yet (and on CPU, where host and device memory are one, it "
             "would save nothing)"]
@@ -611,20 +620,24 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   elif approximate:
     notes.append("bit reductions ordered by bytes saved, not by gradient sensitivity: pass "
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
-  compiles = 0
+  compiles, measured = 0, []                  # measured: the steps compiled at the batch
 
-  def compiled(techniques, b):
+  def compiled(techniques, b, what):
     nonlocal compiles
     compiles += 1
     techniques = base + tuple(techniques)
     m = _converted(model, techniques) if techniques else model
-    return step_cost(m, optimizer, shard(spec(x, b)), shard(spec(y, b)),
-                     abstract=jax.tree.map(replicate, abstract))
+    out = step_cost(m, optimizer, shard(spec(x, b)), shard(spec(y, b)),
+                    abstract=jax.tree.map(layout.replicate, abstract))
+    if b == batch:
+      measured.append((what, int(out[0]), float(out[1])))
+    return out
 
   # The exact step at two batch sizes: fixed bytes and the per-example working bytes.
-  small = batch // 2 if batch > 1 else 2
-  exact_small, _ = compiled((), small)
-  exact_bytes, exact_flops = compiled((), batch)
+  k = layout.multiple                         # batch sizes the data axis divides
+  small = (batch // 2 // k) * k or 2 * batch
+  exact_small, _ = compiled((), small, "exact")
+  exact_bytes, exact_flops = compiled((), batch, "exact")
   if fraction is not None:
     budget_bytes = int(fraction * exact_bytes)
   slope = (exact_bytes - exact_small) / (batch - small)
@@ -636,7 +649,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     abn, note = _inplace_abn(model, xs, inplace_abn, max_compiles)
     notes += [note] if note else []
     if abn is not None:
-      abn_cost = compiled((abn,), batch)      # InPlace-ABN alone: one compile
+      abn_cost = compiled((abn,), batch, "InPlace-ABN alone")   # one compile
 
   def predicted(state):
     kept, flops = np.sum([_kept(s, ladder[r]) for s, r in zip(sites, state)], axis=0)
@@ -660,7 +673,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
 
   def cost(state):
     if state not in costs:
-      costs[state] = compiled(_policies(choices_of(state)), batch)
+      costs[state] = compiled(_policies(choices_of(state)), batch,
+                              f"walk point {walk.index(state)}" if state in walk else
+                              "bit reductions undone")
     return costs[state]
 
   index = choose(0) if exact_bytes > budget_bytes else 0
@@ -725,56 +740,103 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   fits = device_bytes <= budget_bytes
   best = exact_best = None
   if max_batch:
-    exact_best = _largest(*sorted([(small, exact_small), (batch, exact_bytes)]), budget_bytes)
+    exact_best = _largest(*sorted([(small, exact_small), (batch, exact_bytes)]), budget_bytes,
+                          k)
     if not (under or index):
       best = exact_best                   # the exact step's
     else:
       other = 2 * batch if fits else small
-      at_other, _ = compiled(under + _policies(choices), other)
-      best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes)
+      at_other, _ = compiled(under + _policies(choices), other, "plan")
+      best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes, k)
   front = tuple(predicted(s_) for s_ in walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
-              base + under)
+              base + under, tuple(measured))
 
 
-def _spatial(model, mesh, axes, x):
-  """``(techniques under every plan, devices the activations are sharded over, and two
-  functions giving a ShapeDtypeStruct its sharding: a batch's, the train state's)`` for
-  ``mesh`` (None: one device)."""
-  if mesh is None:
-    if _has_spatial(model):
-      raise ValueError("this model was converted with jmem.Spatial: give jmem.plan the mesh "
-                       "(mesh=) instead, so that it compiles every step with the batch "
-                       "sharded over H and W, and the Spatial technique comes with the plan.")
-    return (), 1, lambda a: a, lambda a: a
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """How each step is compiled on the devices of ``mesh=`` (the defaults: one device).
+
+  Attributes:
+    base: the techniques under every plan (``jmem.Spatial``, or none).
+    shards: the devices one step's activations are split over (data x H x W).
+    multiple: the data axis's size: the batch sizes compiled are multiples of it.
+    shard, replicate: a ShapeDtypeStruct with a batch's sharding, the train state's.
+    note: what the figures are, for the plan's notes (None: one device).
+  """
+
+  base: tuple = ()
+  shards: int = 1
+  multiple: int = 1
+  shard: Any = lambda a: a
+  replicate: Any = lambda a: a
+  note: str | None = None
+
+
+def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
+  """The `_Layout` of ``mesh`` (None: one device), its H and W ``axes`` (None: no
+  jmem.Spatial) and its ``data_axis`` (None: the batch not split)."""
   if _has_spatial(model):
-    raise ValueError("give jmem.plan the unconverted model with mesh=: the plan stacks on "
-                     "jmem.Spatial(mesh) itself.")
-  technique = surgery.Spatial(mesh, axes=axes)         # checks the mesh and the axes
-  others = {a: n for a, n in mesh.shape.items() if a not in axes and n > 1}
+    raise ValueError("this model was converted with jmem.Spatial: give jmem.plan the "
+                     "unconverted model and the mesh (mesh=), so that it compiles every step "
+                     "with the batch sharded over H and W and Spatial comes with the plan.")
+  if mesh is None:
+    if data_axis is not None:
+      raise ValueError(f"data_axis={data_axis!r} names an axis of the mesh: pass mesh= too.")
+    return _Layout()
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"jmem.plan(mesh=...) takes a jax.sharding.Mesh, got {type(mesh).__name__}.")
+  axes = (None, None) if axes is None else tuple(axes)
+  spatial = any(a is not None for a in axes)
+  named = [a for a in (*axes, data_axis) if a is not None]
+  missing = [a for a in named if a not in mesh.axis_names]
+  if missing or not named:
+    hint = (" For data parallelism alone pass spatial_axes=None." if data_axis is not None
+            and data_axis in mesh.axis_names else
+            " Name the batch's axis with data_axis= and H and W's with spatial_axes=.")
+    raise ValueError(f"jmem.plan(mesh=...): {missing or 'no axis'} is not an axis of the mesh "
+                     f"{dict(mesh.shape)} (spatial_axes={axes}, data_axis={data_axis!r}).{hint}")
+  others = {a: n for a, n in mesh.shape.items() if a not in named and n > 1}
   if others:
-    raise ValueError(f"jmem.plan(mesh=...) shards H and W over the axes {axes}; the mesh's "
-                     f"other axes {others} would hold copies of the same work. Give a mesh "
-                     "of the H and W axes only.")
-  if len(x.shape) != 4:
-    raise ValueError(f"jmem.plan(mesh=...) shards NHWC images over H and W; got x of shape "
-                     f"{tuple(x.shape)}.")
-  shards = math.prod(mesh.shape[a] for a in axes if a is not None)
+    raise ValueError(f"jmem.plan(mesh=...) splits the batch over data_axis={data_axis!r} and "
+                     f"the image's H and W over spatial_axes={axes}; the mesh's other axes "
+                     f"{others} would hold copies of the same work. Name them (data_axis=, "
+                     "spatial_axes=) or give a mesh without them.")
+  multiple = mesh.shape[data_axis] if data_axis is not None else 1
+  if batch % multiple:
+    raise ValueError(f"jmem.plan(mesh=...) splits the batch over the data axis {data_axis!r} "
+                     f"of {multiple} devices: batch_size {batch} must be a multiple of "
+                     f"{multiple} (a padded batch would plan for masked rows).")
+  base = ()
+  if spatial:
+    base = (surgery.Spatial(mesh, axes=axes, data_axis=data_axis),)   # checks the axes
+    if len(x.shape) != 4:
+      raise ValueError(f"jmem.plan(mesh=...) shards NHWC images over H and W; got x of "
+                       f"shape {tuple(x.shape)} (spatial_axes=None plans data parallelism "
+                       "alone).")
+    sides = [(x.shape[1 + i], mesh.shape[a]) for i, a in enumerate(axes) if a is not None]
+    if any(n % k for n, k in sides):
+      raise ValueError(f"jmem.plan(mesh=...) shards the image's H and W over the mesh axes "
+                       f"{axes}: the sides {[n for n, _ in sides]} must be multiples of the "
+                       f"axes' sizes {[k for _, k in sides]}.")
 
-  sides = [(x.shape[1 + i], ax, mesh.shape[ax]) for i, ax in enumerate(axes) if ax is not None]
-  if any(n % k for n, _, k in sides):
-    raise ValueError(f"jmem.plan(mesh=...) shards the image's H and W over the mesh axes "
-                     f"{axes}: the sides {[n for n, _, _ in sides]} must be multiples of the "
-                     f"axes' sizes {[k for _, _, k in sides]}.")
-
-  def shard(a):
-    dims = P(None, *axes, *[None] * (a.ndim - 3)) if a.ndim >= 3 else P()
+  def shard(a):     # images and per-pixel labels over (data, H, W), other labels over data
+    dims = (P(data_axis, *axes, *[None] * (a.ndim - 3)) if spatial and a.ndim >= 3 else
+            P(data_axis))
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, dims))
 
   def replicate(a):
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
-  return (technique,), shards, shard, replicate
+  shards = math.prod(mesh.shape[a] for a in named)
+  split = ([f"the batch over {data_axis!r}"] if data_axis is not None else []) + (
+      [f"H and W over {axes} (jmem.Spatial)"] if spatial else [])
+  note = (f"figures per device ({shards} devices): every step, the exact one too, is compiled "
+          f"with {' and '.join(split)}, parameters and optimiser state replicated" +
+          ("; BatchNorm statistics are over the whole batch (XLA all-reduces them, as "
+           "SyncBN does): train it so, e.g. jmem.parallel.data_parallel(model, mesh, "
+           f"axis={data_axis!r})" if data_axis is not None and not spatial else ""))
+  return _Layout(base, shards, multiple, shard, replicate, note)
 
 
 def _has_spatial(model) -> bool:
@@ -848,19 +910,20 @@ def _measured_sensitivities(model, paths, batch, x, y) -> tuple[dict[str, float]
   return {p: float(v) for p, v in c.items() if p in paths}, int(data[0].shape[0])
 
 
-def _largest(lo, hi, budget) -> int:
-  """The largest batch on the line through two compiled ``(batch, bytes)`` points within
-  ``budget`` (a prediction; 0 if none fits)."""
+def _largest(lo, hi, budget, multiple: int = 1) -> int:
+  """The largest batch, a multiple of ``multiple``, on the line through two compiled
+  ``(batch, bytes)`` points within ``budget`` (a prediction; 0 if none fits)."""
   (b_lo, bytes_lo), (b_hi, bytes_hi) = lo, hi
   slope = (bytes_hi - bytes_lo) / (b_hi - b_lo)
   if slope <= 0:
     return b_hi if bytes_hi <= budget else 0
-  return max(0, int((budget - (bytes_lo - slope * b_lo)) // slope))
+  return max(0, int((budget - (bytes_lo - slope * b_lo)) // slope)) // multiple * multiple
 
 
 def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
   """``<stem>.json``, ``<stem>.md`` and ``<stem>_front.png`` (estimated memory against
-  FLOPs along the upgrade path, the chosen point and the compiled one marked)."""
+  FLOPs along the upgrade path, the chosen point marked, every step compiled at the batch
+  and the plan's)."""
   import os  # pylint: disable=g-import-not-at-top
   os.makedirs(output_dir, exist_ok=True)
   paths = [os.path.join(output_dir, f"{stem}.{ext}") for ext in ("json", "md")]
@@ -874,18 +937,22 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
     return paths
-  gib = 2**30
+  unit, gib = ("GiB", 2**30) if plan_.exact_device_bytes >= 2**30 else ("MiB", 2**20)
   mem = np.array([p[0] for p in plan_.front]) / gib
   fl = np.array([p[1] for p in plan_.front]) / max(plan_.exact_flops, 1)
   fig, ax = plt.subplots(figsize=(6, 4))
   ax.plot(fl, mem, ".-", color="0.6", label="upgrade path (estimated)")
   ax.plot(fl[plan_.chosen], mem[plan_.chosen], "o", color="C0", label="chosen (estimated)")
+  steps = [(f / max(plan_.exact_flops, 1), b / gib) for what, b, f in plan_.measured
+           if what != "exact"]
+  if steps:
+    ax.plot(*zip(*steps), "x", color="C2", label="compiled steps")
   ax.plot(plan_.flops / max(plan_.exact_flops, 1), plan_.device_bytes / gib, "*", ms=12,
           color="C1", label="chosen (compiled)")
   ax.plot(1.0, plan_.exact_device_bytes / gib, "s", color="k", label="exact (compiled)")
   ax.axhline(plan_.budget_bytes / gib, color="C3", ls="--", label="budget")
   ax.set_xlabel("step FLOPs / exact")
-  ax.set_ylabel(f"device GiB at batch {plan_.batch_size}")
+  ax.set_ylabel(f"device {unit} at batch {plan_.batch_size}")
   ax.legend(fontsize=8)
   fig.tight_layout()
   png = os.path.join(output_dir, f"{stem}_front.png")

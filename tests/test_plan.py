@@ -27,20 +27,22 @@ def _device_bytes(model, optimizer):
 def test_plans_fit_and_a_tighter_budget_never_needs_fewer_flops():
   model = tp.ThirdPartyResNet()
   optimizer = train.default_optimizer(1e-3, 100)
-  loose = plan_lib.plan(model, (X, Y), 10**9, optimizer=optimizer, max_batch=False)
-  assert loose.fits and loose.techniques == () and loose.flops == loose.exact_flops
-  exact = loose.exact_device_bytes
-  budgets = [int(exact * f) for f in (0.8, 0.65)]
   plans = [plan_lib.plan(model, (X, Y), b, optimizer=optimizer, max_batch=i == 0)
-           for i, b in enumerate(budgets)]
-  for p, budget in zip(plans, budgets):
-    assert p.fits and p.device_bytes <= budget, p.table()
+           for i, b in enumerate(("80%", "65%"))]
+  for p, share in zip(plans, (0.8, 0.65)):
+    assert p.budget_bytes == int(share * p.exact_device_bytes)
+    assert p.fits and p.device_bytes <= p.budget_bytes, p.table()
     assert p.compiles <= 8 + 1
   # The reported peak is the compiled step of the planned model.
   assert _device_bytes(jmem.convert(model, *plans[1].techniques), optimizer) == \
       plans[1].device_bytes
   assert plans[0].max_batch >= 64 > plans[0].exact_max_batch
-  assert plans[1].flops >= plans[0].flops >= loose.flops
+  # Every step compiled at the batch is in the plan, the exact one and the plan's among them.
+  for p in plans:
+    assert p.measured[0] == ("exact", p.exact_device_bytes, p.exact_flops)
+    assert ((p.device_bytes, p.flops) in [(b, f) for _, b, f in p.measured] and
+            all(w.startswith("walk point") for w, _, _ in p.measured[1:])), p.measured
+  assert plans[1].flops >= plans[0].flops >= plans[0].exact_flops
   assert all(c.kind in ("save", "compress", "recompute_compressed") for c in plans[1].choices)
   # Every site climbs to 8 bits before one goes lower.
   bits = [c.bits for c in plans[0].choices if c.bits is not None]
@@ -53,7 +55,9 @@ def test_exact_only_plans_keep_the_gradients_exact():
   model = models.create_model("resnet8", 10)
   x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
   y = jax.ShapeDtypeStruct((64,), jnp.int32)
-  first = plan_lib.plan(model, (x, y), 10**9, max_batch=False)
+  first = plan_lib.plan(model, (x, y), 10**9, max_batch=False)    # exact fits: no technique
+  assert first.fits and first.techniques == () and first.flops == first.exact_flops
+  assert first.measured == (("exact", first.device_bytes, first.flops),)
   budget = int(first.exact_device_bytes * 0.8)
   p = plan_lib.plan(model, (x, y), budget, approximate=False, max_batch=False)
   assert {c.kind for c in p.choices} <= {"save", "recompute"}
@@ -214,6 +218,49 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
         (2, 2, 2), ("data", "h", "w"), axis_types=(AxisType.Auto,) * 3))
 
 
+def test_a_data_axis_splits_the_batch_with_or_without_spatial():
+  """``data_axis=`` splits the batch over a mesh axis (data parallelism, BatchNorm
+  statistics over the whole batch): clips, which Spatial does not take, on 4 devices; the
+  plan's bytes are the converted model's compiled with the batch split by hand, per device,
+  and its batches are multiples of 4. On a data x H x W mesh Spatial takes the data axis."""
+  from jax.sharding import AxisType, NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  data = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  model = tp.ClipClassifier()
+  x = jax.ShapeDtypeStruct((16, 4, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((16,), jnp.int32)
+  optimizer = train.default_optimizer(1e-3, 100)
+  p = plan_lib.plan(model, (x, y), "80%", mesh=data, data_axis="data", spatial_axes=None,
+                    optimizer=optimizer)
+  assert p.fits and p.techniques and not any(
+      isinstance(t, jmem.Spatial) for t in p.techniques), p.table()
+  assert any("the batch over 'data'" in n and "data_parallel" in n for n in p.notes), p.notes
+  assert p.exact_device_bytes < 0.5 * plan_lib.step_cost(model, optimizer, x, y)[0]
+  assert p.max_batch % 4 == 0 and p.exact_max_batch % 4 == 0
+  assert p.max_batch >= 16 > p.exact_max_batch
+  fns = train.model_fns(jmem.convert(model, *p.techniques))
+  on = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(data, spec))
+  abstract = jax.tree.map(lambda a: on(a, P()), jax.eval_shape(
+      lambda k, v: train.init_state(fns, optimizer, k, v), jax.random.key(0),
+      jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype)))
+  compiled = train.make_train_step(fns, optimizer, donate=True).lower(
+      abstract, on(x, P("data")), on(y, P("data"))).compile()
+  assert jmem.measure.device_bytes_and_flops(compiled)[0] == p.device_bytes
+  with pytest.raises(ValueError, match="multiple of 4"):
+    plan_lib.plan(model, (jax.ShapeDtypeStruct((18,) + x.shape[1:], x.dtype), y), "80%",
+                  mesh=data, data_axis="data", spatial_axes=None)
+  with pytest.raises(ValueError, match="spatial_axes=None"):
+    plan_lib.plan(model, (x, y), "80%", mesh=data, data_axis="data")
+  with pytest.raises(ValueError, match="pass mesh="):
+    plan_lib.plan(model, (x, y), "80%", data_axis="data")
+  cube = jax.make_mesh((2, 2, 2), ("data", "h", "w"), axis_types=(AxisType.Auto,) * 3)
+  images = jax.ShapeDtypeStruct((16, 32, 32, 3), jnp.float32)
+  p = plan_lib.plan(tp.FunctionalCNN(), (images, y), "90%", mesh=cube, data_axis="data",
+                    max_batch=False)
+  assert p.techniques[0] == jmem.Spatial(cube, data_axis="data") and p.fits, p.table()
+
+
 def test_budgets_and_bad_input():
   assert plan_lib.parse_bytes("16GiB") == 16 * 2**30
   assert plan_lib.parse_bytes("800 MiB") == 800 * 2**20
@@ -237,13 +284,14 @@ def test_budgets_and_bad_input():
 def test_plan_cli(tmp_path):
   out = tmp_path / "out"
   code = cli.main(["plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "32",
-                   "--budget", "8MiB", "--output-dir", str(out), "--json"])
+                   "--budget", "4MiB", "--mesh", "2", "--output-dir", str(out), "--json"])
   written = json.loads((out / "plan.json").read_text())
   assert code == (0 if written["fits"] else 1)
-  assert written["budget_bytes"] == 8 * 2**20 and written["choices"]
+  assert written["budget_bytes"] == 4 * 2**20 and written["choices"]
+  assert any("per device (2 devices)" in n for n in written["notes"]), written["notes"]
   assert (out / "plan.md").exists() and (out / "plan_front.png").exists()
-  for bad in (["--budget", "sixteen"], ["--spatial", "2y4"], ["--spatial", "0x4"],
-              ["--spatial", "4x4"]):                # 16 devices: the tests have 8
+  for bad in (["--budget", "sixteen"], ["--mesh", "2y4"], ["--mesh", "0x2x4"],
+              ["--mesh", "2x4x4"], ["--mesh", "2x4"]):   # 32 devices: the tests have 8
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
 
