@@ -2,8 +2,8 @@
 the U-Net of issue 16 at 1024x2048 (batch 1; and batch 2 on 8 devices, its activations
 sharded 2 x 4 over H x W by the plan's `jmem.Spatial`, ``mesh=``, the budget per device)
 and a third-party video ViT (tests/third_party_models.py ``FrameTokenViT``: 16 frames of
-112x112, 16x16 patches, width 384, 8 blocks, 6 heads; batch 8), each at a budget below its
-exact step, against the uniform policies at the same batch (on the same devices). Writes
+112x112, 16x16 patches, width 384, 8 blocks, 6 heads; batch 8, and batch 32 split over 8
+devices, ``data_axis=``), each at a budget below its exact step, against the uniform policies at the same batch (on the same devices). Writes
 results/plan_models.{json,md}.
 
   python benchmarks/plan_models.py
@@ -34,17 +34,16 @@ UNIFORM = {"compress 2-bit": dict(kind="compress", bits=2), "recompute": dict(ki
            "recompute_compressed 2-bit": dict(kind="recompute_compressed", bits=2)}
 
 
-def _sharded_cost(model, optimizer, x, y, mesh):
-  """`planner.step_cost` with the batch sharded over H x W of ``mesh`` and the train state
-  replicated (per device), or on one device (``mesh`` None)."""
+def _sharded_cost(model, optimizer, x, y, mesh, specs):
+  """`planner.step_cost` with the batch sharded ``specs`` (x's, y's) over ``mesh`` and the
+  train state replicated (per device), or on one device (``mesh`` None)."""
   if mesh is None:
     return planner.step_cost(model, optimizer, x, y)
   fns = train.model_fns(model)
   put = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
   abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
                             jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
-  return planner.step_cost(model, optimizer, put(x, P(None, "h", "w", None)),
-                           put(y, P(None, "h", "w")),
+  return planner.step_cost(model, optimizer, put(x, specs[0]), put(y, specs[1]),
                            abstract=jax.tree.map(lambda a: put(a, P()), abstract))
 
 
@@ -52,15 +51,21 @@ def main():
   optimizer = train.default_optimizer(1e-3, 100)
   mesh = jax.make_mesh((2, 4), ("h", "w"), axis_types=(AxisType.Auto,) * 2,
                        devices=jax.devices()[:8])
+  data = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:8])
+  spatial = dict(mesh=mesh, specs=(P(None, "h", "w", None), P(None, "h", "w")))
+  split = dict(mesh=data, data_axis="data", spatial_axes=None, specs=(P("data"), P("data")))
+  vit = tp.FrameTokenViT(patch=16, dim=384, depth=8, heads=6)
+  clips = lambda b: (jax.ShapeDtypeStruct((b, 16, 112, 112, 3), jnp.float32),
+                     jax.ShapeDtypeStruct((b,), jnp.int32))
   cases = [
       ("U-Net 1024x2048, batch 1", UNet(19), jax.ShapeDtypeStruct((1, 1024, 2048, 3), jnp.float32),
-       jax.ShapeDtypeStruct((1, 1024, 2048), jnp.int32), "6GiB", None),
+       jax.ShapeDtypeStruct((1, 1024, 2048), jnp.int32), "6GiB", {}),
       ("U-Net 1024x2048, batch 2, 8 devices (2 x 4 over H x W), per device", UNet(19),
        jax.ShapeDtypeStruct((2, 1024, 2048, 3), jnp.float32),
-       jax.ShapeDtypeStruct((2, 1024, 2048), jnp.int32), "2GiB", mesh),
-      ("video ViT 16x112x112, batch 8", tp.FrameTokenViT(patch=16, dim=384, depth=8, heads=6),
-       jax.ShapeDtypeStruct((8, 16, 112, 112, 3), jnp.float32),
-       jax.ShapeDtypeStruct((8,), jnp.int32), "2GiB", None),
+       jax.ShapeDtypeStruct((2, 1024, 2048), jnp.int32), "2GiB", spatial),
+      ("video ViT 16x112x112, batch 8", vit, *clips(8), "2GiB", {}),
+      ("video ViT 16x112x112, batch 32, 8 devices (data parallel), per device", vit,
+       *clips(32), "1GiB", split),
   ]
 
   rows, md = [], ["# `jmem.plan` on the segmentation model and a video transformer", "",
@@ -68,16 +73,18 @@ def main():
                   f"{jax.__version__}, compile-only, 2 CPU cores). Device bytes: the "
                   "compiled train step's (parameters, AdamW state, batch, activations, "
                   "temp); FLOPs from XLA's cost analysis against exact.", ""]
-  for name, model, x, y, budget, on in cases:
+  for name, model, x, y, budget, devices in cases:
+    devices = dict(devices)
+    specs = devices.pop("specs", None)
     t0 = time.time()
     result = planner.plan(model, (x, y), budget, optimizer=optimizer, max_batch=False,
-                          mesh=on)
+                          **devices)
     seconds = time.time() - t0
     uniform = {}
-    spatial = (jmem.Spatial(on),) if on is not None else ()
+    under = [t for t in result.base if isinstance(t, jmem.Spatial)]   # with a spatial mesh
     for label, kw in UNIFORM.items():
-      total, flops = _sharded_cost(jmem.convert(model, *spatial, jmem.Policy(**kw)), optimizer,
-                                   x, y, on)
+      total, flops = _sharded_cost(jmem.convert(model, *under, jmem.Policy(**kw)),
+                                   optimizer, x, y, devices.get("mesh"), specs)
       uniform[label] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                             fits=total <= result.budget_bytes)
     rows.append(dict(case=name, budget=budget, plan=result.to_json(), seconds=seconds,
