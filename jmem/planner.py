@@ -569,6 +569,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                      "(Remat, ActNN, Policy, SBP); BatchNorm techniques may come first, and "
                      "jmem.Spatial comes with mesh=.")
   x, y = example_batch
+  if not (np.ndim(x) and np.ndim(y)) or x.shape[0] != y.shape[0]:
+    raise ValueError(f"example_batch must be (x, y) with one label (or label map) per example; "
+                     f"got x of shape {np.shape(x)} and y of shape {np.shape(y)}.")
   batch = int(batch_size or x.shape[0])
   if batch < 1:
     raise ValueError(f"batch_size must be positive, got {batch}.")
@@ -587,7 +590,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if not paths:
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
                      "sites: the direct children of the top module but its Dense layers).")
-  sites = _per_device(_estimate_sites(model, optimizer, xs, ys, paths)[0], layout.shards)
+  sites, outside = _estimate_sites(model, optimizer, xs, ys, paths)
+  notes += _reach(sites, outside, paths)
+  sites = _per_device(sites, layout.shards)
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
   notes += ["offload not searched yet (and on CPU, where host and device memory are one, it "
             "would save nothing)"]
@@ -853,6 +858,26 @@ def _per_device(sites, shards: int):
   return [dataclasses.replace(s, **{f: getattr(s, f) / shards for f in (
       "residual_bytes", "input_bytes", "input_values", "forward_flops", "values")})
           for s in sites]
+
+
+def _reach(sites, outside: float, paths) -> list[str]:
+  """Raises if the sites hold under 10% of the step's saved activations (the policies
+  could change next to nothing); a note if they hold under half."""
+  held = sum(s.residual_bytes for s in sites)
+  share = held / max(held + outside, 1e-30)
+  where = (f"the rest, {outside / 2**20:.2f} MiB per example, is made outside them: by code "
+           "inline in the top module, or by modules applied detached (e.g. "
+           "Module(parent=None).apply inside __call__), which jmem.convert's policies do not "
+           "reach")
+  if share < 0.1:
+    raise ValueError(
+        f"jmem.plan: the block sites {paths} hold {share:.1%} of the train step's saved "
+        f"activations; {where}. Make the blocks submodules of the model (self.block = "
+        "Block(...) in setup, or Block(name=...)(x)), or use the model's own memory "
+        "technique.")
+  if share < 0.5:
+    return [f"the block sites hold {share:.0%} of the saved activations; {where}"]
+  return []
 
 
 def _inplace_abn(model, x, allowed: bool, max_compiles: int):

@@ -279,6 +279,15 @@ def test_budgets_and_bad_input():
   assert plan_lib._largest((4, 100), (8, 100), 50) == 0     # pylint: disable=protected-access
   with pytest.raises(ValueError, match="max_compiles"):
     plan_lib.plan(tp.FunctionalCNN(), (X, Y), "1GiB", max_compiles=2)
+  # Sites that hold (next to) none of the saved activations: refused, not a plan that
+  # changes nothing. Blocks applied detached; jmem's own video ViT is such a model.
+  for model, x in ((tp.DetachedBlocksViT(), X),
+                   (models.create_model("video-vit", 10),
+                    jax.ShapeDtypeStruct((64, 16, 32, 32, 1), jnp.float32))):
+    with pytest.raises(ValueError, match="hold .* of the train step's saved activations"):
+      plan_lib.plan(model, (x, Y), "50%")
+  with pytest.raises(ValueError, match="one label"):
+    plan_lib.plan(tp.FunctionalCNN(), (X, jax.ShapeDtypeStruct((8,), jnp.int32)), "50%")
 
 
 def test_plan_cli(tmp_path):

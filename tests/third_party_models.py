@@ -134,6 +134,25 @@ class LinenViT(nn.Module):
     return nn.Dense(self.num_classes)(nn.LayerNorm()(x).mean(axis=1))
 
 
+class DetachedBlocksViT(nn.Module):
+  """`LinenViT`'s blocks applied detached (``Block(parent=None).apply``), their parameters
+  held by the top module: jmem.convert cannot reach them."""
+
+  dim: int = 16
+  depth: int = 4
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    del train
+    x = nn.Conv(self.dim, (4, 4), strides=(4, 4), name="patchify")(x)
+    x = x.reshape(x.shape[0], -1, self.dim)
+    block = ViTBlock(self.dim, 2, parent=None)
+    for i in range(self.depth):
+      params = self.param(f"block{i}", lambda rng, v=x: block.init(rng, v)["params"])
+      x = block.apply({"params": params}, x)
+    return nn.Dense(10)(x.mean(axis=1))
+
+
 class NNXCNN(nnx.Module):
   """An NNX CNN: conv + BatchNorm + leaky_relu in nnx.Sequential, another BN used inline."""
 
