@@ -31,10 +31,9 @@ How:
    no FLOPs) the order is GACT's instead when the gradient
    sensitivities are known (``calibration_batch=``: measured at 2 bits on a few real
    examples at the initial weights, `jmem.surgery.sensitivities`; or your own
-   ``sensitivities=``): once every site is at 8 bits, all their bit reductions (8 -> 4
-   and 4 -> 2 alike) go by most bytes saved per gradient variance added, the
-   variance a site adds at ``b`` bits being about ``C / (2^b - 1)^2``, so a site whose
-   gradients tolerate it reaches 2 bits before a sensitive one leaves 8. The prediction is
+   ``sensitivities=``): most bytes saved per gradient variance added, the
+   variance a site adds at ``b`` bits being about ``C / (2^b - 1)^2``, so the sites whose
+   gradients tolerate it get fewer bits first. The prediction is
    ``fixed + batch * (working + sum of the sites' bytes)``, with ``fixed`` and
    ``working`` (what no site holds: the head, inline code, the backward's working set)
    from the compiled exact step at two batch sizes. A tighter budget walks further along
@@ -442,9 +441,8 @@ def _upgrade_path(sites, ladder, sensitivity=None):
   """The sequence of (rungs per site) from all-save, one rung at a time: the lowest rung
   any site has not passed first (so every site is at 8 bits before one goes to 4), and
   among the sites that can take it, the most bytes saved per FLOP added (per byte where
-  it adds none). With ``sensitivity`` (path -> GACT ``C``) the moves from one compression
-  rung to the next (fewer bits, no more FLOPs), 8 -> 4 and 4 -> 2 alike, are one tier
-  after every site's save -> 8 bits: the most bytes saved per gradient variance added."""
+  it adds none); from one compression rung to the next (fewer bits, no more FLOPs), with
+  ``sensitivity`` (path -> GACT ``C``), the most bytes saved per gradient variance added."""
   state = [0] * len(sites)
   path = [tuple(state)]
   while True:
@@ -458,12 +456,9 @@ def _upgrade_path(sites, ladder, sensitivity=None):
       if saved <= 0:
         continue                          # a rung that keeps no less is never worth it
       if sensitivity is not None and ladder[state[i]][0] == ladder[state[i] + 1][0] == "compress":
-        # GACT's order over all the bit reductions, 8 -> 4 and 4 -> 2 alike: a site that
-        # tolerates it goes to 2 bits before a sensitive one leaves 8 (after every site's
-        # save -> 8 bits, before any recomputation).
         c = sensitivity[site.path]
         added = _variance(c, ladder[state[i] + 1]) - _variance(c, ladder[state[i]])
-        key = (-1, saved / added if added > 0 else math.inf, saved)
+        key = (-state[i], saved / added if added > 0 else math.inf, saved)
       else:
         key = (-state[i], saved / max(added, 1.0), saved)
       if best_key is None or key > best_key:

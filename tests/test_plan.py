@@ -325,9 +325,6 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them():
   assert first_to(4, {"big": 1.0, "small": 100.0}) == ["big"]
   assert first_to(4, {"big": 100.0, "small": 1.0}) == ["small"]   # 2x fewer bytes, 100x safer
   assert first_to(2, {"big": 100.0, "small": 1.0}) == ["small"]
-  # Across the bit rungs too: a tolerant site reaches 2 bits before a sensitive one leaves 8.
-  path = plan_lib._upgrade_path(sites, ladder, {"big": 1e4, "small": 1.0})
-  assert (1, 3) in path and not any(s[0] > 1 and s[1] < 3 for s in path), path
   with pytest.raises(ValueError, match="no value for the sites"):
     plan_lib.plan(tp.ThirdPartyResNet(), (X, Y), "1GiB", sensitivities={"conv_init": 1.0})
 
@@ -341,13 +338,6 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them():
   assert any("measured at 2 bits on 4 examples" in n for n in loose.notes), loose.notes
   tight = plan_lib.plan(model, (X, Y), "65%", max_batch=False, optimizer=optimizer,
                         sensitivities={c.path: c.sensitivity for c in loose.choices})
-  # The plan follows them: the stem's BatchNorm, the least sensitive, has the fewest bits,
-  # and the largest site, which the bytes order lowers first, has more.
-  bits = {c.path: c.bits for c in tight.choices if c.bits is not None}
-  c = {c.path: c.sensitivity for c in tight.choices}
-  assert min(c, key=c.get) == min(bits, key=bits.get) == "bn_init" != max(
-      tight.choices, key=lambda s: s.saved_bytes).path, tight.table()
-  assert bits["bn_init"] < bits["BottleneckBlock_0"], tight.table()
   for p in (loose, tight):
     assert all(c.sensitivity is not None and c.sensitivity >= 0 for c in p.choices)
     assert any(c.sensitivity > 0 for c in p.choices)
