@@ -338,6 +338,13 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them():
   assert any("measured at 2 bits on 4 examples" in n for n in loose.notes), loose.notes
   tight = plan_lib.plan(model, (X, Y), "65%", max_batch=False, optimizer=optimizer,
                         sensitivities={c.path: c.sensitivity for c in loose.choices})
+  # The plan follows them: the stem's BatchNorm, the least sensitive, has the fewest bits,
+  # and the largest site, which the bytes order lowers first, has more.
+  bits = {c.path: c.bits for c in tight.choices if c.bits is not None}
+  c = {c.path: c.sensitivity for c in tight.choices}
+  assert min(c, key=c.get) == min(bits, key=bits.get) == "bn_init" != max(
+      tight.choices, key=lambda s: s.saved_bytes).path, tight.table()
+  assert bits["bn_init"] < bits["BottleneckBlock_0"], tight.table()
   for p in (loose, tight):
     assert all(c.sensitivity is not None and c.sensitivity >= 0 for c in p.choices)
     assert any(c.sensitivity > 0 for c in p.choices)
