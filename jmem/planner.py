@@ -66,7 +66,8 @@ How:
    split over ``data_axis`` (data parallelism) and/or its H and W over ``spatial_axes``
    (then stacked on ``jmem.Spatial(mesh)``), the train state replicated; the budget and
    the figures are per device, and the sites' estimates are the one-device trace's
-   divided by the devices of those axes.
+   divided by the devices of those axes. On a GPU these compiles use XLA for the
+   quantizer, as `jmem.parallel.data_parallel` does (XLA cannot split a Pallas call).
 
 Not searched yet: ``offload`` (which on CPU, one memory for host and device, would save
 nothing); with ``mesh=``, how to lay the devices out (the axes are the caller's).
@@ -92,6 +93,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jmem import _backends
 from jmem import measure
 from jmem import surgery
 from jmem import train as train_lib
@@ -187,7 +189,8 @@ class Plan:
     flops, exact_flops: XLA's cost analysis of both steps.
     fits: ``device_bytes <= budget_bytes``.
     max_batch: the largest batch of the planned step within the budget, predicted by the
-      line through it compiled at two batch sizes (one more compile; None if not asked).
+      line through it compiled at two batch sizes (one more compile; None if not asked);
+      with a data axis, the global batch, a multiple of the axis's size.
     exact_max_batch: the same for the exact step (from its two compiles).
     compiles: the steps compiled.
     front: the estimated (device bytes, FLOPs) of each point of the upgrade path, for the
@@ -266,7 +269,8 @@ class Plan:
 
 def _short(technique) -> str:
   if isinstance(technique, surgery.Spatial):
-    return (f"jmem.Spatial over the mesh axes {technique.axes} "
+    data = "" if technique.data_axis is None else f", the batch over {technique.data_axis!r}"
+    return (f"jmem.Spatial over the mesh axes {technique.axes}{data} "
             f"({dict(technique.mesh.shape)})")
   return f"jmem.InPlaceABN(where={technique.where!r})"
 
@@ -591,7 +595,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
                      "sites: the direct children of the top module but its Dense layers).")
   sites, outside = _estimate_sites(model, optimizer, xs, ys, paths)
-  notes += _reach(sites, outside, paths)
+  share = sum(s.residual_bytes for s in sites) / max(
+      sum(s.residual_bytes for s in sites) + outside, 1e-30)
   sites = _per_device(sites, layout.shards)
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
   notes += ["offload not searched yet (and on CPU, where host and device memory are one, it "
@@ -626,14 +631,18 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     notes.append("bit reductions ordered by bytes saved, not by gradient sensitivity: pass "
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
   compiles, measured = 0, []                  # measured: the steps compiled at the batch
+  sharded = (contextlib.nullcontext if mesh is None else lambda: _backends.automatic_xla(
+      "jmem.plan compiles the step with its batch sharded over the mesh (XLA cannot split "
+      "a Pallas call over it)"))
 
-  def compiled(techniques, b, what):
+  def compiled(techniques, b, what=None):
     nonlocal compiles
     compiles += 1
     techniques = base + tuple(techniques)
     m = _converted(model, techniques) if techniques else model
-    out = step_cost(m, optimizer, shard(spec(x, b)), shard(spec(y, b)),
-                    abstract=jax.tree.map(layout.replicate, abstract))
+    with sharded():                 # on a GPU: XLA, not a Pallas call over a sharded batch
+      out = step_cost(m, optimizer, shard(spec(x, b)), shard(spec(y, b)),
+                      abstract=jax.tree.map(layout.replicate, abstract))
     if b == batch:
       measured.append((what, int(out[0]), float(out[1])))
     return out
@@ -645,6 +654,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   exact_bytes, exact_flops = compiled((), batch, "exact")
   if fraction is not None:
     budget_bytes = int(fraction * exact_bytes)
+  notes += _reach(share, outside, paths, exact_bytes > budget_bytes)
   slope = (exact_bytes - exact_small) / (batch - small)
   fixed = exact_bytes - slope * batch
   working = slope - sum(s.residual_bytes for s in sites)
@@ -751,7 +761,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       best = exact_best                   # the exact step's
     else:
       other = 2 * batch if fits else small
-      at_other, _ = compiled(under + _policies(choices), other, "plan")
+      at_other, _ = compiled(under + _policies(choices), other)
       best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes, k)
   front = tuple(predicted(s_) for s_ in walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
@@ -796,11 +806,16 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
   spatial = any(a is not None for a in axes)
   named = [a for a in (*axes, data_axis) if a is not None]
   missing = [a for a in named if a not in mesh.axis_names]
-  if missing or not named:
-    hint = (" For data parallelism alone pass spatial_axes=None." if data_axis is not None
-            and data_axis in mesh.axis_names else
+  if not named:
+    raise ValueError(f"jmem.plan(mesh=...) was given no mesh axis to use: name the batch's "
+                     f"axis with data_axis= and/or H and W's with spatial_axes= (the mesh has "
+                     f"{dict(mesh.shape)}).")
+  if missing:
+    hint = (" For data parallelism alone pass spatial_axes=None (jmem plan --mesh D)."
+            if data_axis is not None and data_axis in mesh.axis_names else
             " Name the batch's axis with data_axis= and H and W's with spatial_axes=.")
-    raise ValueError(f"jmem.plan(mesh=...): {missing or 'no axis'} is not an axis of the mesh "
+    raise ValueError(f"jmem.plan(mesh=...): {', '.join(map(repr, missing))} "
+                     f"{'is not an axis' if len(missing) == 1 else 'are not axes'} of the mesh "
                      f"{dict(mesh.shape)} (spatial_axes={axes}, data_axis={data_axis!r}).{hint}")
   others = {a: n for a, n in mesh.shape.items() if a not in named and n > 1}
   if others:
@@ -819,7 +834,7 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
     if len(x.shape) != 4:
       raise ValueError(f"jmem.plan(mesh=...) shards NHWC images over H and W; got x of "
                        f"shape {tuple(x.shape)} (spatial_axes=None plans data parallelism "
-                       "alone).")
+                       "alone: jmem plan --mesh D).")
     sides = [(x.shape[1 + i], mesh.shape[a]) for i, a in enumerate(axes) if a is not None]
     if any(n % k for n, k in sides):
       raise ValueError(f"jmem.plan(mesh=...) shards the image's H and W over the mesh axes "
@@ -836,8 +851,11 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
   shards = math.prod(mesh.shape[a] for a in named)
   split = ([f"the batch over {data_axis!r}"] if data_axis is not None else []) + (
       [f"H and W over {axes} (jmem.Spatial)"] if spatial else [])
-  note = (f"figures per device ({shards} devices): every step, the exact one too, is compiled "
-          f"with {' and '.join(split)}, parameters and optimiser state replicated" +
+  note = (f"figures per device ({shards} device{'s' * (shards > 1)}; the sites' bytes and "
+          f"FLOPs per example of the batch are their share on one device): every step, the "
+          f"exact one too, is compiled with {' and '.join(split)}, parameters and optimiser "
+          "state replicated, and on a GPU the kernels' automatic choice is XLA (XLA cannot "
+          "split a Pallas call over a sharded batch)" +
           ("; BatchNorm statistics are over the whole batch (XLA all-reduces them, as "
            "SyncBN does): train it so, e.g. jmem.parallel.data_parallel(model, mesh, "
            f"axis={data_axis!r})" if data_axis is not None and not spatial else ""))
@@ -860,16 +878,15 @@ def _per_device(sites, shards: int):
           for s in sites]
 
 
-def _reach(sites, outside: float, paths) -> list[str]:
-  """Raises if the sites hold under 10% of the step's saved activations (the policies
-  could change next to nothing); a note if they hold under half."""
-  held = sum(s.residual_bytes for s in sites)
-  share = held / max(held + outside, 1e-30)
+def _reach(share: float, outside: float, paths, needed: bool) -> list[str]:
+  """Where the exact step does not fit (``needed``), raises if the sites hold under 10% of
+  its saved activations (``share``: the policies could change next to nothing); a note if
+  they hold under half."""
   where = (f"the rest, {outside / 2**20:.2f} MiB per example, is made outside them: by code "
            "inline in the top module, or by modules applied detached (e.g. "
            "Module(parent=None).apply inside __call__), which jmem.convert's policies do not "
            "reach")
-  if share < 0.1:
+  if share < 0.1 and needed:
     raise ValueError(
         f"jmem.plan: the block sites {paths} hold {share:.1%} of the train step's saved "
         f"activations; {where}. Make the blocks submodules of the model (self.block = "
@@ -962,20 +979,20 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
     return paths
-  unit, gib = ("GiB", 2**30) if plan_.exact_device_bytes >= 2**30 else ("MiB", 2**20)
-  mem = np.array([p[0] for p in plan_.front]) / gib
+  unit, scale = ("GiB", 2**30) if plan_.exact_device_bytes >= 2**30 else ("MiB", 2**20)
+  mem = np.array([p[0] for p in plan_.front]) / scale
   fl = np.array([p[1] for p in plan_.front]) / max(plan_.exact_flops, 1)
   fig, ax = plt.subplots(figsize=(6, 4))
   ax.plot(fl, mem, ".-", color="0.6", label="upgrade path (estimated)")
   ax.plot(fl[plan_.chosen], mem[plan_.chosen], "o", color="C0", label="chosen (estimated)")
-  steps = [(f / max(plan_.exact_flops, 1), b / gib) for what, b, f in plan_.measured
-           if what != "exact"]
+  steps = [(f / max(plan_.exact_flops, 1), b / scale) for what, b, f in plan_.measured
+           if what != "exact" and (b, f) != (plan_.device_bytes, plan_.flops)]
   if steps:
-    ax.plot(*zip(*steps), "x", color="C2", label="compiled steps")
-  ax.plot(plan_.flops / max(plan_.exact_flops, 1), plan_.device_bytes / gib, "*", ms=12,
+    ax.plot(*zip(*steps), "x", color="C2", label="other steps compiled")
+  ax.plot(plan_.flops / max(plan_.exact_flops, 1), plan_.device_bytes / scale, "*", ms=12,
           color="C1", label="chosen (compiled)")
-  ax.plot(1.0, plan_.exact_device_bytes / gib, "s", color="k", label="exact (compiled)")
-  ax.axhline(plan_.budget_bytes / gib, color="C3", ls="--", label="budget")
+  ax.plot(1.0, plan_.exact_device_bytes / scale, "s", color="k", label="exact (compiled)")
+  ax.axhline(plan_.budget_bytes / scale, color="C3", ls="--", label="budget")
   ax.set_xlabel("step FLOPs / exact")
   ax.set_ylabel(f"device {unit} at batch {plan_.batch_size}")
   ax.legend(fontsize=8)
