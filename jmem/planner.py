@@ -205,6 +205,8 @@ class Plan:
     measured: ``(what, device bytes, FLOPs)`` of every step compiled at ``batch_size``:
       "exact", "InPlace-ABN alone", "walk point i" (``front[i]`` compiled), "bit
       reductions undone".
+    devices: the devices each step's activations are split over (``mesh=``; 1: one
+      device): the sites' bytes and FLOPs per example are then their share on one device.
   """
 
   budget_bytes: int
@@ -223,6 +225,7 @@ class Plan:
   notes: tuple[str, ...] = ()
   base: tuple = ()
   measured: tuple[tuple[str, int, float], ...] = ()
+  devices: int = 1
 
   @property
   def techniques(self) -> tuple:
@@ -235,7 +238,8 @@ class Plan:
 
   def table(self) -> str:
     sens = any(c.sensitivity is not None for c in self.choices)
-    lines = ["| site | policy | saved MiB / example | added MFLOPs / example |" +
+    share = "" if self.devices == 1 else f", per device of {self.devices}"
+    lines = [f"| site | policy | saved MiB / example{share} | added MFLOPs / example{share} |" +
              (" gradient sensitivity C |" if sens else ""),
              "|---|---|---:|---:|" + ("---:|" if sens else "")]
     for c in self.choices:
@@ -766,7 +770,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   front = tuple(predicted(s_) for s_ in walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
-              base + under, tuple(measured))
+              base + under, tuple(measured), layout.shards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -851,8 +855,7 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
   shards = math.prod(mesh.shape[a] for a in named)
   split = ([f"the batch over {data_axis!r}"] if data_axis is not None else []) + (
       [f"H and W over {axes} (jmem.Spatial)"] if spatial else [])
-  note = (f"figures per device ({shards} device{'s' * (shards > 1)}; the sites' bytes and "
-          f"FLOPs per example of the batch are their share on one device): every step, the "
+  note = (f"figures per device ({shards} device{'s' * (shards > 1)}): every step, the "
           f"exact one too, is compiled with {' and '.join(split)}, parameters and optimiser "
           "state replicated, and on a GPU the kernels' automatic choice is XLA (XLA cannot "
           "split a Pallas call over a sharded batch)" +

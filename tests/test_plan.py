@@ -307,7 +307,8 @@ def test_plan_cli(tmp_path):
   written = json.loads((out / "plan.json").read_text())
   assert code == (0 if written["fits"] else 1)
   assert written["budget_bytes"] == 4 * 2**20 and written["choices"]
-  assert any("per device (2 devices;" in n for n in written["notes"]), written["notes"]
+  assert any("per device (2 devices)" in n for n in written["notes"]), written["notes"]
+  assert written["devices"] == 2 and "per device of 2" in (out / "plan.md").read_text()
   assert (out / "plan.md").exists() and (out / "plan_front.png").exists()
   for bad in (["--budget", "sixteen"], ["--mesh", "2y4"], ["--mesh", "0x2x4"],
               ["--mesh", "2x4x4"], ["--mesh", "2x4"]):   # 32 devices: the tests have 8
