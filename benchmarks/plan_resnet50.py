@@ -7,23 +7,35 @@ compiles it made and its wall time on this machine) and each uniform technique (
 it fit, at what FLOPs. The plan must fit and need no more FLOPs than the cheapest uniform
 technique that fits. The planner gets 16 digits (resized to 224x224, 3 channels) as its
 calibration batch: plan time includes measuring the sites' gradient sensitivity. Writes
-results/plan_resnet50.{json,md}.
+results/plan_resnet50.{json,md}. With ``--data N`` the batch is split over N (simulated)
+devices, ``jmem.plan(..., mesh=, data_axis=)``, every figure per device: writes
+results/plan_resnet50_data{N}.{json,md}.
 
   python benchmarks/plan_resnet50.py [--cases 16GiB:256,16GiB:512,8GiB:128,8GiB:256]
+  python benchmarks/plan_resnet50.py --data 8 --cases 2GiB:256
 """
 
 import argparse
 import json
 import os
+import re
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+_DATA = re.search(r"--data[= ](\d+)", " ".join(sys.argv))
+if _DATA:       # simulated devices, before jax starts
+  os.environ.setdefault("XLA_FLAGS",
+                        f"--xla_force_host_platform_device_count={_DATA.group(1)}")
 
-import jmem
-from jmem import data, models, planner as plan_lib, train
-from _common import RESULTS
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jmem  # noqa: E402
+from jmem import data, models, planner as plan_lib, train  # noqa: E402
+from _common import RESULTS  # noqa: E402
 
 GIB = 2**30
 UNIFORM = {
@@ -38,7 +50,15 @@ def main():
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--cases", default="16GiB:256,16GiB:512,8GiB:128,8GiB:256")
   p.add_argument("--image-size", type=int, default=224)
+  p.add_argument("--data", type=int, default=1, help="devices the batch is split over")
   args = p.parse_args()
+  mesh, put = None, lambda a, spec: a
+  if args.data > 1:
+    mesh = jax.make_mesh((args.data,), ("data",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:args.data])
+    put = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                               sharding=NamedSharding(mesh, spec))
+  devices = dict(mesh=mesh, data_axis="data", spatial_axes=None) if mesh else {}
   base = models.create_model("resnet50", 1000)
   optimizer = train.default_optimizer(1e-3, 100)
   # Real examples at the plan's shapes: the sites' gradient sensitivities order the bits.
@@ -52,11 +72,18 @@ def main():
     y = jax.ShapeDtypeStruct((batch,), jnp.int32)
     t0 = time.time()
     result = plan_lib.plan(base, (x, y), budget, optimizer=optimizer,
-                           calibration_batch=calibration)
+                           calibration_batch=calibration, **devices)
     seconds = time.time() - t0
     uniform = {}
+    abstract = None
+    if mesh is not None:      # the train state replicated, as the planner compiles it
+      fns = train.model_fns(base)
+      abstract = jax.tree.map(lambda a: put(a, P()), jax.eval_shape(
+          lambda k, v: train.init_state(fns, optimizer, k, v), jax.random.key(0),
+          jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype)))
     for name, make in UNIFORM.items():
-      total, flops = plan_lib.step_cost(make(base), optimizer, x, y)
+      total, flops = plan_lib.step_cost(make(base), optimizer, put(x, P("data")),
+                                        put(y, P("data")), abstract=abstract)
       uniform[name] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                            fits=total <= result.budget_bytes)
     fitting = [u["flops_ratio"] for u in uniform.values() if u["fits"]]
@@ -68,9 +95,11 @@ def main():
           f"flops {row['flops_ratio']:.3f} compiles {result.compiles} {seconds:.0f}s; "
           f"uniform {[(k[:12], round(v['device_bytes'] / GIB, 2), round(v['flops_ratio'], 3)) for k, v in uniform.items()]}",
           flush=True)
+  split = (f", the batch split over {args.data} simulated devices (`--data {args.data}`: "
+           "`data_axis=`), figures per device" if mesh else "")
   md = ["# `jmem.plan` on ResNet-50 224x224 (float32, compile-only)", "",
         f"Written by `benchmarks/plan_resnet50.py` ({jax.default_backend()}, JAX "
-        f"{jax.__version__}; 2 CPU cores). Device bytes are the compiled train step's "
+        f"{jax.__version__}; 2 CPU cores{split}). Device bytes are the compiled train step's "
         "(parameters, AdamW state, batch, activations and temp); FLOPs from XLA's cost "
         "analysis, against exact at the same batch.", "",
         "| budget | batch | exact GiB | plan GiB | fits | plan FLOPs / exact | compiles | "
@@ -92,9 +121,10 @@ def main():
     md += [f"| {c['path']} | {c['policy']} |" for c in r["plan"]["choices"]]
     md += [""]
   os.makedirs(RESULTS, exist_ok=True)
-  with open(os.path.join(RESULTS, "plan_resnet50.json"), "w") as f:
+  stem = "plan_resnet50" + (f"_data{args.data}" if mesh else "")
+  with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
     json.dump(rows, f, indent=1, default=str)
-  with open(os.path.join(RESULTS, "plan_resnet50.md"), "w") as f:
+  with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
     f.write("\n".join(md) + "\n")
   print("\n".join(md))
 

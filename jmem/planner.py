@@ -986,7 +986,7 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
   mem = np.array([p[0] for p in plan_.front]) / scale
   fl = np.array([p[1] for p in plan_.front]) / max(plan_.exact_flops, 1)
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot(fl, mem, ".-", color="0.6", label="upgrade path (estimated)")
+  ax.plot(fl, mem, ".-", color="0.6", label="upgrade path (estimated, corrected by the compiles)")
   ax.plot(fl[plan_.chosen], mem[plan_.chosen], "o", color="C0", label="chosen (estimated)")
   steps = [(f / max(plan_.exact_flops, 1), b / scale) for what, b, f in plan_.measured
            if what != "exact" and (b, f) != (plan_.device_bytes, plan_.flops)]
@@ -996,6 +996,7 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
           color="C1", label="chosen (compiled)")
   ax.plot(1.0, plan_.exact_device_bytes / scale, "s", color="k", label="exact (compiled)")
   ax.axhline(plan_.budget_bytes / scale, color="C3", ls="--", label="budget")
+  ax.set_ylim(bottom=0)              # a coarse estimate can run below zero at the far end
   ax.set_xlabel("step FLOPs / exact")
   ax.set_ylabel(f"device {unit} at batch {plan_.batch_size}")
   ax.legend(fontsize=8)
