@@ -3,8 +3,8 @@ the U-Net of issue 16 at 1024x2048 (batch 1; and batch 2 on 8 devices, its activ
 sharded 2 x 4 over H x W by the plan's `jmem.Spatial`, ``mesh=``, the budget per device)
 and a third-party video ViT (tests/third_party_models.py ``FrameTokenViT``: 16 frames of
 112x112, 16x16 patches, width 384, 8 blocks, 6 heads; batch 8, and batch 32 split over 8
-devices, ``data_axis=``), each at a budget below its exact step, against the uniform policies at the same batch (on the same devices). Writes
-results/plan_models.{json,md}.
+devices, ``data_axis=``), each at a budget below its exact step, against the uniform
+policies at the same batch (on the same devices). Writes results/plan_models.{json,md}.
 
   python benchmarks/plan_models.py
 """

@@ -23,9 +23,9 @@ import sys
 import time
 
 _DATA = re.search(r"--data[= ](\d+)", " ".join(sys.argv))
-if _DATA:       # simulated devices, before jax starts
-  os.environ.setdefault("XLA_FLAGS",
-                        f"--xla_force_host_platform_device_count={_DATA.group(1)}")
+if _DATA and "host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +   # before jax starts
+                             f" --xla_force_host_platform_device_count={_DATA.group(1)}")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

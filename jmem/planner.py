@@ -66,8 +66,9 @@ How:
    split over ``data_axis`` (data parallelism) and/or its H and W over ``spatial_axes``
    (then stacked on ``jmem.Spatial(mesh)``), the train state replicated; the budget and
    the figures are per device, and the sites' estimates are the one-device trace's
-   divided by the devices of those axes. On a GPU these compiles use XLA for the
-   quantizer, as `jmem.parallel.data_parallel` does (XLA cannot split a Pallas call).
+   divided by the devices of those axes. With the data axis alone, on a GPU these
+   compiles use XLA for the quantizer, as `jmem.parallel.data_parallel` trains (XLA
+   cannot split a Pallas call over the batch).
 
 Not searched yet: ``offload`` (which on CPU, one memory for host and device, would save
 nothing); with ``mesh=``, how to lay the devices out (the axes are the caller's).
@@ -599,8 +600,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
                      "sites: the direct children of the top module but its Dense layers).")
   sites, outside = _estimate_sites(model, optimizer, xs, ys, paths)
-  share = sum(s.residual_bytes for s in sites) / max(
-      sum(s.residual_bytes for s in sites) + outside, 1e-30)
+  held = sum(s.residual_bytes for s in sites)
+  share = held / max(held + outside, 1e-30)
   sites = _per_device(sites, layout.shards)
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
   notes += ["offload not searched yet (and on CPU, where host and device memory are one, it "
@@ -635,16 +636,16 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     notes.append("bit reductions ordered by bytes saved, not by gradient sensitivity: pass "
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
   compiles, measured = 0, []                  # measured: the steps compiled at the batch
-  sharded = (contextlib.nullcontext if mesh is None else lambda: _backends.automatic_xla(
-      "jmem.plan compiles the step with its batch sharded over the mesh (XLA cannot split "
-      "a Pallas call over it)"))
+  sharded = (lambda: _backends.automatic_xla(   # as jmem.parallel.data_parallel trains it
+      "jmem.plan compiles the step with its batch split over the data axis (XLA cannot "
+      "split a Pallas call over it)")) if layout.xla else contextlib.nullcontext
 
   def compiled(techniques, b, what=None):
     nonlocal compiles
     compiles += 1
     techniques = base + tuple(techniques)
     m = _converted(model, techniques) if techniques else model
-    with sharded():                 # on a GPU: XLA, not a Pallas call over a sharded batch
+    with sharded():                 # data parallel on a GPU: XLA, not a Pallas call
       out = step_cost(m, optimizer, shard(spec(x, b)), shard(spec(y, b)),
                       abstract=jax.tree.map(layout.replicate, abstract))
     if b == batch:
@@ -783,6 +784,8 @@ class _Layout:
     multiple: the data axis's size: the batch sizes compiled are multiples of it.
     shard, replicate: a ShapeDtypeStruct with a batch's sharding, the train state's.
     note: what the figures are, for the plan's notes (None: one device).
+    xla: data parallelism alone: on a GPU the kernels' automatic choice is XLA, as
+      `jmem.parallel.data_parallel` trains it.
   """
 
   base: tuple = ()
@@ -791,6 +794,7 @@ class _Layout:
   shard: Any = lambda a: a
   replicate: Any = lambda a: a
   note: str | None = None
+  xla: bool = False
 
 
 def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
@@ -855,14 +859,15 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
   shards = math.prod(mesh.shape[a] for a in named)
   split = ([f"the batch over {data_axis!r}"] if data_axis is not None else []) + (
       [f"H and W over {axes} (jmem.Spatial)"] if spatial else [])
+  xla = data_axis is not None and not spatial
   note = (f"figures per device ({shards} device{'s' * (shards > 1)}): every step, the "
           f"exact one too, is compiled with {' and '.join(split)}, parameters and optimiser "
-          "state replicated, and on a GPU the kernels' automatic choice is XLA (XLA cannot "
-          "split a Pallas call over a sharded batch)" +
+          "state replicated" +
           ("; BatchNorm statistics are over the whole batch (XLA all-reduces them, as "
-           "SyncBN does): train it so, e.g. jmem.parallel.data_parallel(model, mesh, "
-           f"axis={data_axis!r})" if data_axis is not None and not spatial else ""))
-  return _Layout(base, shards, multiple, shard, replicate, note)
+           "SyncBN does) and on a GPU the kernels' automatic choice is XLA (XLA cannot split "
+           "a Pallas call over the batch): train it so, jmem.parallel.data_parallel(model, "
+           f"mesh, axis={data_axis!r})" if xla else ""))
+  return _Layout(base, shards, multiple, shard, replicate, note, xla)
 
 
 def _has_spatial(model) -> bool:
@@ -884,8 +889,9 @@ def _per_device(sites, shards: int):
 def _reach(share: float, outside: float, paths, needed: bool) -> list[str]:
   """Where the exact step does not fit (``needed``), raises if the sites hold under 10% of
   its saved activations (``share``: the policies could change next to nothing); a note if
-  they hold under half."""
-  where = (f"the rest, {outside / 2**20:.2f} MiB per example, is made outside them: by code "
+  they hold under half. Checked after the exact compiles: a refusal costs those two."""
+  where = (f"the rest, {outside / 2**20:.2f} MiB per example on one device, is made outside "
+           "them: by code "
            "inline in the top module, or by modules applied detached (e.g. "
            "Module(parent=None).apply inside __call__), which jmem.convert's policies do not "
            "reach")

@@ -135,8 +135,8 @@ class LinenViT(nn.Module):
 
 
 class DetachedBlocksViT(nn.Module):
-  """`LinenViT`'s blocks applied detached (``Block(parent=None).apply``), their parameters
-  held by the top module: jmem.convert cannot reach them."""
+  """A small ViT whose `ViTBlock`s are applied detached (``Block(parent=None).apply``), their
+  parameters held by the top module: jmem.convert cannot reach them."""
 
   dim: int = 16
   depth: int = 4
