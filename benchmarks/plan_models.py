@@ -20,31 +20,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jmem  # noqa: E402
 import third_party_models as tp  # noqa: E402
 from jmem import planner, train  # noqa: E402
 from jmem.models.segmentation import UNet  # noqa: E402
-from _common import RESULTS  # noqa: E402
+from _common import RESULTS, sharded_step_cost  # noqa: E402
 
 GIB = 2**30
 UNIFORM = {"compress 2-bit": dict(kind="compress", bits=2), "recompute": dict(kind="recompute"),
            "recompute_compressed 2-bit": dict(kind="recompute_compressed", bits=2)}
-
-
-def _sharded_cost(model, optimizer, x, y, mesh, specs):
-  """`planner.step_cost` with the batch sharded ``specs`` (x's, y's) over ``mesh`` and the
-  train state replicated (per device), or on one device (``mesh`` None)."""
-  if mesh is None:
-    return planner.step_cost(model, optimizer, x, y)
-  fns = train.model_fns(model)
-  put = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
-  abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
-                            jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
-  return planner.step_cost(model, optimizer, put(x, specs[0]), put(y, specs[1]),
-                           abstract=jax.tree.map(lambda a: put(a, P()), abstract))
 
 
 def main():
@@ -83,8 +70,8 @@ def main():
     uniform = {}
     under = [t for t in result.base if isinstance(t, jmem.Spatial)]   # with a spatial mesh
     for label, kw in UNIFORM.items():
-      total, flops = _sharded_cost(jmem.convert(model, *under, jmem.Policy(**kw)),
-                                   optimizer, x, y, devices.get("mesh"), specs)
+      total, flops = sharded_step_cost(jmem.convert(model, *under, jmem.Policy(**kw)),
+                                       optimizer, x, y, devices.get("mesh"), specs)
       uniform[label] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                             fits=total <= result.budget_bytes)
     rows.append(dict(case=name, budget=budget, plan=result.to_json(), seconds=seconds,

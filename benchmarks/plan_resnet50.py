@@ -30,12 +30,12 @@ if _DATA and "host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jmem  # noqa: E402
 from jmem import data, models, planner as plan_lib, train  # noqa: E402
-from _common import RESULTS  # noqa: E402
+from _common import RESULTS, sharded_step_cost  # noqa: E402
 
 GIB = 2**30
 UNIFORM = {
@@ -52,12 +52,10 @@ def main():
   p.add_argument("--image-size", type=int, default=224)
   p.add_argument("--data", type=int, default=1, help="devices the batch is split over")
   args = p.parse_args()
-  mesh, put = None, lambda a, spec: a
+  mesh = None
   if args.data > 1:
     mesh = jax.make_mesh((args.data,), ("data",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:args.data])
-    put = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                               sharding=NamedSharding(mesh, spec))
   devices = dict(mesh=mesh, data_axis="data", spatial_axes=None) if mesh else {}
   base = models.create_model("resnet50", 1000)
   optimizer = train.default_optimizer(1e-3, 100)
@@ -75,15 +73,9 @@ def main():
                            calibration_batch=calibration, **devices)
     seconds = time.time() - t0
     uniform = {}
-    abstract = None
-    if mesh is not None:      # the train state replicated, as the planner compiles it
-      fns = train.model_fns(base)
-      abstract = jax.tree.map(lambda a: put(a, P()), jax.eval_shape(
-          lambda k, v: train.init_state(fns, optimizer, k, v), jax.random.key(0),
-          jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype)))
     for name, make in UNIFORM.items():
-      total, flops = plan_lib.step_cost(make(base), optimizer, put(x, P("data")),
-                                        put(y, P("data")), abstract=abstract)
+      total, flops = sharded_step_cost(make(base), optimizer, x, y, mesh,
+                                       (P("data"), P("data")))
       uniform[name] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                            fits=total <= result.budget_bytes)
     fitting = [u["flops_ratio"] for u in uniform.values() if u["fits"]]

@@ -891,8 +891,7 @@ def _reach(share: float, outside: float, paths, needed: bool) -> list[str]:
   its saved activations (``share``: the policies could change next to nothing); a note if
   they hold under half. Checked after the exact compiles: a refusal costs those two."""
   where = (f"the rest, {outside / 2**20:.2f} MiB per example on one device, is made outside "
-           "them: by code "
-           "inline in the top module, or by modules applied detached (e.g. "
+           "them: by code inline in the top module, or by modules applied detached (e.g. "
            "Module(parent=None).apply inside __call__), which jmem.convert's policies do not "
            "reach")
   if share < 0.1 and needed:
