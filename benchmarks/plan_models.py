@@ -27,7 +27,7 @@ import jmem  # noqa: E402
 import third_party_models as tp  # noqa: E402
 from jmem import planner, train  # noqa: E402
 from jmem.models.segmentation import UNet  # noqa: E402
-from _common import RESULTS, sharded_step_cost  # noqa: E402
+from _common import RESULTS  # noqa: E402
 
 GIB = 2**30
 UNIFORM = {"compress 2-bit": dict(kind="compress", bits=2), "recompute": dict(kind="recompute"),
@@ -70,8 +70,8 @@ def main():
     uniform = {}
     under = [t for t in result.base if isinstance(t, jmem.Spatial)]   # with a spatial mesh
     for label, kw in UNIFORM.items():
-      total, flops = sharded_step_cost(jmem.convert(model, *under, jmem.Policy(**kw)),
-                                       optimizer, x, y, devices.get("mesh"), specs)
+      total, flops = planner.step_cost(jmem.convert(model, *under, jmem.Policy(**kw)),
+                                       optimizer, x, y, mesh=devices.get("mesh"), specs=specs)
       uniform[label] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                             fits=total <= result.budget_bytes)
     rows.append(dict(case=name, budget=budget, plan=result.to_json(), seconds=seconds,

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jmem  # noqa: E402
 from jmem import data, models, planner as plan_lib, train  # noqa: E402
-from _common import RESULTS, sharded_step_cost  # noqa: E402
+from _common import RESULTS  # noqa: E402
 
 GIB = 2**30
 UNIFORM = {
@@ -74,8 +74,8 @@ def main():
     seconds = time.time() - t0
     uniform = {}
     for name, make in UNIFORM.items():
-      total, flops = sharded_step_cost(make(base), optimizer, x, y, mesh,
-                                       (P("data"), P("data")))
+      total, flops = plan_lib.step_cost(make(base), optimizer, x, y, mesh=mesh,
+                                        specs=(P("data"), P("data")))
       uniform[name] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                            fits=total <= result.budget_bytes)
     fitting = [u["flops_ratio"] for u in uniform.values() if u["fits"]]

@@ -100,10 +100,15 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("--exact-only", action="store_true",
                   help="accuracy-safe: no compression, the gradients stay exact")
   pl.add_argument("--max-compiles", type=int, default=8)
-  pl.add_argument("--mesh", type=_mesh_shape, default=None, metavar="D|DxHxW",
-                  help="plan for D x H x W devices: the batch split over D (data parallel), "
-                  "the image's H and W over H x W (jmem.Spatial under every plan); the "
-                  "budget is per device; on CPU, D*H*W devices are simulated")
+  layout = pl.add_mutually_exclusive_group()
+  layout.add_argument("--mesh", type=_mesh_shape, default=None, metavar="D|DxHxW",
+                      help="plan for D x H x W devices: the batch split over D (data "
+                      "parallel), the image's H and W over H x W (jmem.Spatial under every "
+                      "plan); the budget is per device; on CPU, D*H*W devices are simulated")
+  layout.add_argument("--devices", type=int, default=None, metavar="N",
+                      help="plan for N devices laid out by the planner: the batch over as "
+                      "many as divide it, the image's H x W over the rest; the budget is per "
+                      "device; on CPU, N devices are simulated")
   pl.add_argument("--verify-steps", type=int, default=0, metavar="N",
                   help="train the planned model next to exact for N steps on the embedded "
                   "data (at --verify-image-size) and report both accuracies")
@@ -212,7 +217,11 @@ def _plan(args) -> int:
                      f"{args.batch_size} and {args.image_size}.")
   output_dir = bench.check_output_dir(args.output_dir)
   mesh, axes = None, {}
-  if args.mesh and math.prod(args.mesh) > 1:
+  if args.devices is not None:
+    if not 1 <= args.devices <= jax.device_count():
+      raise ValueError(f"--devices {args.devices}: there are {jax.device_count()} devices.")
+    axes = dict(devices=args.devices)
+  elif args.mesh and math.prod(args.mesh) > 1:
     from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
     d, h, w = args.mesh
     if d * h * w > jax.device_count():
@@ -359,10 +368,10 @@ def _train(args) -> int:
 
 
 def _simulate_host_devices(argv, local_devices: int | None = None,
-                           plan_mesh: tuple[int, int, int] | None = None) -> None:
-  """Spatial techniques need 8 devices (``jmem plan --mesh DxHxW``: D*H*W): on a CPU-only
-  machine, simulate them; and ``--local-devices N`` simulates N (read when the backend
-  starts, so before any work)."""
+                           plan_devices: int | None = None) -> None:
+  """Spatial techniques need 8 devices (``jmem plan --mesh DxHxW``: D*H*W, ``--devices N``:
+  N): on a CPU-only machine, simulate them; and ``--local-devices N`` simulates N (read when
+  the backend starts, so before any work)."""
   flags = os.environ.get("XLA_FLAGS", "")
   if local_devices is not None:
     if local_devices < 1:
@@ -373,11 +382,18 @@ def _simulate_host_devices(argv, local_devices: int | None = None,
     return
   wanted = 8 if (_is_tour(argv) or any(
       "spatial-" in a for a in (sys.argv[1:] if argv is None else argv))) else 0
-  if plan_mesh:                             # jmem plan --mesh DxHxW
-    wanted = max(wanted, math.prod(plan_mesh))
+  if plan_devices:                          # jmem plan --mesh DxHxW / --devices N
+    wanted = max(wanted, plan_devices)
   if wanted and "host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (
         f"{flags} --xla_force_host_platform_device_count={wanted}".strip())
+
+
+def _plan_devices(args) -> int | None:
+  """The devices ``jmem plan`` needs (None: one, or not ``plan``)."""
+  if args.command != "plan":
+    return None
+  return args.devices or (math.prod(args.mesh) if args.mesh else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   args.tour = _is_tour(argv)
   try:
-    _simulate_host_devices(argv, getattr(args, "local_devices", None),
-                           args.mesh if args.command == "plan" else None)
+    _simulate_host_devices(argv, getattr(args, "local_devices", None), _plan_devices(args))
     return {"bench": _bench, "train": _train, "plan": _plan}[args.command](args)
   except ValueError as e:
     parser.exit(2, f"jmem {args.command}: error: {e}\n")

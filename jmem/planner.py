@@ -68,10 +68,18 @@ How:
    the figures are per device, and the sites' estimates are the one-device trace's
    divided by the devices of those axes. With the data axis alone, on a GPU these
    compiles use XLA for the quantizer, as `jmem.parallel.data_parallel` trains (XLA
-   cannot split a Pallas call over the batch).
+   cannot split a Pallas call over the batch). With ``devices=N`` instead of a mesh, the
+   planner lays the devices out: the batch over the most of them that divide it and N
+   (per device, splitting the batch or the image keeps the same share of the
+   activations, and the batch needs no halo exchange: in `benchmarks/results/
+   plan_layouts.md`, at both batches, the layout with the fewest bytes and the fewest
+   collectives has the most devices on the batch), the image's H x W over
+   the rest, split every way the sides allow (at most 4), the exact step compiled on each:
+   of the splits within 2% of the fewest device bytes, the one with the fewest collectives
+   (the halo sizes did not rank them).
 
-Not searched yet: ``offload`` (which on CPU, one memory for host and device, would save
-nothing); with ``mesh=``, how to lay the devices out (the axes are the caller's).
+Not searched: ``offload`` (on CPU, one memory for host and device, it saves nothing, so
+only a GPU compile could measure it).
 """
 
 from __future__ import annotations
@@ -103,7 +111,8 @@ from jmem.ops.actnn import technique as actnn_technique
 from jmem.ops.policy import Policy
 from jmem.techniques import register_technique
 
-__all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share", "step_cost"]
+__all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share", "step_cost",
+           "compile_step"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -206,8 +215,10 @@ class Plan:
     measured: ``(what, device bytes, FLOPs)`` of every step compiled at ``batch_size``:
       "exact", "InPlace-ABN alone", "walk point i" (``front[i]`` compiled), "bit
       reductions undone".
-    devices: the devices each step's activations are split over (``mesh=``; 1: one
-      device): the sites' bytes and FLOPs per example are then their share on one device.
+    devices: the devices each step's activations are split over (``mesh=`` or
+      ``devices=``; 1: one device): the sites' bytes and FLOPs per example are then their share on one device.
+    mesh: the `jax.sharding.Mesh` the steps were compiled on (``mesh=``, or the one
+      ``devices=`` made: train on it; None: one device).
   """
 
   budget_bytes: int
@@ -227,6 +238,7 @@ class Plan:
   base: tuple = ()
   measured: tuple[tuple[str, int, float], ...] = ()
   devices: int = 1
+  mesh: Any = None
 
   @property
   def techniques(self) -> tuple:
@@ -266,7 +278,8 @@ class Plan:
     return self.table()
 
   def to_json(self) -> dict[str, Any]:
-    out = dataclasses.asdict(self)
+    out = dataclasses.asdict(dataclasses.replace(self, mesh=None))
+    out["mesh"] = None if self.mesh is None else dict(self.mesh.shape)
     out["choices"] = [dict(dataclasses.asdict(c), policy=c.label) for c in self.choices]
     out["techniques"] = [repr(t) for t in self.techniques]
     return out
@@ -284,20 +297,40 @@ def _policies(choices) -> tuple[Policy, ...]:
   return tuple(t for t in (c.technique() for c in choices) if t is not None)
 
 
-def step_cost(model, optimizer, x, y, *, abstract=None) -> tuple[int, float]:
-  """``(device bytes, FLOPs)`` of ``model``'s donating train step (`jmem.train`'s, with
-  ``optimizer``) compiled for the batch ``x``, ``y`` (arrays or ShapeDtypeStructs);
-  ``abstract``: the train state's shapes, if already known."""
+def compile_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None):
+  """``model``'s donating train step (`jmem.train`'s, with ``optimizer``) compiled for the
+  batch ``x``, ``y`` (arrays or ShapeDtypeStructs); ``abstract``: the train state's shapes,
+  if already known. With ``mesh`` (a `jax.sharding.Mesh`), the batch is sharded over it by
+  ``specs`` (x's and y's `PartitionSpec`) and the train state replicated, as
+  `jmem.plan(mesh=...)` compiles it: its figures are then per device."""
   fns = train_lib.model_fns(model)
   if abstract is None:
     abstract = jax.eval_shape(lambda k, v: train_lib.init_state(fns, optimizer, k, v),
                               jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
+  if mesh is not None:
+    if specs is None or len(specs) != 2:
+      raise ValueError(f"compile_step(mesh=...) needs specs=(x's PartitionSpec, y's), got "
+                       f"{specs!r}.")
+    on = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                              sharding=NamedSharding(mesh, spec))
+    x, y = on(x, specs[0]), on(y, specs[1])
+    abstract = jax.tree.map(lambda a: on(a, P()), abstract)
   step = train_lib.make_train_step(fns, optimizer, donate=True)
-  return measure.device_bytes_and_flops(step.lower(abstract, x, y).compile())
+  return step.lower(abstract, x, y).compile()
+
+
+def step_cost(model, optimizer, x, y, *, abstract=None, mesh=None,
+              specs=None) -> tuple[int, float]:
+  """``(device bytes, FLOPs)`` of `compile_step` (the same arguments): per device with
+  ``mesh``."""
+  return measure.device_bytes_and_flops(
+      compile_step(model, optimizer, x, y, abstract=abstract, mesh=mesh, specs=specs))
 
 
 def _size(n: float) -> str:
-  return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+  if abs(n) >= 2**30:
+    return f"{n / 2**30:.2f} GiB"
+  return f"{n / 2**20:.{1 if abs(n) >= 10 * 2**20 else 2}f} MiB"
 
 
 # ------------------------------------------------------------------ per-site estimates
@@ -508,7 +541,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
          max_batch: bool = True, calibration_batch=None,
          sensitivities: Mapping[str, float] | None = None, inplace_abn: bool = True,
          mesh=None, spatial_axes: tuple | None = ("h", "w"),
-         data_axis: str | None = None) -> Plan:
+         data_axis: str | None = None, devices=None) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
@@ -551,6 +584,13 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     spatial_axes: the mesh axes of H and W (None for a side: not sharded; None: no
       jmem.Spatial, for data parallelism alone).
     data_axis: the mesh axis the batch is split over (None: not split).
+    devices: instead of ``mesh``, ``data_axis`` and ``spatial_axes``: a number of devices
+      (the first of `jax.devices()`) or a sequence of them, which the planner lays out: the
+      batch over as many as divide it (data parallelism: no halo exchange), the image's H
+      and W over the rest (``jmem.Spatial``; split every way the sides allow, at most 4,
+      each exact step compiled: of those within 2% of the fewest device bytes, the one
+      with the fewest collectives; those compiles are in ``Plan.compiles`` and not counted
+      against ``max_compiles``). ``Plan.mesh`` is the mesh it made.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -587,9 +627,15 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   spec = lambda a, b: jax.ShapeDtypeStruct((b,) + tuple(a.shape[1:]), a.dtype)
   optimizer = optimizer or train_lib.default_optimizer(1e-3, 100)
   notes = []
-  layout = _layout(model, mesh, spatial_axes, data_axis, x, batch)
-  base, shard = layout.base, layout.shard
-  notes += [layout.note] if layout.note else []
+  candidates = [(mesh, data_axis, spatial_axes)]
+  if devices is not None:
+    if mesh is not None or data_axis is not None:
+      raise ValueError("give jmem.plan devices= (it lays them out) or mesh= with data_axis= "
+                       "and spatial_axes=, not both.")
+    candidates, why = _lay_out(devices, batch, x)
+    notes += [why] if why else []
+  layouts = [_layout(model, m, axes, d, x, batch) for m, d, axes in candidates]
+  layout = layouts[0]           # the same devices, the same batch split: only H x W differs
   fns = train_lib.model_fns(model)
   trace_batch = max(2, min(int(x.shape[0]), 8))
   xs, ys = spec(x, trace_batch), spec(y, trace_batch)
@@ -604,8 +650,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   share = held / max(held + outside, 1e-30)
   sites = _per_device(sites, layout.shards)
   ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
-  notes += ["offload not searched yet (and on CPU, where host and device memory are one, it "
-            "would save nothing)"]
+  notes += ["offload not searched (on CPU, where host and device memory are one, it saves "
+            "nothing: only a GPU compile could measure it)"]
   sens = None
   if sensitivities is not None and calibration_batch is not None:
     raise ValueError("give sensitivities or a calibration_batch to measure them on, not both.")
@@ -636,27 +682,56 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     notes.append("bit reductions ordered by bytes saved, not by gradient sensitivity: pass "
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
   compiles, measured = 0, []                  # measured: the steps compiled at the batch
-  sharded = (lambda: _backends.automatic_xla(   # as jmem.parallel.data_parallel trains it
-      "jmem.plan compiles the step with its batch split over the data axis (XLA cannot "
-      "split a Pallas call over it)")) if layout.xla else contextlib.nullcontext
 
-  def compiled(techniques, b, what=None):
+  def compiled(techniques, b, what=None, collectives=None):
+    """``(device bytes, FLOPs)`` of the step compiled on ``layout``; ``collectives``: a
+    list the compiled HLO's collective count is appended to."""
     nonlocal compiles
     compiles += 1
-    techniques = base + tuple(techniques)
+    techniques = layout.base + tuple(techniques)
     m = _converted(model, techniques) if techniques else model
-    with sharded():                 # data parallel on a GPU: XLA, not a Pallas call
-      out = step_cost(m, optimizer, shard(spec(x, b)), shard(spec(y, b)),
-                      abstract=jax.tree.map(layout.replicate, abstract))
-    if b == batch:
+    # Data parallel alone on a GPU: XLA, not a Pallas call, as data_parallel trains it.
+    with (_backends.automatic_xla("jmem.plan compiles the step with its batch split over "
+                                  "the data axis (XLA cannot split a Pallas call over it)")
+          if layout.xla else contextlib.nullcontext()):
+      step = compile_step(m, optimizer, spec(x, b), spec(y, b), abstract=abstract,
+                          mesh=layout.mesh, specs=(layout.spec(x), layout.spec(y)))
+    out = measure.device_bytes_and_flops(step)
+    if collectives is not None:
+      collectives.append(sum(measure.collective_counts(step.as_text()).values()))
+    if what is not None and b == batch:
       measured.append((what, int(out[0]), float(out[1])))
     return out
+
+  # devices=: where H x W can be split several ways, the exact step compiled on each (the
+  # halo sizes do not rank them: plan_layouts.md); of those within 2% of the fewest device
+  # bytes, the fewest collectives, then the fewest bytes.
+  if len(layouts) > 1:
+    tried, counts = [], []
+    for layout in layouts:                    # compiled() compiles on `layout`
+      tried.append(compiled((), batch, collectives=counts))
+    least = min(b for b, _ in tried)
+    pick = min((i for i, (b, _) in enumerate(tried) if b <= 1.02 * least),
+               key=lambda i: (counts[i], tried[i][0]))
+    (exact_bytes, exact_flops), layout = tried[pick], layouts[pick]
+    notes.append("H x W split every way the devices and sides allow, the exact step compiled "
+                 "on each (per device): " + ", ".join(
+                     f"{_hw(lay)} {_size(b)} with {c} collectives"
+                     for lay, (b, _), c in zip(layouts, tried, counts)) +
+                 f"; the plan takes {_hw(layout)}: of those within 2% of the fewest bytes, the "
+                 f"fewest collectives ({len(tried) - 1} compiles more than the plan's own, not "
+                 "counted against max_compiles)")
+    measured.append(("exact", int(exact_bytes), float(exact_flops)))
+  searched = len(layouts) - 1                 # compiles that do not count against the bound
+  notes += [layout.note] if layout.note else []
+  base = layout.base
 
   # The exact step at two batch sizes: fixed bytes and the per-example working bytes.
   k = layout.multiple                         # batch sizes the data axis divides
   small = (batch // 2 // k) * k or 2 * batch
-  exact_small, _ = compiled((), small, "exact")
-  exact_bytes, exact_flops = compiled((), batch, "exact")
+  exact_small, _ = compiled((), small)
+  if len(layouts) == 1:
+    exact_bytes, exact_flops = compiled((), batch, "exact")
   if fraction is not None:
     budget_bytes = int(fraction * exact_bytes)
   notes += _reach(share, outside, paths, exact_bytes > budget_bytes)
@@ -704,7 +779,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   while index > 0:
     state = walk[index]
     device_bytes, flops = cost(state)
-    if device_bytes <= budget_bytes or index == len(walk) - 1 or compiles >= max_compiles:
+    if (device_bytes <= budget_bytes or index == len(walk) - 1 or
+        compiles - searched >= max_compiles):
       break
     working += (device_bytes - predicted(state)[0]) / batch   # what the model missed
     index = choose(index + 1)
@@ -739,7 +815,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # Once the walk's plan fits: one try with the bit reductions it does not need undone.
     working += (device_bytes - predicted(state)[0]) / batch
     loose = _relax(state, sites, ladder, sens, lambda s_: predicted(s_)[0] <= budget_bytes)
-    if loose != state and loose not in costs and compiles >= max_compiles:
+    if loose != state and loose not in costs and compiles - searched >= max_compiles:
       notes.append("no compile left to try undoing the bit reductions the estimate does not "
                    "need")
     elif loose != state:
@@ -771,7 +847,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   front = tuple(predicted(s_) for s_ in walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
-              base + under, tuple(measured), layout.shards)
+              base + under, tuple(measured), layout.shards, layout.mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -782,7 +858,8 @@ class _Layout:
     base: the techniques under every plan (``jmem.Spatial``, or none).
     shards: the devices one step's activations are split over (data x H x W).
     multiple: the data axis's size: the batch sizes compiled are multiples of it.
-    shard, replicate: a ShapeDtypeStruct with a batch's sharding, the train state's.
+    mesh: the mesh (None: one device).
+    spec: an array of the batch's `PartitionSpec` (the train state is replicated).
     note: what the figures are, for the plan's notes (None: one device).
     xla: data parallelism alone: on a GPU the kernels' automatic choice is XLA, as
       `jmem.parallel.data_parallel` trains it.
@@ -791,8 +868,8 @@ class _Layout:
   base: tuple = ()
   shards: int = 1
   multiple: int = 1
-  shard: Any = lambda a: a
-  replicate: Any = lambda a: a
+  mesh: Any = None
+  spec: Any = lambda a: None
   note: str | None = None
   xla: bool = False
 
@@ -849,13 +926,9 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
                        f"{axes}: the sides {[n for n, _ in sides]} must be multiples of the "
                        f"axes' sizes {[k for _, k in sides]}.")
 
-  def shard(a):     # images and per-pixel labels over (data, H, W), other labels over data
-    dims = (P(data_axis, *axes, *[None] * (a.ndim - 3)) if spatial and a.ndim >= 3 else
-            P(data_axis))
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, dims))
-
-  def replicate(a):
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
+  def spec(a):      # images and per-pixel labels over (data, H, W), other labels over data
+    return (P(data_axis, *axes, *[None] * (len(a.shape) - 3)) if spatial and len(a.shape) >= 3
+            else P(data_axis))
   shards = math.prod(mesh.shape[a] for a in named)
   split = ([f"the batch over {data_axis!r}"] if data_axis is not None else []) + (
       [f"H and W over {axes} (jmem.Spatial)"] if spatial else [])
@@ -867,8 +940,64 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
            "SyncBN does) and on a GPU the kernels' automatic choice is XLA (XLA cannot split "
            "a Pallas call over the batch): train it so, jmem.parallel.data_parallel(model, "
            f"mesh, axis={data_axis!r})" if xla else ""))
-  return _Layout(base, shards, multiple, shard, replicate, note, xla)
+  return _Layout(base, shards, multiple, mesh, spec, note, xla)
 
+
+def _lay_out(devices, batch: int, x) -> tuple[list, str | None]:
+  """``([(mesh, data_axis, spatial_axes), ...], note)`` for ``jmem.plan(devices=...)``: the
+  batch over the most devices that divide it and the device count (per device, splitting
+  the batch or the image keeps the same share of the activations, and halo exchanges add
+  collectives: plan_layouts.md), the image's H x W over the rest, every way ``h x w`` the
+  sides allow (at most 4: those with the fewest halo values per device and convolution,
+  ``(h > 1) * W / w + (w > 1) * H / h``), for `plan` to compile."""
+  if isinstance(devices, numbers.Integral):
+    if not 1 <= devices <= jax.device_count():
+      raise ValueError(f"jmem.plan(devices={devices}): there are {jax.device_count()} devices "
+                       "(give a number from 1 to that, or a sequence of devices).")
+    devices = jax.devices()[:devices]
+  devices = list(devices)
+  n = len(devices)
+  if not n or not all(isinstance(d, jax.Device) for d in devices):
+    raise TypeError(f"jmem.plan(devices=...) takes a number of devices or a non-empty sequence "
+                    f"of jax.Device, got {devices!r}.")
+  if n == 1:
+    return [(None, None, None)], None
+  data = max(k for k in range(1, n + 1) if n % k == 0 and batch % k == 0)
+  rest = n // data
+  axis_types = (jax.sharding.AxisType.Auto,) * 3
+  if rest == 1:
+    mesh = jax.make_mesh((n,), ("data",), axis_types=axis_types[:1], devices=devices)
+    return [(mesh, "data", None)], (f"devices={n}: the batch of {batch} is split over all "
+                                    f"{n} (data parallelism)")
+  took = (f"devices={n}: the batch of {batch} is split over {data} of them (the most that "
+          f"divide it and {n})" if data > 1 else
+          f"devices={n}: the batch of {batch} splits over none of them evenly")
+  if len(x.shape) != 4:
+    raise ValueError(f"{took}; the other {rest} would split the image's H and W "
+                     f"(jmem.Spatial), which takes NHWC images, not x of shape "
+                     f"{tuple(x.shape)}. Give a batch that is a multiple of {n}, or fewer "
+                     f"devices (devices={data}).")
+  height, width = x.shape[1:3]
+  splits = [(h, rest // h) for h in range(1, rest + 1)
+            if rest % h == 0 and height % h == 0 and width % (rest // h) == 0]
+  if not splits:
+    raise ValueError(f"{took}; the other {rest} would split the image's H x W = {height} x "
+                     f"{width}, and no h x w = {rest} divides it. Give a batch that is a "
+                     f"multiple of {n}, an image size that {rest} divides, or fewer devices "
+                     f"(devices={data}).")
+  splits = sorted(splits, key=lambda s: ((s[0] > 1) * width / s[1] + (s[1] > 1) * height / s[0],
+                                         (s[0] > 1) + (s[1] > 1), -s[1]))[:4]
+  out = [(jax.make_mesh((data, h, w), ("data", "h", "w"), axis_types=axis_types,
+                        devices=devices),
+          "data" if data > 1 else None, ("h" if h > 1 else None, "w" if w > 1 else None))
+         for h, w in splits]
+  return out, f"{took}; H x W over the other {rest} (jmem.Spatial)"
+
+
+def _hw(layout) -> str:
+  """``h x w`` of a `_Layout` with jmem.Spatial."""
+  shape = layout.mesh.shape
+  return "x".join(str(shape[a]) if a is not None else "1" for a in layout.base[0].axes)
 
 def _has_spatial(model) -> bool:
   if isinstance(model, nnx.Module):

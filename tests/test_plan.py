@@ -24,20 +24,6 @@ def _device_bytes(model, optimizer):
   return jmem.measure.device_bytes_and_flops(compiled)[0]
 
 
-def _sharded_bytes(model, optimizer, mesh, x, y, x_spec, y_spec):
-  """Device bytes of ``model``'s donating train step compiled by hand on ``mesh``: the batch
-  sharded ``x_spec`` / ``y_spec``, the train state replicated."""
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  on = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
-  fns = train.model_fns(model)
-  abstract = jax.tree.map(lambda a: on(a, P()), jax.eval_shape(
-      lambda k, v: train.init_state(fns, optimizer, k, v), jax.random.key(0),
-      jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype)))
-  return plan_lib.step_cost(model, optimizer, on(x, x_spec), on(y, y_spec),
-                            abstract=abstract)[0]
-
-
 def test_plans_fit_and_a_tighter_budget_never_needs_fewer_flops():
   model = tp.ThirdPartyResNet()
   optimizer = train.default_optimizer(1e-3, 100)
@@ -212,8 +198,8 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
   assert any("per device" in n for n in p.notes) and "jmem.Spatial over" in p.table()
   one_device = plan_lib.step_cost(model, optimizer, x, y)[0]
   assert p.exact_device_bytes < 0.5 * one_device
-  assert _sharded_bytes(jmem.convert(model, *p.techniques), optimizer, mesh, x, y,
-                        P(None, "h", "w"), P()) == p.device_bytes
+  assert plan_lib.step_cost(jmem.convert(model, *p.techniques), optimizer, x, y, mesh=mesh,
+                            specs=(P(None, "h", "w"), P()))[0] == p.device_bytes
   with pytest.raises(ValueError, match="multiples"):
     plan_lib.plan(model, (jax.ShapeDtypeStruct((16, 32, 30, 3), jnp.float32), y), "90%",
                   mesh=mesh)
@@ -245,8 +231,8 @@ def test_a_data_axis_splits_the_batch_with_or_without_spatial():
   assert p.exact_device_bytes < 0.5 * plan_lib.step_cost(model, optimizer, x, y)[0]
   assert p.max_batch % 4 == 0 and p.exact_max_batch % 4 == 0
   assert p.max_batch >= 16 > p.exact_max_batch
-  assert _sharded_bytes(jmem.convert(model, *p.techniques), optimizer, data, x, y,
-                        P("data"), P("data")) == p.device_bytes
+  assert plan_lib.step_cost(jmem.convert(model, *p.techniques), optimizer, x, y, mesh=data,
+                            specs=(P("data"), P("data")))[0] == p.device_bytes
   with pytest.raises(ValueError, match="multiple of 4"):
     plan_lib.plan(model, (x, y), "80%", batch_size=18, mesh=data, data_axis="data",
                   spatial_axes=None)
@@ -259,10 +245,68 @@ def test_a_data_axis_splits_the_batch_with_or_without_spatial():
   p = plan_lib.plan(tp.FunctionalCNN(), (images, y), "90%", mesh=cube, data_axis="data",
                     optimizer=optimizer, max_batch=False)
   assert p.techniques[0] == jmem.Spatial(cube, data_axis="data") and p.fits, p.table()
-  assert _sharded_bytes(jmem.convert(tp.FunctionalCNN(), *p.techniques), optimizer, cube,
-                        images, y, P("data", "h", "w"), P("data")) == p.device_bytes
+  assert plan_lib.step_cost(jmem.convert(tp.FunctionalCNN(), *p.techniques), optimizer,
+                            images, y, mesh=cube, specs=(P("data", "h", "w"), P("data"))
+                            )[0] == p.device_bytes
   with pytest.raises(ValueError, match="no mesh axis"):
     plan_lib.plan(model, (x, y), "80%", mesh=data, spatial_axes=None)
+
+
+def test_devices_are_laid_out_batch_first_then_h_and_w():
+  """``devices=N``: the batch over the most devices that divide it, H x W over the rest
+  (the split with the fewest halo values per device); the plan's bytes are the converted
+  model's compiled on that mesh by hand; what cannot be laid out is refused."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  images = lambda b, h=32, w=32: jax.ShapeDtypeStruct((b, h, w, 3), jnp.float32)
+  shape = lambda mesh: {a: n for a, n in mesh.shape.items() if n > 1}
+  lay_out = plan_lib._lay_out                  # pylint: disable=protected-access
+  meshes = lambda *a: [(shape(m), d, axes) for m, d, axes in lay_out(*a)[0]]
+  assert meshes(8, 16, images(16)) == [({"data": 8}, "data", None)]
+  assert lay_out(1, 2, images(2))[0] == [(None, None, None)]
+  assert meshes(jax.devices()[2:6], 4, images(4)) == [({"data": 4}, "data", None)]
+  # 3 divides none of 8: H x W takes all, the fewest halo values per device first.
+  assert [m for m, _, _ in meshes(8, 3, images(3))] == [
+      {"h": 2, "w": 4}, {"h": 4, "w": 2}, {"w": 8}, {"h": 8}]
+  assert meshes(8, 2, images(2, 32, 64))[0] == ({"data": 2, "w": 4}, "data", (None, "w"))
+  with pytest.raises(ValueError, match="NHWC images"):
+    lay_out(8, 2, jax.ShapeDtypeStruct((2, 4, 16, 16, 1), jnp.float32))
+  with pytest.raises(ValueError, match="no h x w = 8 divides"):
+    lay_out(8, 1, images(1, 30, 30))
+  with pytest.raises(ValueError, match="there are 8 devices"):
+    lay_out(9, 8, images(8))
+  with pytest.raises(TypeError, match="jax.Device"):
+    lay_out(["gpu:0"], 8, images(8))
+
+  model, y = tp.FunctionalCNN(), jax.ShapeDtypeStruct((2,), jnp.int32)
+  optimizer = train.default_optimizer(1e-3, 100)
+  p = plan_lib.plan(model, (images(2), y), "2MiB", devices=8, optimizer=optimizer,
+                    max_batch=False)
+  assert any(n.startswith("devices=8: the batch of 2 is split over 2") for n in p.notes)
+  # H x W over the other 4 every way (1x4, 4x1, 2x2), each exact step compiled by hand:
+  # the plan's mesh is, of those within 2% of the fewest bytes, the one with the fewest
+  # collectives (then bytes).
+  exact = {}
+  for mesh, data, axes in lay_out(8, 2, images(2))[0]:
+    step = plan_lib.compile_step(
+        jmem.convert(model, jmem.Spatial(mesh, axes=axes, data_axis=data)), optimizer,
+        images(2), y, mesh=mesh, specs=(P(data, *axes), P(data)))
+    exact[tuple(mesh.shape.values())] = (
+        jmem.measure.device_bytes_and_flops(step)[0],
+        sum(jmem.measure.collective_counts(step.as_text()).values()))
+  assert sorted(exact) == [(2, 1, 4), (2, 2, 2), (2, 4, 1)]
+  least = min(b for b, _ in exact.values())
+  best = min((k for k in exact if exact[k][0] <= 1.02 * least),
+             key=lambda k: exact[k][::-1])
+  assert tuple(p.mesh.shape.values()) == best and p.devices == 8, (exact, p.table())
+  assert p.exact_device_bytes == exact[best][0] and p.measured[0][0] == "exact"
+  assert p.to_json()["mesh"] == dict(zip(("data", "h", "w"), best))
+  spatial = p.techniques[0]
+  assert isinstance(spatial, jmem.Spatial) and spatial.mesh == p.mesh
+  assert plan_lib.step_cost(jmem.convert(model, *p.techniques), optimizer, images(2), y,
+                            mesh=p.mesh, specs=(P("data", *spatial.axes), P("data"))
+                            )[0] == p.device_bytes
+  with pytest.raises(ValueError, match="not both"):
+    plan_lib.plan(model, (images(2), y), "2MiB", devices=8, mesh=p.mesh)
 
 
 def test_budgets_and_bad_input():
@@ -311,7 +355,8 @@ def test_plan_cli(tmp_path):
   assert written["devices"] == 2 and "per device of 2" in (out / "plan.md").read_text()
   assert (out / "plan.md").exists() and (out / "plan_front.png").exists()
   for bad in (["--budget", "sixteen"], ["--mesh", "2y4"], ["--mesh", "0x2x4"], ["--mesh", "2x4"],
-              ["--mesh", "2x4x4"]):                # 32 devices: the tests have 8
+              ["--mesh", "2x4x4"],                 # 32 devices: the tests have 8
+              ["--devices", "9"], ["--devices", "2", "--mesh", "2"]):
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
 
