@@ -10,7 +10,6 @@ compiles them. Compile-only. Writes results/plan_layouts.{json,md}.
 """
 
 import os
-import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

@@ -1,6 +1,7 @@
 """`jmem.plan` on the segmentation model and a video transformer (compile-only, float32):
 the U-Net of issue 16 at 1024x2048 (batch 1; and batch 2 on 8 devices, its activations
-sharded 2 x 4 over H x W by the plan's `jmem.Spatial`, ``mesh=``, the budget per device)
+sharded 2 x 4 over H x W by the plan's `jmem.Spatial`, ``mesh=``, the budget per device;
+and on 8 devices laid out by the planner, ``devices=8``)
 and a third-party video ViT (tests/third_party_models.py ``FrameTokenViT``: 16 frames of
 112x112, 16x16 patches, width 384, 8 blocks, 6 heads; batch 8, and batch 32 split over 8
 devices, ``data_axis=``), each at a budget below its exact step, against the uniform
@@ -39,8 +40,8 @@ def main():
   mesh = jax.make_mesh((2, 4), ("h", "w"), axis_types=(AxisType.Auto,) * 2,
                        devices=jax.devices()[:8])
   data = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:8])
-  spatial = dict(mesh=mesh, specs=(P(None, "h", "w", None), P(None, "h", "w")))
-  split = dict(mesh=data, data_axis="data", spatial_axes=None, specs=(P("data"), P("data")))
+  spatial = dict(mesh=mesh)
+  split = dict(mesh=data, data_axis="data", spatial_axes=None)
   vit = tp.FrameTokenViT(patch=16, dim=384, depth=8, heads=6)
   clips = lambda b: (jax.ShapeDtypeStruct((b, 16, 112, 112, 3), jnp.float32),
                      jax.ShapeDtypeStruct((b,), jnp.int32))
@@ -50,6 +51,9 @@ def main():
       ("U-Net 1024x2048, batch 2, 8 devices (2 x 4 over H x W), per device", UNet(19),
        jax.ShapeDtypeStruct((2, 1024, 2048, 3), jnp.float32),
        jax.ShapeDtypeStruct((2, 1024, 2048), jnp.int32), "2GiB", spatial),
+      ("U-Net 1024x2048, batch 2, devices=8 (laid out by the planner), per device", UNet(19),
+       jax.ShapeDtypeStruct((2, 1024, 2048, 3), jnp.float32),
+       jax.ShapeDtypeStruct((2, 1024, 2048), jnp.int32), "2GiB", dict(devices=8)),
       ("video ViT 16x112x112, batch 8", vit, *clips(8), "2GiB", {}),
       ("video ViT 16x112x112, batch 32, 8 devices (data parallel), per device", vit,
        *clips(32), "1GiB", split),
@@ -61,17 +65,18 @@ def main():
                   "compiled train step's (parameters, AdamW state, batch, activations, "
                   "temp); FLOPs from XLA's cost analysis against exact.", ""]
   for name, model, x, y, budget, devices in cases:
-    devices = dict(devices)
-    specs = devices.pop("specs", None)
     t0 = time.time()
     result = planner.plan(model, (x, y), budget, optimizer=optimizer, max_batch=False,
                           **devices)
     seconds = time.time() - t0
     uniform = {}
     under = [t for t in result.base if isinstance(t, jmem.Spatial)]   # with a spatial mesh
+    # The plan's shardings: the batch over the data axis, H and W over Spatial's axes.
+    axes = (under[0].data_axis, *under[0].axes) if under else ("data",)
+    specs = (P(*axes), P(*axes)) if result.mesh is not None else None
     for label, kw in UNIFORM.items():
       total, flops = planner.step_cost(jmem.convert(model, *under, jmem.Policy(**kw)),
-                                       optimizer, x, y, mesh=devices.get("mesh"), specs=specs)
+                                       optimizer, x, y, mesh=result.mesh, specs=specs)
       uniform[label] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                             fits=total <= result.budget_bytes)
     rows.append(dict(case=name, budget=budget, plan=result.to_json(), seconds=seconds,

@@ -219,7 +219,8 @@ def _plan(args) -> int:
   mesh, axes = None, {}
   if args.devices is not None:
     if not 1 <= args.devices <= jax.device_count():
-      raise ValueError(f"--devices {args.devices}: there are {jax.device_count()} devices.")
+      raise ValueError(f"--devices takes a number from 1 to {jax.device_count()} (the devices "
+                       f"there are), got {args.devices}.")
     axes = dict(devices=args.devices)
   elif args.mesh and math.prod(args.mesh) > 1:
     from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top

@@ -72,8 +72,9 @@ How:
    planner lays the devices out: the batch over the most of them that divide it and N
    (per device, splitting the batch or the image keeps the same share of the
    activations, and the batch needs no halo exchange: in `benchmarks/results/
-   plan_layouts.md`, at both batches, the layout with the fewest bytes and the fewest
-   collectives has the most devices on the batch), the image's H x W over
+   plan_layouts.md`, at batch 8 the 8-way batch split has both the fewest bytes and the
+   fewest collectives; at batch 2 the fewest bytes are with the batch split 2 ways, 702
+   MiB, and no layout leaving it unsplit needs under 735 MiB), the image's H x W over
    the rest, split every way the sides allow (at most 4), the exact step compiled on each:
    of the splits within 2% of the fewest device bytes, the one with the fewest collectives
    (the halo sizes did not rank them).
@@ -216,7 +217,8 @@ class Plan:
       "exact", "InPlace-ABN alone", "walk point i" (``front[i]`` compiled), "bit
       reductions undone".
     devices: the devices each step's activations are split over (``mesh=`` or
-      ``devices=``; 1: one device): the sites' bytes and FLOPs per example are then their share on one device.
+      ``devices=``; 1: one device): the sites' bytes and FLOPs per example are then their
+      share on one device.
     mesh: the `jax.sharding.Mesh` the steps were compiled on (``mesh=``, or the one
       ``devices=`` made: train on it; None: one device).
   """
@@ -280,6 +282,7 @@ class Plan:
   def to_json(self) -> dict[str, Any]:
     out = dataclasses.asdict(dataclasses.replace(self, mesh=None))
     out["mesh"] = None if self.mesh is None else dict(self.mesh.shape)
+    out["base"] = [_short(t) for t in self.base]            # Spatial holds a Mesh
     out["choices"] = [dict(dataclasses.asdict(c), policy=c.label) for c in self.choices]
     out["techniques"] = [repr(t) for t in self.techniques]
     return out
@@ -330,6 +333,8 @@ def step_cost(model, optimizer, x, y, *, abstract=None, mesh=None,
 def _size(n: float) -> str:
   if abs(n) >= 2**30:
     return f"{n / 2**30:.2f} GiB"
+  if abs(n) < 2**20 / 100:
+    return f"{n / 2**10:.1f} KiB"
   return f"{n / 2**20:.{1 if abs(n) >= 10 * 2**20 else 2}f} MiB"
 
 
@@ -616,7 +621,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     raise ValueError(f"jmem.plan chooses each block site's policy itself, but the model already "
                      f"has {taken}: plan the model before converting it with block techniques "
                      "(Remat, ActNN, Policy, SBP); BatchNorm techniques may come first, and "
-                     "jmem.Spatial comes with mesh=.")
+                     "jmem.Spatial comes with mesh= or devices=.")
   x, y = example_batch
   if not (np.ndim(x) and np.ndim(y)) or x.shape[0] != y.shape[0]:
     raise ValueError(f"example_batch must be (x, y) with one label (or label map) per example; "
@@ -629,7 +634,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   notes = []
   candidates = [(mesh, data_axis, spatial_axes)]
   if devices is not None:
-    if mesh is not None or data_axis is not None:
+    if mesh is not None or data_axis is not None or tuple(spatial_axes or ()) != ("h", "w"):
       raise ValueError("give jmem.plan devices= (it lays them out) or mesh= with data_axis= "
                        "and spatial_axes=, not both.")
     candidates, why = _lay_out(devices, batch, x)
@@ -859,7 +864,8 @@ class _Layout:
     shards: the devices one step's activations are split over (data x H x W).
     multiple: the data axis's size: the batch sizes compiled are multiples of it.
     mesh: the mesh (None: one device).
-    spec: an array of the batch's `PartitionSpec` (the train state is replicated).
+    spec: array -> its `PartitionSpec` for a batch's arrays (the train state is
+      replicated).
     note: what the figures are, for the plan's notes (None: one device).
     xla: data parallelism alone: on a GPU the kernels' automatic choice is XLA, as
       `jmem.parallel.data_parallel` trains it.
@@ -879,8 +885,9 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
   jmem.Spatial) and its ``data_axis`` (None: the batch not split)."""
   if _has_spatial(model):
     raise ValueError("this model was converted with jmem.Spatial: give jmem.plan the "
-                     "unconverted model and the mesh (mesh=), so that it compiles every step "
-                     "with the batch sharded over H and W and Spatial comes with the plan.")
+                     "unconverted model and the mesh (mesh=) or the number of devices "
+                     "(devices=), so that it compiles every step with the batch sharded over "
+                     "H and W and Spatial comes with the plan.")
   if mesh is None:
     if data_axis is not None:
       raise ValueError(f"data_axis={data_axis!r} names an axis of the mesh: pass mesh= too.")
@@ -948,18 +955,22 @@ def _lay_out(devices, batch: int, x) -> tuple[list, str | None]:
   batch over the most devices that divide it and the device count (per device, splitting
   the batch or the image keeps the same share of the activations, and halo exchanges add
   collectives: plan_layouts.md), the image's H x W over the rest, every way ``h x w`` the
-  sides allow (at most 4: those with the fewest halo values per device and convolution,
-  ``(h > 1) * W / w + (w > 1) * H / h``), for `plan` to compile."""
-  if isinstance(devices, numbers.Integral):
+  sides allow, for `plan` to compile (the halo sizes do not rank them; at most 4, 16
+  devices or more having more splits: those with the fewest halo values per device and
+  convolution, ``(h > 1) * W / w + (w > 1) * H / h``)."""
+  what = ("jmem.plan(devices=...) takes a number of devices or a non-empty sequence of "
+          "distinct jax.Device (a mesh goes to mesh=, with data_axis= and spatial_axes=)")
+  if isinstance(devices, numbers.Integral) and not isinstance(devices, bool):
     if not 1 <= devices <= jax.device_count():
       raise ValueError(f"jmem.plan(devices={devices}): there are {jax.device_count()} devices "
                        "(give a number from 1 to that, or a sequence of devices).")
     devices = jax.devices()[:devices]
+  if isinstance(devices, (bool, str, Mesh)) or not isinstance(devices, Sequence):
+    raise TypeError(f"{what}; got {devices!r}.")
   devices = list(devices)
   n = len(devices)
-  if not n or not all(isinstance(d, jax.Device) for d in devices):
-    raise TypeError(f"jmem.plan(devices=...) takes a number of devices or a non-empty sequence "
-                    f"of jax.Device, got {devices!r}.")
+  if not n or not all(isinstance(d, jax.Device) for d in devices) or len(set(devices)) < n:
+    raise TypeError(f"{what}; got {devices!r}.")
   if n == 1:
     return [(None, None, None)], None
   data = max(k for k in range(1, n + 1) if n % k == 0 and batch % k == 0)
@@ -998,6 +1009,7 @@ def _hw(layout) -> str:
   """``h x w`` of a `_Layout` with jmem.Spatial."""
   shape = layout.mesh.shape
   return "x".join(str(shape[a]) if a is not None else "1" for a in layout.base[0].axes)
+
 
 def _has_spatial(model) -> bool:
   if isinstance(model, nnx.Module):

@@ -274,13 +274,13 @@ def test_devices_are_laid_out_batch_first_then_h_and_w():
     lay_out(8, 1, images(1, 30, 30))
   with pytest.raises(ValueError, match="there are 8 devices"):
     lay_out(9, 8, images(8))
-  with pytest.raises(TypeError, match="jax.Device"):
-    lay_out(["gpu:0"], 8, images(8))
+  for bad in (["gpu:0"], [jax.devices()[0]] * 2, True, 8.0):   # repeated, not a count
+    with pytest.raises(TypeError, match="distinct jax.Device"):
+      lay_out(bad, 8, images(8))
 
   model, y = tp.FunctionalCNN(), jax.ShapeDtypeStruct((2,), jnp.int32)
   optimizer = train.default_optimizer(1e-3, 100)
-  p = plan_lib.plan(model, (images(2), y), "2MiB", devices=8, optimizer=optimizer,
-                    max_batch=False)
+  p = plan_lib.plan(model, (images(2), y), "2MiB", devices=8, optimizer=optimizer)
   assert any(n.startswith("devices=8: the batch of 2 is split over 2") for n in p.notes)
   # H x W over the other 4 every way (1x4, 4x1, 2x2), each exact step compiled by hand:
   # the plan's mesh is, of those within 2% of the fewest bytes, the one with the fewest
@@ -294,19 +294,28 @@ def test_devices_are_laid_out_batch_first_then_h_and_w():
         jmem.measure.device_bytes_and_flops(step)[0],
         sum(jmem.measure.collective_counts(step.as_text()).values()))
   assert sorted(exact) == [(2, 1, 4), (2, 2, 2), (2, 4, 1)]
+  # Each split's own compile is in the notes (2x2 has more collectives than the others).
+  note = next(n for n in p.notes if n.startswith("H x W split every way"))
+  for (_, h, w), (_, count) in exact.items():
+    assert f"{h}x{w} " in note and f"{h}x{w} {plan_lib._size(exact[(2, h, w)][0])} with " \
+        f"{count} collectives" in note, (exact, note)   # pylint: disable=protected-access
+  assert exact[(2, 2, 2)][1] > exact[(2, 1, 4)][1]
   least = min(b for b, _ in exact.values())
   best = min((k for k in exact if exact[k][0] <= 1.02 * least),
              key=lambda k: exact[k][::-1])
   assert tuple(p.mesh.shape.values()) == best and p.devices == 8, (exact, p.table())
   assert p.exact_device_bytes == exact[best][0] and p.measured[0][0] == "exact"
   assert p.to_json()["mesh"] == dict(zip(("data", "h", "w"), best))
+  assert json.loads(json.dumps(p.to_json()))["base"][0].startswith("jmem.Spatial")
+  assert p.compiles == 4 and p.max_batch % 2 == 0 and p.max_batch >= 2   # 3 splits, small
   spatial = p.techniques[0]
   assert isinstance(spatial, jmem.Spatial) and spatial.mesh == p.mesh
   assert plan_lib.step_cost(jmem.convert(model, *p.techniques), optimizer, images(2), y,
                             mesh=p.mesh, specs=(P("data", *spatial.axes), P("data"))
                             )[0] == p.device_bytes
-  with pytest.raises(ValueError, match="not both"):
-    plan_lib.plan(model, (images(2), y), "2MiB", devices=8, mesh=p.mesh)
+  for both in (dict(mesh=p.mesh), dict(data_axis="data"), dict(spatial_axes=None)):
+    with pytest.raises(ValueError, match="not both"):
+      plan_lib.plan(model, (images(2), y), "2MiB", devices=8, **both)
 
 
 def test_budgets_and_bad_input():
@@ -347,12 +356,13 @@ def test_budgets_and_bad_input():
 def test_plan_cli(tmp_path):
   out = tmp_path / "out"
   code = cli.main(["plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "32",
-                   "--budget", "4MiB", "--mesh", "2", "--output-dir", str(out), "--json"])
+                   "--budget", "4MiB", "--devices", "2", "--output-dir", str(out), "--json"])
   written = json.loads((out / "plan.json").read_text())
   assert code == (0 if written["fits"] else 1)
   assert written["budget_bytes"] == 4 * 2**20 and written["choices"]
   assert any("per device (2 devices)" in n for n in written["notes"]), written["notes"]
   assert written["devices"] == 2 and "per device of 2" in (out / "plan.md").read_text()
+  assert written["mesh"] == {"data": 2}          # 32 splits over both: data parallelism
   assert (out / "plan.md").exists() and (out / "plan_front.png").exists()
   for bad in (["--budget", "sixteen"], ["--mesh", "2y4"], ["--mesh", "0x2x4"], ["--mesh", "2x4"],
               ["--mesh", "2x4x4"],                 # 32 devices: the tests have 8
