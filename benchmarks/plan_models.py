@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jmem  # noqa: E402
 import third_party_models as tp  # noqa: E402
@@ -71,12 +70,10 @@ def main():
     seconds = time.time() - t0
     uniform = {}
     under = [t for t in result.base if isinstance(t, jmem.Spatial)]   # with a spatial mesh
-    # The plan's shardings: the batch over the data axis, H and W over Spatial's axes.
-    axes = (under[0].data_axis, *under[0].axes) if under else ("data",)
-    specs = (P(*axes), P(*axes)) if result.mesh is not None else None
-    for label, kw in UNIFORM.items():
+    for label, kw in UNIFORM.items():       # on the plan's mesh, with its batch shardings
       total, flops = planner.step_cost(jmem.convert(model, *under, jmem.Policy(**kw)),
-                                       optimizer, x, y, mesh=result.mesh, specs=specs)
+                                       optimizer, x, y, mesh=result.mesh,
+                                       specs=result.batch_specs)
       uniform[label] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                             fits=total <= result.budget_bytes)
     rows.append(dict(case=name, budget=budget, plan=result.to_json(), seconds=seconds,

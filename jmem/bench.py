@@ -161,19 +161,12 @@ def _log(msg: str, quiet: bool) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _abstract_state(fns, optimizer, x_spec):
-  """The train state's shapes (nothing is computed)."""
-  return jax.eval_shape(
-      lambda k, x: train_lib.init_state(fns, optimizer, k, x), jax.random.key(0),
-      jax.ShapeDtypeStruct((1,) + x_spec.shape[1:], x_spec.dtype))
-
-
 def step_memory(fns, optimizer, x_spec, y_spec, *, step=None) -> tuple[int, int]:
   """``(saved activation bytes, compiled temp bytes)`` of a whole train step, compile-only.
 
   ``step`` is the jitted step to compile (default: a fresh non-donating one).
   """
-  abstract = _abstract_state(fns, optimizer, x_spec)
+  abstract = train_lib.abstract_state(fns, optimizer, x_spec)
   step = step or train_lib.make_train_step(fns, optimizer, donate=False)
   temp = measure.compiled_memory(step, abstract, x_spec, y_spec).temp_bytes
   return saved_bytes(fns, optimizer, x_spec, y_spec, abstract=abstract), temp
@@ -181,7 +174,7 @@ def step_memory(fns, optimizer, x_spec, y_spec, *, step=None) -> tuple[int, int]
 
 def saved_bytes(fns, optimizer, x_spec, y_spec, *, abstract=None) -> int:
   """Activation bytes the train step's loss saves for its backward pass (traced only)."""
-  abstract = abstract or _abstract_state(fns, optimizer, x_spec)
+  abstract = abstract or train_lib.abstract_state(fns, optimizer, x_spec)
   loss = train_lib.make_loss(fns)
   rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
@@ -192,7 +185,7 @@ def saved_bytes(fns, optimizer, x_spec, y_spec, *, abstract=None) -> int:
 def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0)) -> measure.BatchFit:
   """`jmem.measure.fit_batch` of the (donating) train step: device bytes at the batch of
   ``x_spec`` and at twice it, and the largest batch under each budget (GiB)."""
-  abstract = _abstract_state(fns, optimizer, x_spec)
+  abstract = train_lib.abstract_state(fns, optimizer, x_spec)
   step = train_lib.make_train_step(fns, optimizer, donate=True)
 
   def compile_at(b):

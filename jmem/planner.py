@@ -110,6 +110,7 @@ from jmem import train as train_lib
 from jmem._technique import BenchTechnique
 from jmem.ops.actnn import technique as actnn_technique
 from jmem.ops.policy import Policy
+from jmem.parallel.data_parallel import data_parallel
 from jmem.techniques import register_technique
 
 __all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share", "step_cost",
@@ -221,6 +222,8 @@ class Plan:
       share on one device.
     mesh: the `jax.sharding.Mesh` the steps were compiled on (``mesh=``, or the one
       ``devices=`` made: train on it; None: one device).
+    batch_specs: the `PartitionSpec` of a batch's x and y on ``mesh``, as compiled (None:
+      one device). `Plan.model_fns` trains the planned model so.
   """
 
   budget_bytes: int
@@ -241,11 +244,28 @@ class Plan:
   measured: tuple[tuple[str, int, float], ...] = ()
   devices: int = 1
   mesh: Any = None
+  batch_specs: tuple | None = None
 
   @property
   def techniques(self) -> tuple:
     """What to pass to `jmem.convert` (empty: the exact model fits)."""
     return tuple(self.base) + _policies(self.choices)
+
+  def model_fns(self, model) -> train_lib.ModelFns:
+    """The planned model as `jmem.train.ModelFns`, for `jmem.train.train`: ``model`` (the
+    one planned; an NNX model is converted in place, as by `jmem.convert`) converted with
+    `techniques` and, on ``mesh``, its train state replicated and each batch's x sharded
+    by ``batch_specs`` (`jmem.train` shards the labels by their first axis). With the
+    batch split over a data axis alone, it is `jmem.parallel.data_parallel`'s (on a GPU,
+    XLA for the kernels, as the plan compiled it)."""
+    converted = surgery.convert(model, *self.techniques) if self.techniques else model
+    if self.mesh is None:
+      return train_lib.model_fns(converted)
+    x_spec = self.batch_specs[0]
+    if not any(isinstance(t, surgery.Spatial) for t in self.base):
+      return data_parallel(converted, self.mesh, axis=x_spec[0])
+    return train_lib.model_fns(converted)._replace(
+        sharding=NamedSharding(self.mesh, P()), batch_sharding=NamedSharding(self.mesh, x_spec))
 
   @property
   def approximate(self) -> bool:
@@ -280,9 +300,11 @@ class Plan:
     return self.table()
 
   def to_json(self) -> dict[str, Any]:
-    out = dataclasses.asdict(dataclasses.replace(self, mesh=None))
+    out = dataclasses.asdict(dataclasses.replace(self, mesh=None, base=(), batch_specs=None))
     out["mesh"] = None if self.mesh is None else dict(self.mesh.shape)
     out["base"] = [_short(t) for t in self.base]            # Spatial holds a Mesh
+    out["batch_specs"] = None if self.batch_specs is None else [
+        [a if a is None or isinstance(a, str) else list(a) for a in s] for s in self.batch_specs]
     out["choices"] = [dict(dataclasses.asdict(c), policy=c.label) for c in self.choices]
     out["techniques"] = [repr(t) for t in self.techniques]
     return out
@@ -308,12 +330,12 @@ def compile_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None
   `jmem.plan(mesh=...)` compiles it: its figures are then per device."""
   fns = train_lib.model_fns(model)
   if abstract is None:
-    abstract = jax.eval_shape(lambda k, v: train_lib.init_state(fns, optimizer, k, v),
-                              jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
+    abstract = train_lib.abstract_state(fns, optimizer, x)
+  if (mesh is None) != (specs is None) or specs is not None and (
+      isinstance(specs, P) or len(specs) != 2 or not all(isinstance(s, P) for s in specs)):
+    raise ValueError(f"compile_step takes mesh= and specs=(x's PartitionSpec, y's) together "
+                     f"(or neither: one device), got mesh={mesh!r}, specs={specs!r}.")
   if mesh is not None:
-    if specs is None or len(specs) != 2:
-      raise ValueError(f"compile_step(mesh=...) needs specs=(x's PartitionSpec, y's), got "
-                       f"{specs!r}.")
     on = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                               sharding=NamedSharding(mesh, spec))
     x, y = on(x, specs[0]), on(y, specs[1])
@@ -427,8 +449,7 @@ def _estimate_sites(model, optimizer, x, y, paths) -> tuple[list[_Site], float]:
         record("/".join(context.module.scope.path), args)
       return next_fun(*args, **kwargs)
     calls = lambda: nn.intercept_methods(intercept)
-  abstract = jax.eval_shape(lambda k, v: train_lib.init_state(fns, optimizer, k, v),
-                            jax.random.key(0), jax.ShapeDtypeStruct((1,) + x.shape[1:], x.dtype))
+  abstract = train_lib.abstract_state(fns, optimizer, x)
   loss = train_lib.make_loss(fns)
   rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
@@ -592,8 +613,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     devices: instead of ``mesh``, ``data_axis`` and ``spatial_axes``: a number of devices
       (the first of `jax.devices()`) or a sequence of them, which the planner lays out: the
       batch over as many as divide it (data parallelism: no halo exchange), the image's H
-      and W over the rest (``jmem.Spatial``; split every way the sides allow, at most 4,
-      each exact step compiled: of those within 2% of the fewest device bytes, the one
+      and W over the rest (``jmem.Spatial``; split every way the sides allow, at most 4
+      (`_lay_out`), each exact step compiled: of those within 2% of the fewest device bytes, the one
       with the fewest collectives; those compiles are in ``Plan.compiles`` and not counted
       against ``max_compiles``). ``Plan.mesh`` is the mesh it made.
 
@@ -644,8 +665,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   fns = train_lib.model_fns(model)
   trace_batch = max(2, min(int(x.shape[0]), 8))
   xs, ys = spec(x, trace_batch), spec(y, trace_batch)
-  abstract = jax.eval_shape(lambda k, v: train_lib.init_state(fns, optimizer, k, v),
-                            jax.random.key(0), spec(x, 1))
+  abstract = train_lib.abstract_state(fns, optimizer, x)
   paths = _default_sites(model, jnp.zeros(xs.shape, xs.dtype))
   if not paths:
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
@@ -688,19 +708,21 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
   compiles, measured = 0, []                  # measured: the steps compiled at the batch
 
-  def compiled(techniques, b, what=None, collectives=None):
-    """``(device bytes, FLOPs)`` of the step compiled on ``layout``; ``collectives``: a
-    list the compiled HLO's collective count is appended to."""
+  def compiled(techniques, b, what=None, collectives=None, on=None):
+    """``(device bytes, FLOPs)`` of the step compiled on the `_Layout` ``on`` (default:
+    ``layout``); ``collectives``: a list the compiled HLO's collective count is appended
+    to."""
     nonlocal compiles
     compiles += 1
-    techniques = layout.base + tuple(techniques)
+    on = on or layout
+    techniques = on.base + tuple(techniques)
     m = _converted(model, techniques) if techniques else model
     # Data parallel alone on a GPU: XLA, not a Pallas call, as data_parallel trains it.
     with (_backends.automatic_xla("jmem.plan compiles the step with its batch split over "
                                   "the data axis (XLA cannot split a Pallas call over it)")
-          if layout.xla else contextlib.nullcontext()):
+          if on.xla else contextlib.nullcontext()):
       step = compile_step(m, optimizer, spec(x, b), spec(y, b), abstract=abstract,
-                          mesh=layout.mesh, specs=(layout.spec(x), layout.spec(y)))
+                          mesh=on.mesh, specs=on.specs(x, y))
     out = measure.device_bytes_and_flops(step)
     if collectives is not None:
       collectives.append(sum(measure.collective_counts(step.as_text()).values()))
@@ -712,9 +734,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   # halo sizes do not rank them: plan_layouts.md); of those within 2% of the fewest device
   # bytes, the fewest collectives, then the fewest bytes.
   if len(layouts) > 1:
-    tried, counts = [], []
-    for layout in layouts:                    # compiled() compiles on `layout`
-      tried.append(compiled((), batch, collectives=counts))
+    counts = []
+    tried = [compiled((), batch, collectives=counts, on=on) for on in layouts]
     least = min(b for b, _ in tried)
     pick = min((i for i, (b, _) in enumerate(tried) if b <= 1.02 * least),
                key=lambda i: (counts[i], tried[i][0]))
@@ -852,7 +873,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   front = tuple(predicted(s_) for s_ in walk)
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
-              base + under, tuple(measured), layout.shards, layout.mesh)
+              base + under, tuple(measured), layout.shards, layout.mesh,
+              layout.specs(x, y))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -864,8 +886,8 @@ class _Layout:
     shards: the devices one step's activations are split over (data x H x W).
     multiple: the data axis's size: the batch sizes compiled are multiples of it.
     mesh: the mesh (None: one device).
-    spec: array -> its `PartitionSpec` for a batch's arrays (the train state is
-      replicated).
+    specs: ``(x, y) -> (x's PartitionSpec, y's)`` for a batch (the train state is
+      replicated; None on one device).
     note: what the figures are, for the plan's notes (None: one device).
     xla: data parallelism alone: on a GPU the kernels' automatic choice is XLA, as
       `jmem.parallel.data_parallel` trains it.
@@ -875,7 +897,7 @@ class _Layout:
   shards: int = 1
   multiple: int = 1
   mesh: Any = None
-  spec: Any = lambda a: None
+  specs: Any = lambda x, y: None
   note: str | None = None
   xla: bool = False
 
@@ -936,6 +958,7 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
   def spec(a):      # images and per-pixel labels over (data, H, W), other labels over data
     return (P(data_axis, *axes, *[None] * (len(a.shape) - 3)) if spatial and len(a.shape) >= 3
             else P(data_axis))
+  specs = lambda x, y: (spec(x), spec(y))
   shards = math.prod(mesh.shape[a] for a in named)
   split = ([f"the batch over {data_axis!r}"] if data_axis is not None else []) + (
       [f"H and W over {axes} (jmem.Spatial)"] if spatial else [])
@@ -947,7 +970,7 @@ def _layout(model, mesh, axes, data_axis, x, batch: int) -> _Layout:
            "SyncBN does) and on a GPU the kernels' automatic choice is XLA (XLA cannot split "
            "a Pallas call over the batch): train it so, jmem.parallel.data_parallel(model, "
            f"mesh, axis={data_axis!r})" if xla else ""))
-  return _Layout(base, shards, multiple, mesh, spec, note, xla)
+  return _Layout(base, shards, multiple, mesh, specs, note, xla)
 
 
 def _lay_out(devices, batch: int, x) -> tuple[list, str | None]:
@@ -955,15 +978,17 @@ def _lay_out(devices, batch: int, x) -> tuple[list, str | None]:
   batch over the most devices that divide it and the device count (per device, splitting
   the batch or the image keeps the same share of the activations, and halo exchanges add
   collectives: plan_layouts.md), the image's H x W over the rest, every way ``h x w`` the
-  sides allow, for `plan` to compile (the halo sizes do not rank them; at most 4, 16
-  devices or more having more splits: those with the fewest halo values per device and
-  convolution, ``(h > 1) * W / w + (w > 1) * H / h``)."""
+  sides allow, for `plan` to compile (the halo sizes do not rank them), at most 4: where
+  the devices left for H x W split more ways (12 or more of them), the 4 with the fewest
+  halo values per device and convolution, ``(h > 1) * W / w + (w > 1) * H / h`` (a
+  heuristic)."""
   what = ("jmem.plan(devices=...) takes a number of devices or a non-empty sequence of "
           "distinct jax.Device (a mesh goes to mesh=, with data_axis= and spatial_axes=)")
   if isinstance(devices, numbers.Integral) and not isinstance(devices, bool):
     if not 1 <= devices <= jax.device_count():
-      raise ValueError(f"jmem.plan(devices={devices}): there are {jax.device_count()} devices "
-                       "(give a number from 1 to that, or a sequence of devices).")
+      raise ValueError(f"jmem.plan(devices={devices}) takes a number from 1 to "
+                       f"{jax.device_count()} (the devices there are), or a sequence of "
+                       "devices.")
     devices = jax.devices()[:devices]
   if isinstance(devices, (bool, str, Mesh)) or not isinstance(devices, Sequence):
     raise TypeError(f"{what}; got {devices!r}.")
@@ -973,8 +998,9 @@ def _lay_out(devices, batch: int, x) -> tuple[list, str | None]:
     raise TypeError(f"{what}; got {devices!r}.")
   if n == 1:
     return [(None, None, None)], None
-  data = max(k for k in range(1, n + 1) if n % k == 0 and batch % k == 0)
+  data = math.gcd(n, batch)
   rest = n // data
+  fewer = max(k for k in range(1, n + 1) if batch % k == 0)     # devices the batch splits over
   axis_types = (jax.sharding.AxisType.Auto,) * 3
   if rest == 1:
     mesh = jax.make_mesh((n,), ("data",), axis_types=axis_types[:1], devices=devices)
@@ -987,7 +1013,7 @@ def _lay_out(devices, batch: int, x) -> tuple[list, str | None]:
     raise ValueError(f"{took}; the other {rest} would split the image's H and W "
                      f"(jmem.Spatial), which takes NHWC images, not x of shape "
                      f"{tuple(x.shape)}. Give a batch that is a multiple of {n}, or fewer "
-                     f"devices (devices={data}).")
+                     f"devices (devices={fewer}).")
   height, width = x.shape[1:3]
   splits = [(h, rest // h) for h in range(1, rest + 1)
             if rest % h == 0 and height % h == 0 and width % (rest // h) == 0]
@@ -995,7 +1021,7 @@ def _lay_out(devices, batch: int, x) -> tuple[list, str | None]:
     raise ValueError(f"{took}; the other {rest} would split the image's H x W = {height} x "
                      f"{width}, and no h x w = {rest} divides it. Give a batch that is a "
                      f"multiple of {n}, an image size that {rest} divides, or fewer devices "
-                     f"(devices={data}).")
+                     f"(devices={fewer}).")
   splits = sorted(splits, key=lambda s: ((s[0] > 1) * width / s[1] + (s[1] > 1) * height / s[0],
                                          (s[0] > 1) + (s[1] > 1), -s[1]))[:4]
   out = [(jax.make_mesh((data, h, w), ("data", "h", "w"), axis_types=axis_types,
@@ -1119,7 +1145,7 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
   os.makedirs(output_dir, exist_ok=True)
   paths = [os.path.join(output_dir, f"{stem}.{ext}") for ext in ("json", "md")]
   with open(paths[0], "w") as f:
-    json.dump(plan_.to_json(), f, indent=1, default=str)
+    json.dump(plan_.to_json(), f, indent=1)
   with open(paths[1], "w") as f:
     f.write("# jmem plan\n\n" + plan_.table() + "\n")
   try:

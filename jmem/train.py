@@ -38,6 +38,7 @@ _LOG = logging.getLogger("jmem")
 
 __all__ = [
     "ModelFns", "TrainState", "TrainConfig", "TrainResult", "model_fns", "init_state",
+    "abstract_state",
     "check_batch", "make_loss", "make_train_step", "evaluate", "default_optimizer", "train",
     "override_params", "check_learning_rate", "takes_train",
 ]
@@ -259,6 +260,13 @@ def init_state(fns: ModelFns, optimizer: optax.GradientTransformation, key: jax.
   """Initialises parameters, model state and optimiser state (works under eval_shape)."""
   params, model_state = fns.init(key, example_x)
   return TrainState(jnp.zeros((), jnp.int32), params, model_state, optimizer.init(params))
+
+
+def abstract_state(fns: ModelFns, optimizer: optax.GradientTransformation, x) -> TrainState:
+  """The train state's shapes for a batch like ``x`` (an array or ShapeDtypeStruct; one
+  example is traced, nothing is computed)."""
+  return jax.eval_shape(lambda k, v: init_state(fns, optimizer, k, v), jax.random.key(0),
+                        jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype))
 
 
 def override_params(params, initial):

@@ -254,8 +254,10 @@ def test_a_data_axis_splits_the_batch_with_or_without_spatial():
 
 def test_devices_are_laid_out_batch_first_then_h_and_w():
   """``devices=N``: the batch over the most devices that divide it, H x W over the rest
-  (the split with the fewest halo values per device); the plan's bytes are the converted
-  model's compiled on that mesh by hand; what cannot be laid out is refused."""
+  (each split's exact step compiled: of those within 2% of the fewest bytes, the fewest
+  collectives); the plan's bytes are the converted model's compiled on that mesh, and
+  trained there (plan.model_fns) it gives one device's losses; what cannot be laid out is
+  refused."""
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   images = lambda b, h=32, w=32: jax.ShapeDtypeStruct((b, h, w, 3), jnp.float32)
   shape = lambda mesh: {a: n for a, n in mesh.shape.items() if n > 1}
@@ -272,7 +274,7 @@ def test_devices_are_laid_out_batch_first_then_h_and_w():
     lay_out(8, 2, jax.ShapeDtypeStruct((2, 4, 16, 16, 1), jnp.float32))
   with pytest.raises(ValueError, match="no h x w = 8 divides"):
     lay_out(8, 1, images(1, 30, 30))
-  with pytest.raises(ValueError, match="there are 8 devices"):
+  with pytest.raises(ValueError, match="from 1 to 8"):
     lay_out(9, 8, images(8))
   for bad in (["gpu:0"], [jax.devices()[0]] * 2, True, 8.0):   # repeated, not a count
     with pytest.raises(TypeError, match="distinct jax.Device"):
@@ -304,6 +306,7 @@ def test_devices_are_laid_out_batch_first_then_h_and_w():
   best = min((k for k in exact if exact[k][0] <= 1.02 * least),
              key=lambda k: exact[k][::-1])
   assert tuple(p.mesh.shape.values()) == best and p.devices == 8, (exact, p.table())
+  assert min(exact, key=lambda k: exact[k][0]) != best     # bytes alone would pick 2x2
   assert p.exact_device_bytes == exact[best][0] and p.measured[0][0] == "exact"
   assert p.to_json()["mesh"] == dict(zip(("data", "h", "w"), best))
   assert json.loads(json.dumps(p.to_json()))["base"][0].startswith("jmem.Spatial")
@@ -316,6 +319,28 @@ def test_devices_are_laid_out_batch_first_then_h_and_w():
   for both in (dict(mesh=p.mesh), dict(data_axis="data"), dict(spatial_axes=None)):
     with pytest.raises(ValueError, match="not both"):
       plan_lib.plan(model, (images(2), y), "2MiB", devices=8, **both)
+  with pytest.raises(ValueError, match="together"):
+    plan_lib.compile_step(model, optimizer, images(2), y, mesh=p.mesh, specs=P("data", "w"))
+
+  # Trained on the plan's mesh (plan.model_fns), two steps give one device's losses.
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  xb = rng.normal(size=(2, 32, 32, 3)).astype(np.float32)
+  yb = rng.integers(0, 10, 2).astype(np.int32)
+  losses = []
+  for fns in (train.model_fns(model), p.model_fns(model)):
+    state = train.init_state(fns, optimizer, jax.random.key(0), xb[:1])
+    xs, ys = xb, yb
+    if fns.batch_sharding is not None:
+      assert fns.batch_sharding.spec == p.batch_specs[0]
+      state = jax.device_put(state, fns.sharding)
+      xs = jax.device_put(xb, fns.batch_sharding)
+      ys = jax.device_put(yb, NamedSharding(p.mesh, p.batch_specs[1]))
+    step = train.make_train_step(fns, optimizer)
+    for _ in range(2):
+      state, metrics = step(state, xs, ys)
+      losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses[2:], losses[:2], rtol=1e-5)
 
 
 def test_budgets_and_bad_input():
