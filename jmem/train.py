@@ -322,10 +322,12 @@ def make_loss(fns: ModelFns) -> Callable[..., tuple[jax.Array, tuple[jax.Array, 
 
 
 def _mean(v, mask):
-  """Mean of ``v`` over the examples ``mask`` keeps (all for None; 0 if it keeps none)."""
+  """Mean of ``v`` (one value per example, or per pixel) over the examples ``mask`` keeps
+  (all for None; 0 if it keeps none)."""
   if mask is None:
     return v.mean()
-  w = mask.astype(jnp.float32)
+  w = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (v.ndim - 1)), v.shape)
+  w = w.astype(jnp.float32)
   return jnp.sum(v * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
@@ -421,14 +423,15 @@ def global_batch(fns: ModelFns, x_all: np.ndarray, y_all: np.ndarray, idx: np.nd
 
   xs, ys = fns.batch_sharding, _rows_sharding(fns.batch_sharding)
   x = jax.make_array_from_callback((size,) + x_all.shape[1:], xs, lambda i: take(x_all, i))
-  y = jax.make_array_from_callback((size,), ys, lambda i: take(y_all, i))
+  y = jax.make_array_from_callback((size,) + y_all.shape[1:], ys, lambda i: take(y_all, i))
   m = None if mask is None else jax.make_array_from_callback((size,), ys, lambda i: mask[i])
   return x, y, m
 
 
 def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
              batch_size: int = 256) -> float:
-  """Top-1 accuracy of the model in eval mode (running statistics, no dropout).
+  """Top-1 accuracy of the model in eval mode (running statistics, no dropout): over the
+  labels, one per example or per pixel (segmentation: pixel accuracy).
 
   The last batch is padded to the size of the others and the jitted prediction is kept per
   ``fns.apply``, so repeated evaluations compile once. On a mesh (``fns.batch_sharding``)
@@ -449,7 +452,7 @@ def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
       xb, yb, mb = global_batch(fns, x, y, idx, size)
       correct += int(count(state.params, state.model_state, xb, yb,
                            full if mb is None else mb))
-    return correct / len(x)
+    return correct / np.size(y)
   predict = _predict_fn(fns.apply)
   # A model run on a mesh (fns.sharding) splits the batch over its devices: every batch,
   # the padded last one included, is a multiple of the mesh size (a test set smaller than
@@ -464,7 +467,7 @@ def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
       xb = np.concatenate([xb, np.zeros((size - n,) + xb.shape[1:], xb.dtype)])
     logits = predict(state.params, state.model_state, jnp.asarray(xb))[:n]
     correct += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(y[i:i + n])))
-  return correct / len(x)
+  return correct / np.size(y)
 
 
 @functools.lru_cache(maxsize=16)
@@ -478,6 +481,7 @@ def _predict_fn(apply: Callable[..., Any]) -> Callable[..., jax.Array]:
 def _count_correct_fn(apply: Callable[..., Any]) -> Callable[..., jax.Array]:
   def count(params, model_state, x, y, valid):
     logits = apply(params, model_state, x, train=False)[0]
+    valid = valid.reshape(valid.shape + (1,) * (y.ndim - 1))     # per-pixel labels
     return jnp.sum((jnp.argmax(logits, -1) == y) & valid)
   return measure.jit(count)
 
