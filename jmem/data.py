@@ -22,7 +22,8 @@ class Dataset:
   Attributes:
     name: what it is, with its parameters.
     x_train: ``float32[N, H, W, C]`` images or ``float32[N, T, H, W, C]`` clips.
-    y_train: ``int32[N]`` labels in ``[0, num_classes)``.
+    y_train: ``int32[N]`` labels in ``[0, num_classes)`` (or ``int32[N, H, W]``, one per
+      pixel, for segmentation).
     x_test: like ``x_train``.
     y_test: like ``y_train``.
     num_classes: number of classes.

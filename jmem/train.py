@@ -368,9 +368,12 @@ def _data_shards(sharding) -> int:
   return math.prod(sharding.mesh.shape[n] for n in names)
 
 
-def _rows_sharding(sharding) -> NamedSharding:
-  """The labels' and the mask's sharding: the partitioning of ``sharding``'s first axis."""
-  return NamedSharding(sharding.mesh, P(sharding.spec[0] if len(sharding.spec) else None))
+def _rows_sharding(sharding, ndim: int = 1) -> NamedSharding:
+  """The sharding of ``ndim``-dimensional labels (per example: 1; per pixel: 3) and of the
+  mask: the partitioning of ``sharding``'s first ``ndim`` axes (per-pixel labels split
+  over H and W as the images are)."""
+  spec = (tuple(sharding.spec) + (None,) * ndim)[:ndim]
+  return NamedSharding(sharding.mesh, P(*spec))
 
 
 def _check_takes_mask(fns: ModelFns) -> None:
@@ -423,7 +426,9 @@ def global_batch(fns: ModelFns, x_all: np.ndarray, y_all: np.ndarray, idx: np.nd
 
   xs, ys = fns.batch_sharding, _rows_sharding(fns.batch_sharding)
   x = jax.make_array_from_callback((size,) + x_all.shape[1:], xs, lambda i: take(x_all, i))
-  y = jax.make_array_from_callback((size,) + y_all.shape[1:], ys, lambda i: take(y_all, i))
+  y = jax.make_array_from_callback((size,) + y_all.shape[1:],
+                                   _rows_sharding(fns.batch_sharding, y_all.ndim),
+                                   lambda i: take(y_all, i))
   m = None if mask is None else jax.make_array_from_callback((size,), ys, lambda i: mask[i])
   return x, y, m
 

@@ -183,9 +183,12 @@ def test_step_and_evaluate_compile_once(technique):
 
 
 def test_evaluate_per_pixel_labels_is_pixel_accuracy():
-  """Segmentation (one label per pixel): the accuracy is over the pixels, on one device and
-  with the batch split over a data axis (it was correct pixels per image, and on a mesh the
-  row mask did not broadcast over the pixels)."""
+  """Segmentation (one label per pixel): the accuracy is over the pixels, on one device,
+  with the batch split over a data axis (padded) and with the images and labels split over
+  data x H; trained so, the parameters are one device's (it was correct pixels per image,
+  and on a mesh the row mask did not broadcast over the pixels)."""
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from jmem.parallel import data_parallel  # pylint: disable=g-import-not-at-top
 
   class PerPixel(nn.Module):
@@ -194,8 +197,8 @@ def test_evaluate_per_pixel_labels_is_pixel_accuracy():
       return nn.Conv(3, (3, 3))(x)
 
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(6, 8, 8, 1)).astype(np.float32)
-  y = rng.integers(0, 3, (6, 8, 8)).astype(np.int32)
+  x = rng.normal(size=(6, 6, 6, 1)).astype(np.float32)
+  y = rng.integers(0, 3, (6, 6, 6)).astype(np.int32)
   plain = train.model_fns(PerPixel())
   state = train.init_state(plain, train.default_optimizer(1e-3, 10), jax.random.key(0),
                            jnp.asarray(x[:1]))
@@ -203,16 +206,22 @@ def test_evaluate_per_pixel_labels_is_pixel_accuracy():
   want = float(np.mean(np.argmax(np.asarray(logits), -1) == y))
   assert 0 < want < 1
   assert train.evaluate(plain, state, x, y, batch_size=4) == pytest.approx(want)
-  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-  split = data_parallel(PerPixel(), mesh)      # 6 rows on 4 devices: padded, masked
-  assert train.evaluate(split, state, x, y) == pytest.approx(want)
-  # Trained so, the padded rows' pixels are left out of the loss: one device's parameters.
+  split = data_parallel(PerPixel(), jax.make_mesh((4,), ("data",), devices=jax.devices()[:4]))
+  cube = jax.make_mesh((2, 2), ("data", "h"), devices=jax.devices()[:4])
+  tiled = plain._replace(sharding=NamedSharding(cube, P()),
+                         batch_sharding=NamedSharding(cube, P("data", "h", None, None)))
+  _, labels, _ = train.global_batch(tiled, x, y, np.arange(6), 6)
+  assert labels.sharding.spec == P("data", "h", None)         # split as the images are
   ds = data.Dataset("per-pixel labels", x, y, x, y, 3)
   config = train.TrainConfig(steps=3, batch_size=6, progress=False)
-  one, sharded = (train.train(m, ds, config) for m in (PerPixel(), split))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               one.state.params, jax.device_get(sharded.state.params))
-  assert sharded.test_accuracy == pytest.approx(one.test_accuracy) and 0 < one.test_accuracy < 1
+  one = train.train(PerPixel(), ds, config)
+  for fns in (split, tiled):       # 6 rows on 4 devices: padded, masked; 2 x 2: not padded
+    assert train.evaluate(fns, state, x, y, batch_size=4) == pytest.approx(want)
+    other = train.train(fns, ds, config)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 one.state.params, jax.device_get(other.state.params))
+    assert other.test_accuracy == pytest.approx(one.test_accuracy)
+  assert 0 < one.test_accuracy < 1
 
 
 def test_evaluate_on_a_data_axis_any_test_set_size():
