@@ -83,7 +83,7 @@ How:
    (the halo sizes did not rank them).
 
 Not searched: ``offload`` (on CPU, one memory for host and device, it saves nothing, so
-only a GPU compile could measure it).
+only a GPU compile could measure it); 1-bit compression (the ladder stops at 2 bits).
 """
 
 from __future__ import annotations
