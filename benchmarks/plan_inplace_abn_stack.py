@@ -60,7 +60,8 @@ def main():
         f"{jax.__version__}, compile-only). Device bytes and FLOPs of the train step against "
         f"exact ({exact_bytes / 2**20:.2f} MiB), with the policies alone and with "
         "InPlace-ABN on the stem's BatchNorm too.", "",
-        "| policies | bytes, alone | FLOPs, alone | bytes, with InPlace-ABN | FLOPs, with InPlace-ABN |",
+        "| policies | bytes, alone | FLOPs, alone | bytes, with InPlace-ABN | "
+        "FLOPs, with InPlace-ABN |",
         "|---|---:|---:|---:|---:|"]
   for r in rows:
     a, b = r["alone"], r["with InPlace-ABN"]

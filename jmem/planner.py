@@ -257,8 +257,8 @@ class Plan:
   def model_fns(self, model) -> train_lib.ModelFns:
     """The planned model as `jmem.train.ModelFns`, for `jmem.train.train`: ``model`` (the
     one planned; an NNX model is converted in place, as by `jmem.convert`) converted with
-    `techniques` and, on ``mesh``, its train state replicated and each batch's x sharded
-    by ``batch_specs`` (`jmem.train` shards the labels by their first axis). With the
+    `techniques` and, on ``mesh``, its train state replicated and each batch sharded by
+    ``batch_specs`` (`jmem.train` splits per-pixel labels over H and W as the images). With the
     batch split over a data axis alone, it is `jmem.parallel.data_parallel`'s (on a GPU,
     XLA for the kernels, as the plan compiled it)."""
     converted = surgery.convert(model, *self.techniques) if self.techniques else model

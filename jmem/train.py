@@ -326,9 +326,14 @@ def _mean(v, mask):
   (all for None; 0 if it keeps none)."""
   if mask is None:
     return v.mean()
-  w = jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (v.ndim - 1)), v.shape)
-  w = w.astype(jnp.float32)
+  w = jnp.broadcast_to(_per_label(mask, v.ndim), v.shape).astype(jnp.float32)
   return jnp.sum(v * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def _per_label(mask, ndim: int):
+  """The examples' ``mask`` (``[N]``) shaped to broadcast over ``ndim``-dimensional labels
+  (per example: 1; per pixel: 3)."""
+  return mask.reshape(mask.shape + (1,) * (ndim - 1))
 
 
 def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
@@ -424,12 +429,12 @@ def global_batch(fns: ModelFns, x_all: np.ndarray, y_all: np.ndarray, idx: np.nd
       block = np.concatenate([block, np.zeros((pad,) + block.shape[1:], block.dtype)])
     return block
 
-  xs, ys = fns.batch_sharding, _rows_sharding(fns.batch_sharding)
+  xs = fns.batch_sharding
   x = jax.make_array_from_callback((size,) + x_all.shape[1:], xs, lambda i: take(x_all, i))
-  y = jax.make_array_from_callback((size,) + y_all.shape[1:],
-                                   _rows_sharding(fns.batch_sharding, y_all.ndim),
+  y = jax.make_array_from_callback((size,) + y_all.shape[1:], _rows_sharding(xs, y_all.ndim),
                                    lambda i: take(y_all, i))
-  m = None if mask is None else jax.make_array_from_callback((size,), ys, lambda i: mask[i])
+  m = None if mask is None else jax.make_array_from_callback(
+      (size,), _rows_sharding(xs), lambda i: mask[i])
   return x, y, m
 
 
@@ -486,8 +491,7 @@ def _predict_fn(apply: Callable[..., Any]) -> Callable[..., jax.Array]:
 def _count_correct_fn(apply: Callable[..., Any]) -> Callable[..., jax.Array]:
   def count(params, model_state, x, y, valid):
     logits = apply(params, model_state, x, train=False)[0]
-    valid = valid.reshape(valid.shape + (1,) * (y.ndim - 1))     # per-pixel labels
-    return jnp.sum((jnp.argmax(logits, -1) == y) & valid)
+    return jnp.sum((jnp.argmax(logits, -1) == y) & _per_label(valid, y.ndim))
   return measure.jit(count)
 
 
