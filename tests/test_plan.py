@@ -395,17 +395,11 @@ def test_budgets_and_bad_input():
     plan_lib.plan(tp.FunctionalCNN(), (X, jax.ShapeDtypeStruct((8,), jnp.int32)), "50%")
 
 
-def test_plan_cli(tmp_path, capsys):
+def test_plan_cli(tmp_path):
   out = tmp_path / "out"
   code = cli.main(["plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "32",
-                   "--budget", "4MiB", "--devices", "2", "--output-dir", str(out), "--json",
-                   "--verify-steps", "2"])
+                   "--budget", "4MiB", "--devices", "2", "--output-dir", str(out), "--json"])
   written = json.loads((out / "plan.json").read_text())
-  printed = json.loads(capsys.readouterr().out)
-  # --verify-steps: the plan's policies and exact, each trained 2 steps on the digits.
-  assert printed["verify"]["steps"] == 2 and printed["verify"]["image_size"] == 16
-  assert all(0.0 <= printed["verify"]["accuracy"][k] <= 1.0 for k in ("exact", "plan"))
-  assert printed["choices"] == written["choices"]
   assert code == (0 if written["fits"] else 1)
   assert written["budget_bytes"] == 4 * 2**20 and written["choices"]
   assert any("per device (2 devices)" in n for n in written["notes"]), written["notes"]
