@@ -190,7 +190,7 @@ def test_video_transformer_sbp_blocks():
     (_, (logits, _)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(g))
     # The SBP forward is the exact forward: same logits as the keep_ratio=1 twin.
-    _, (exact_logits, _) = loss(params, model.clone(keep_ratio=1.0))
+    _, (exact_logits, _) = jax.jit(loss, static_argnums=1)(params, model.clone(keep_ratio=1.0))
     np.testing.assert_allclose(logits, exact_logits, rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="readout must be"):
     model.clone(readout="cls").init(jax.random.key(0), x)
@@ -206,10 +206,10 @@ def test_video_transformer_sbp_blocks():
   f_rows = lambda p, v, rows: block.apply({"params": p}, v, rows)
   idx = S.sample_indices(jax.random.key(4), tokens, keep_ratio=0.25, axis=1)
   ct = jax.random.normal(jax.random.key(5), tokens.shape)
-  got = jax.grad(lambda p, v: jnp.sum(S.sbp_rows(f_full, f_rows, p, v, idx) * ct),
-                 argnums=(0, 1))(bp, tokens)
-  want = jax.grad(lambda p, v: jnp.sum(S.sbp_rows_reference(f_full, p, v, idx) * ct),
-                  argnums=(0, 1))(bp, tokens)
+  got = jax.jit(jax.grad(lambda p, v: jnp.sum(S.sbp_rows(f_full, f_rows, p, v, idx) * ct),
+                         argnums=(0, 1)))(bp, tokens)
+  want = jax.jit(jax.grad(lambda p, v: jnp.sum(S.sbp_rows_reference(f_full, p, v, idx) * ct),
+                          argnums=(0, 1)))(bp, tokens)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(S.sbp_rows(f_full, f_rows, bp, tokens, idx),
