@@ -23,11 +23,11 @@ How:
    input; recompute from a ``b``-bit input: that input at ``b`` bits plus 1-bit masks) and
    the FLOPs it adds (a recomputation: the site's forward; a quantizer: a few per value).
 2. **A path of upgrades.** From "save everywhere", one site moves one rung up its ladder
-   at a time (save -> compress at 8, 4, 2 bits -> recompute from a 2-bit input; exact
+   at a time (save -> compress at 8, 4, 2, 1 bits -> recompute from a 2-bit input; exact
    only: save -> recompute): every site climbs a rung before any climbs the next (all at
    8 bits before one goes to 4: fewer bits only where the budget needs them), the site
    with the most bytes saved per FLOP added first (a rung that keeps no less is skipped),
-   until the predicted step fits. Down the compression rungs (8 -> 4 -> 2 bits, which add
+   until the predicted step fits. Down the compression rungs (8 -> 4 -> 2 -> 1 bits, which add
    no FLOPs) the order is GACT's instead when the gradient
    sensitivities are known (``calibration_batch=``: measured at 2 bits on a few real
    examples at the initial weights, `jmem.surgery.sensitivities`; or your own
@@ -37,13 +37,14 @@ How:
    ``fixed + batch * (working + sum of the sites' bytes)``, with ``fixed`` and
    ``working`` (what no site holds: the head, inline code, the backward's working set)
    from the compiled exact step at two batch sizes. A tighter budget walks further along
-   the same path, so it needs no fewer FLOPs (with InPlace-ABN, item 4, the cheaper of
+   the same path, so a plan that fits needs no fewer FLOPs (with InPlace-ABN, item 4, the cheaper of
    the walk's plan and a fixed-cost alternative keeps that). Not a proof: the compiles'
    corrections and the undo step depend on the budget, and compiled FLOPs need not grow
    along the path exactly as estimated; the tests and sweeps have not seen it fail.
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the working bytes are corrected by the
-   miss and the walk goes on (at most ``max_compiles`` compiles). With sensitivities, once
+   miss and the walk goes on (at most ``max_compiles`` compiles); if no point fits, the
+   plan is the smallest step compiled. With sensitivities, once
    a plan fits, one more compile tries it with the bit reductions the prediction says the
    budget does not need undone (the one adding the most variance first): the walk lowers
    many small tolerant sites before a large sensitive one, and may not have needed all of
@@ -83,7 +84,7 @@ How:
    (the halo sizes did not rank them).
 
 Not searched: ``offload`` (on CPU, one memory for host and device, it saves nothing, so
-only a GPU compile could measure it); 1-bit compression (the ladder stops at 2 bits).
+only a GPU compile could measure it).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # Rungs of a site's ladder: (policy kind, bits). Approximate policies first climb the bits.
 _APPROXIMATE_LADDER = (("save", None), ("compress", 8), ("compress", 4), ("compress", 2),
-                       ("recompute_compressed", 2))
+                       ("compress", 1), ("recompute_compressed", 2))
 _EXACT_LADDER = (("save", None), ("recompute", None))
 # XLA FLOPs per quantized value, compress and decompress (a measured order of magnitude:
 # ActNN L3 on ResNet-50 costs 1.03x exact's FLOPs); the plan's reported FLOPs are XLA's.
@@ -287,7 +288,7 @@ class Plan:
       lines += ["", "Under every site: " + ", ".join(_short(t) for t in self.base) + "."]
     verdict = ("fits" if self.fits else
                f"does NOT fit: {_size(self.device_bytes - self.budget_bytes)} over; this is "
-               "the plan that goes furthest")
+               "the smallest step compiled")
     lines += ["", f"Budget {_size(self.budget_bytes)} at batch {self.batch_size}: the planned "
               f"step needs {_size(self.device_bytes)} ({verdict}); exact needs "
               f"{_size(self.exact_device_bytes)}. FLOPs "
@@ -623,7 +624,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
-    fits, the plan that goes furthest, with ``fits`` False and its excess in `Plan.table`.
+    fits, the plan whose compiled step is the smallest (exact's included), with ``fits``
+    False and its excess in `Plan.table`.
   """
   fraction = budget_share(budget)
   budget_bytes = parse_bytes(budget) if fraction is None else None
@@ -814,6 +816,20 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     working += (device_bytes - predicted(state)[0]) / batch   # what the model missed
     index = choose(index + 1)
   cut = index > 0 and device_bytes > budget_bytes and index < len(walk) - 1
+  fallback = None
+  if device_bytes > budget_bytes and costs:
+    # Nothing fits: the smallest step compiled, which need not be the last (past a point
+    # the largest block's backward sets the peak, and recomputing adds its own working
+    # set: on ResNet-20 and ResNet-50 recomputing from 2-bit inputs compiles larger than
+    # compressing at 2 bits, benchmarks/results/plan_one_bit.md).
+    tried = {walk[0]: (exact_bytes, exact_flops), **costs}
+    smallest = min((s_ for s_ in tried if s_ in walk), key=lambda s_: tried[s_])
+    if smallest != state:
+      fallback = (f"nothing fits: the plan is the smallest step compiled (walk point "
+                  f"{walk.index(smallest)}, {_size(tried[smallest][0])}), not the last one "
+                  f"compiled (point {index}, {_size(device_bytes)})")
+      state, index = smallest, walk.index(smallest)
+      device_bytes, flops = tried[smallest]
   # InPlace-ABN alone is the plan where it fits at fewer compiled FLOPs than the walk's
   # plan, or fits where that does not, or (nothing fits) comes closer.
   under = ()                                  # techniques under every site (and the base)
@@ -837,9 +853,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                    "|gamma| + epsilon: map existing weights with "
                    "jmem.surgery.inplace_abn_params)")
       under, index, state, device_bytes, flops = (abn,), 0, walk[0], abn_bytes, abn_flops
+      fallback = None
     else:
       notes.append(f"InPlace-ABN alone {why}: the plan is the walk's (InPlace-ABN with "
                    "per-site policies is not searched)")
+  notes += [fallback] if fallback else []
   if sens is not None and index > 0 and device_bytes <= budget_bytes:
     # Once the walk's plan fits: one try with the bit reductions it does not need undone.
     working += (device_bytes - predicted(state)[0]) / batch

@@ -67,6 +67,23 @@ def test_exact_only_plans_keep_the_gradients_exact():
   assert "does NOT fit" in tiny.table() and "over" in tiny.table()
 
 
+def test_where_nothing_fits_the_plan_is_the_smallest_step_compiled():
+  """Past some rung the compiled step grows again (here the last walk point, recomputing
+  from 2-bit inputs, compiles larger than an earlier one): the plan is the smallest."""
+  model = models.create_model("resnet8", 10)
+  x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((64,), jnp.int32)
+  p = plan_lib.plan(model, (x, y), 2**20, max_batch=False)
+  walked = [b for what, b, _ in p.measured if what.startswith("walk point")]
+  assert not p.fits and len(walked) >= 2 and walked[-1] > min(walked), p.measured
+  assert p.device_bytes == min(walked) and p.chosen < len(p.front) - 1
+  assert any(n.startswith("nothing fits: the plan is the smallest step") for n in p.notes)
+  assert "the smallest step compiled" in p.table()
+  step = plan_lib.compile_step(jmem.convert(model, *p.techniques),
+                               train.default_optimizer(1e-3, 100), x, y)
+  assert jmem.measure.device_bytes_and_flops(step)[0] == p.device_bytes
+
+
 def test_a_model_whose_mode_is_a_field():
   """The U-Net takes no ``train=`` at call time (its mode is a field): the loop and the
   planner call it without one; a converted U-Net too."""
@@ -416,6 +433,14 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them():
   assert first_to(4, {"big": 1.0, "small": 100.0}) == ["big"]
   assert first_to(4, {"big": 100.0, "small": 1.0}) == ["small"]   # 2x fewer bytes, 100x safer
   assert first_to(2, {"big": 100.0, "small": 1.0}) == ["small"]
+  assert first_to(1, {"big": 100.0, "small": 1.0}) == ["small"]
+  # The rungs, in the walk's order: every site at 2 bits before any goes to 1 bit, every
+  # site at 1 bit before any recomputes (which adds FLOPs) from a 2-bit input.
+  assert ladder == (("save", None), ("compress", 8), ("compress", 4), ("compress", 2),
+                    ("compress", 1), ("recompute_compressed", 2))
+  walk = plan_lib._upgrade_path(sites, ladder, None)
+  assert all(max(state) - min(state) <= 1 for state in walk), walk
+  assert walk[-1] == (len(ladder) - 1,) * len(sites)      # every rung is taken
   with pytest.raises(ValueError, match="no value for the sites"):
     plan_lib.plan(tp.ThirdPartyResNet(), (X, Y), "1GiB", sensitivities={"conv_init": 1.0})
 
