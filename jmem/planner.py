@@ -43,8 +43,11 @@ How:
    along the path exactly as estimated; the tests and sweeps have not seen it fail.
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the working bytes are corrected by the
-   miss and the walk goes on (at most ``max_compiles`` compiles); if no point fits, the
-   plan is the smallest step compiled. With sensitivities, once
+   miss and the walk goes on (at most ``max_compiles`` compiles). Where the walk's end
+   misses, one more compile tries every site that saves anything on the top rung (the
+   estimates of the last rungs are the least sure: a site the estimate keeps at 1 bit may
+   compile smaller recomputed from 2 bits). If nothing fits, the plan is the smallest step
+   compiled. With sensitivities, once
    a plan fits, one more compile tries it with the bit reductions the prediction says the
    budget does not need undone (the one adding the most variance first): the walk lowers
    many small tolerant sites before a large sensitive one, and may not have needed all of
@@ -211,16 +214,16 @@ class Plan:
     compiles: the steps compiled.
     front: the estimated (device bytes, FLOPs) of each point of the upgrade path, for the
       Pareto plot; ``chosen``: the index of the walk's point the plan is (or, where
-      undoing unneeded bit reductions fitted, the plan started from: same FLOPs; 0 for
-      InPlace-ABN alone).
+      undoing unneeded bit reductions fitted, the plan started from: same FLOPs; the
+      last where every site on the top rung is the plan; 0 for InPlace-ABN alone).
     notes: what was left out of the search and why.
     base: the techniques besides the sites' policies: ``jmem.Spatial(mesh)`` with a
       mesh of spatial axes, then ``InPlaceABN(where=...)`` where InPlace-ABN alone on the
       BatchNorms it can take is the plan (module docstring, item 4; every site then
       saves); else empty.
     measured: ``(what, device bytes, FLOPs)`` of every step compiled at ``batch_size``:
-      "exact", "InPlace-ABN alone", "walk point i" (``front[i]`` compiled), "bit
-      reductions undone".
+      "exact", "InPlace-ABN alone", "walk point i" (``front[i]`` compiled), "every site
+      on the top rung" (the walk's end missed), "bit reductions undone".
     devices: the devices each step's activations are split over (``mesh=`` or
       ``devices=``; 1: one device): the sites' bytes and FLOPs per example are then their
       share on one device.
@@ -797,11 +800,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
 
   costs = {}                                  # walk point -> compiled (bytes, FLOPs)
 
-  def cost(state):
+  def cost(state, what="bit reductions undone"):
     if state not in costs:
       costs[state] = compiled(_policies(choices_of(state)), batch,
-                              f"walk point {walk.index(state)}" if state in walk else
-                              "bit reductions undone")
+                              f"walk point {walk.index(state)}" if state in walk else what)
     return costs[state]
 
   index = choose(0) if exact_bytes > budget_bytes else 0
@@ -816,20 +818,37 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     working += (device_bytes - predicted(state)[0]) / batch   # what the model missed
     index = choose(index + 1)
   cut = index > 0 and device_bytes > budget_bytes and index < len(walk) - 1
+  top = tuple(len(ladder) - 1 if _kept(s_, ladder[-1])[0] < s_.residual_bytes else r
+              for s_, r in zip(sites, state))
+  if (index == len(walk) - 1 > 0 and device_bytes > budget_bytes and top != state and
+      compiles - searched < max_compiles):
+    # The walk's end misses: the estimates of the last rungs are the least sure (a 1-bit
+    # site's packing; a recomputation's own working set), and a site the estimate kept at
+    # 1 bit may compile smaller recomputed from 2 bits. One compile tries every site that
+    # saves anything on the top rung.
+    top_bytes, top_flops = cost(top, "every site on the top rung")
+    if top_bytes <= budget_bytes:
+      notes.append(f"the walk's end missed the budget by {_size(device_bytes - budget_bytes)}; "
+                   "every site that saves anything on the top rung (recomputed from a 2-bit "
+                   "input) fitted: that is the plan")
+      state, device_bytes, flops = top, top_bytes, top_flops
   fallback = None
+  walked = set(walk) | {top}
   if device_bytes > budget_bytes and costs:
     # Nothing fits: the smallest step compiled, which need not be the last (past a point
     # the largest block's backward sets the peak, and recomputing adds its own working
     # set: on ResNet-20 and ResNet-50 recomputing from 2-bit inputs compiles larger than
     # compressing at 2 bits, benchmarks/results/plan_one_bit.md).
     tried = {walk[0]: (exact_bytes, exact_flops), **costs}
-    smallest = min((s_ for s_ in tried if s_ in walk), key=lambda s_: tried[s_])
+    smallest = min((s_ for s_ in tried if s_ in walked), key=lambda s_: tried[s_])
     if smallest != state:
-      fallback = (f"nothing fits: the plan is the smallest step compiled (walk point "
-                  f"{walk.index(smallest)}, {_size(tried[smallest][0])}), not the last one "
-                  f"compiled (point {index}, {_size(device_bytes)})")
-      state, index = smallest, walk.index(smallest)
-      device_bytes, flops = tried[smallest]
+      name = lambda s_: (f"walk point {walk.index(s_)}" if s_ in walk else
+                         "every site on the top rung")
+      fallback = (f"nothing fits: the plan is the smallest step compiled ({name(smallest)}, "
+                  f"{_size(tried[smallest][0])}), not the last one compiled ({name(state)}, "
+                  f"{_size(device_bytes)})")
+      state, device_bytes, flops = smallest, *tried[smallest]
+      index = walk.index(smallest) if smallest in walk else len(walk) - 1
   # InPlace-ABN alone is the plan where it fits at fewer compiled FLOPs than the walk's
   # plan, or fits where that does not, or (nothing fits) comes closer.
   under = ()                                  # techniques under every site (and the base)

@@ -213,6 +213,12 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
   p = plan_lib.plan(model, (x, y), "90%", mesh=mesh, optimizer=optimizer, max_batch=False)
   assert p.fits and p.techniques[0] == jmem.Spatial(mesh), p.table()
   assert any("per device" in n for n in p.notes) and "jmem.Spatial over" in p.table()
+  # The walk's end (a BatchNorm at 1 bit, the other recomputed from 2 bits) compiles over
+  # the budget; both recomputed from 2 bits, the one more compile, fit.
+  assert p.measured[-1][0] == "every site on the top rung", p.measured
+  assert any("on the top rung" in n and "that is the plan" in n for n in p.notes), p.notes
+  assert {(c.kind, c.bits) for c in p.choices if c.kind != "save"} == {
+      ("recompute_compressed", 2)}, p.table()
   one_device = plan_lib.step_cost(model, optimizer, x, y)[0]
   assert p.exact_device_bytes < 0.5 * one_device
   assert plan_lib.step_cost(jmem.convert(model, *p.techniques), optimizer, x, y, mesh=mesh,
