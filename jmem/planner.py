@@ -212,10 +212,11 @@ class Plan:
       with a data axis, the global batch, a multiple of the axis's size.
     exact_max_batch: the same for the exact step (from its two compiles).
     compiles: the steps compiled.
-    front: the estimated (device bytes, FLOPs) of each point of the upgrade path, for the
-      Pareto plot; ``chosen``: the index of the walk's point the plan is (or, where
-      undoing unneeded bit reductions fitted, the plan started from: same FLOPs; the
-      last where every site on the top rung is the plan; 0 for InPlace-ABN alone).
+    front: the estimated (device bytes, FLOPs) of each point of the upgrade path, then,
+      where the plan is every site on the top rung (the walk's end missed), that point's,
+      for the Pareto plot; ``chosen``: the index in it of the point the plan is (or, where
+      undoing unneeded bit reductions fitted, the plan started from: same FLOPs; 0 for
+      InPlace-ABN alone).
     notes: what was left out of the search and why.
     base: the techniques besides the sites' policies: ``jmem.Spatial(mesh)`` with a
       mesh of spatial axes, then ``InPlaceABN(where=...)`` where InPlace-ABN alone on the
@@ -291,7 +292,7 @@ class Plan:
       lines += ["", "Under every site: " + ", ".join(_short(t) for t in self.base) + "."]
     verdict = ("fits" if self.fits else
                f"does NOT fit: {_size(self.device_bytes - self.budget_bytes)} over; this is "
-               "the smallest step compiled")
+               "the smallest step compiled on its layout")
     lines += ["", f"Budget {_size(self.budget_bytes)} at batch {self.batch_size}: the planned "
               f"step needs {_size(self.device_bytes)} ({verdict}); exact needs "
               f"{_size(self.exact_device_bytes)}. FLOPs "
@@ -820,35 +821,45 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   cut = index > 0 and device_bytes > budget_bytes and index < len(walk) - 1
   top = tuple(len(ladder) - 1 if _kept(s_, ladder[-1])[0] < s_.residual_bytes else r
               for s_, r in zip(sites, state))
-  if (index == len(walk) - 1 > 0 and device_bytes > budget_bytes and top != state and
-      compiles - searched < max_compiles):
+  walk_note = None                            # what the walk's plan is; dropped for InPlace-ABN
+  on_top = False                              # the plan is every site on the top rung
+  end_bytes = device_bytes
+  if index == len(walk) - 1 > 0 and device_bytes > budget_bytes and top != state:
     # The walk's end misses: the estimates of the last rungs are the least sure (a 1-bit
     # site's packing; a recomputation's own working set), and a site the estimate kept at
     # 1 bit may compile smaller recomputed from 2 bits. One compile tries every site that
     # saves anything on the top rung.
-    top_bytes, top_flops = cost(top, "every site on the top rung")
-    if top_bytes <= budget_bytes:
-      notes.append(f"the walk's end missed the budget by {_size(device_bytes - budget_bytes)}; "
-                   "every site that saves anything on the top rung (recomputed from a 2-bit "
-                   "input) fitted: that is the plan")
-      state, device_bytes, flops = top, top_bytes, top_flops
-  fallback = None
-  walked = set(walk) | {top}
+    if compiles - searched >= max_compiles:
+      notes.append(f"no compile left (max_compiles={max_compiles}) to try every site that "
+                   "saves anything on the top rung after the walk's end missed: more compiles "
+                   "may find a plan that fits")
+    else:
+      top_bytes, top_flops = cost(top, "every site on the top rung")
+      if top_bytes <= budget_bytes:
+        walk_note = (f"the walk's end missed the budget by {_size(end_bytes - budget_bytes)}; "
+                     "every site that saves anything on the top rung (recomputed from a "
+                     "2-bit input) fitted: that is the walk's plan")
+        state, device_bytes, flops, on_top = top, top_bytes, top_flops, True
+      else:
+        notes.append(f"every site that saves anything on the top rung missed the budget by "
+                     f"{_size(top_bytes - budget_bytes)} too (the walk's end by "
+                     f"{_size(end_bytes - budget_bytes)})")
   if device_bytes > budget_bytes and costs:
     # Nothing fits: the smallest step compiled, which need not be the last (past a point
     # the largest block's backward sets the peak, and recomputing adds its own working
     # set: on ResNet-20 and ResNet-50 recomputing from 2-bit inputs compiles larger than
     # compressing at 2 bits, benchmarks/results/plan_one_bit.md).
     tried = {walk[0]: (exact_bytes, exact_flops), **costs}
-    smallest = min((s_ for s_ in tried if s_ in walked), key=lambda s_: tried[s_])
+    smallest = min((s_ for s_ in tried if s_ in walk or s_ == top), key=lambda s_: tried[s_])
+    name = lambda s_: ("exact" if s_ == walk[0] else f"walk point {walk.index(s_)}"
+                       if s_ in walk else "every site on the top rung")
     if smallest != state:
-      name = lambda s_: (f"walk point {walk.index(s_)}" if s_ in walk else
-                         "every site on the top rung")
-      fallback = (f"nothing fits: the plan is the smallest step compiled ({name(smallest)}, "
-                  f"{_size(tried[smallest][0])}), not the last one compiled ({name(state)}, "
-                  f"{_size(device_bytes)})")
+      walk_note = (f"nothing fits: the plan is the smallest of the steps compiled for the walk "
+                   f"({name(smallest)}, {_size(tried[smallest][0])}); the walk ended at "
+                   f"{name(state)} ({_size(end_bytes)})")
       state, device_bytes, flops = smallest, *tried[smallest]
       index = walk.index(smallest) if smallest in walk else len(walk) - 1
+      on_top = smallest not in walk
   # InPlace-ABN alone is the plan where it fits at fewer compiled FLOPs than the walk's
   # plan, or fits where that does not, or (nothing fits) comes closer.
   under = ()                                  # techniques under every site (and the base)
@@ -872,11 +883,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                    "|gamma| + epsilon: map existing weights with "
                    "jmem.surgery.inplace_abn_params)")
       under, index, state, device_bytes, flops = (abn,), 0, walk[0], abn_bytes, abn_flops
-      fallback = None
+      walk_note, on_top = None, False
     else:
       notes.append(f"InPlace-ABN alone {why}: the plan is the walk's (InPlace-ABN with "
                    "per-site policies is not searched)")
-  notes += [fallback] if fallback else []
+  notes += [walk_note] if walk_note else []
   if sens is not None and index > 0 and device_bytes <= budget_bytes:
     # Once the walk's plan fits: one try with the bit reductions it does not need undone.
     working += (device_bytes - predicted(state)[0]) / batch
@@ -910,7 +921,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       other = 2 * batch if fits else small
       at_other, _ = compiled(under + _policies(choices), other)
       best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes, k)
-  front = tuple(predicted(s_) for s_ in walk)
+  front = tuple(predicted(s_) for s_ in walk) + ((predicted(top),) if on_top else ())
+  index = len(front) - 1 if on_top else index
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
               base + under, tuple(measured), layout.shards, layout.mesh,
