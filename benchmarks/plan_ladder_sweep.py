@@ -7,7 +7,7 @@ model, batch 128) and the tests' functional CNN split over 2 x 4 simulated devic
 order (no sensitivities). Per row: fits, the compiled device bytes, FLOPs against exact,
 the steps compiled, and the rungs the plan uses. Writes results/plan_ladder_sweep.{json,md}.
 
-  python benchmarks/plan_ladder_sweep.py            # about 20 minutes on 2 CPU cores
+  python benchmarks/plan_ladder_sweep.py            # about 10 minutes on 2 CPU cores
 """
 
 import collections

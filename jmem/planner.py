@@ -37,14 +37,16 @@ How:
    ``fixed + batch * (working + sum of the sites' bytes)``, with ``fixed`` and
    ``working`` (what no site holds: the head, inline code, the backward's working set)
    from the compiled exact step at two batch sizes. A tighter budget walks further along
-   the same path, so a plan that fits needs no fewer FLOPs (with InPlace-ABN, item 4, the cheaper of
-   the walk's plan and a fixed-cost alternative keeps that). Not a proof: the compiles'
-   corrections and the undo step depend on the budget, and compiled FLOPs need not grow
-   along the path exactly as estimated; the tests and sweeps have not seen it fail.
+   the same path, so a plan that fits should need no fewer FLOPs (with InPlace-ABN, item
+   4, the cheaper of the walk's plan and a fixed-cost alternative keeps that). Not a
+   proof, and it has failed: the compiles' corrections and the undo step depend on the
+   budget, and compiled FLOPs need not grow along the path as estimated (the 2 x 4-device
+   CNN of benchmarks/results/plan_ladder_sweep.md: 1.125x exact's FLOPs at 92%, 1.084x at
+   90%, where a site at 1 bit compiled to more FLOPs than recomputed from 2 bits).
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the working bytes are corrected by the
    miss and the walk goes on (at most ``max_compiles`` compiles). Where the walk's end
-   misses, one more compile tries every site that saves anything on the top rung (the
+   misses and a compile is left, one more tries every site that saves anything on the top rung (the
    estimates of the last rungs are the least sure: a site the estimate keeps at 1 bit may
    compile smaller recomputed from 2 bits). If nothing fits, the plan is the smallest step
    compiled. With sensitivities, once
@@ -232,6 +234,8 @@ class Plan:
       ``devices=`` made: train on it; None: one device).
     batch_specs: the `PartitionSpec` of a batch's x and y on ``mesh``, as compiled (None:
       one device). `Plan.model_fns` trains the planned model so.
+    off_walk: the plan is no point of the walk: every site on the top rung, tried after
+      the walk's end missed (``front``'s last point, after the walk's; ``chosen`` is it).
   """
 
   budget_bytes: int
@@ -253,6 +257,7 @@ class Plan:
   devices: int = 1
   mesh: Any = None
   batch_specs: tuple | None = None
+  off_walk: bool = False
 
   @property
   def techniques(self) -> tuple:
@@ -822,6 +827,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   top = tuple(len(ladder) - 1 if _kept(s_, ladder[-1])[0] < s_.residual_bytes else r
               for s_, r in zip(sites, state))
   walk_note = None                            # what the walk's plan is; dropped for InPlace-ABN
+  no_top = None                               # said only if the plan misses
   on_top = False                              # the plan is every site on the top rung
   end_bytes = device_bytes
   if index == len(walk) - 1 > 0 and device_bytes > budget_bytes and top != state:
@@ -830,9 +836,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # 1 bit may compile smaller recomputed from 2 bits. One compile tries every site that
     # saves anything on the top rung.
     if compiles - searched >= max_compiles:
-      notes.append(f"no compile left (max_compiles={max_compiles}) to try every site that "
-                   "saves anything on the top rung after the walk's end missed: more compiles "
-                   "may find a plan that fits")
+      no_top = (f"no compile left (max_compiles={max_compiles}) to try every site that saves "
+                "anything on the top rung after the walk's end missed: more compiles may find "
+                "a plan that fits")
     else:
       top_bytes, top_flops = cost(top, "every site on the top rung")
       if top_bytes <= budget_bytes:
@@ -905,6 +911,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       else:
         notes.append(f"undoing {undone} bit reductions the estimate did not need missed the "
                      f"budget by {_size(loose_bytes - budget_bytes)}: the plan keeps them")
+  if no_top and device_bytes > budget_bytes:
+    notes.append(no_top)
   if cut and device_bytes > budget_bytes:
     notes.append(f"the per-site walk stopped over the budget at max_compiles={max_compiles}"
                  f"{' (InPlace-ABN alone took one)' if abn_cost is not None else ''}: more "
@@ -926,7 +934,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
               base + under, tuple(measured), layout.shards, layout.mesh,
-              layout.specs(x, y))
+              layout.specs(x, y), on_top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1210,7 +1218,9 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
   mem = np.array([p[0] for p in plan_.front]) / scale
   fl = np.array([p[1] for p in plan_.front]) / max(plan_.exact_flops, 1)
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot(fl, mem, ".-", color="0.6", label="upgrade path (estimated, corrected by the compiles)")
+  walk = slice(0, len(fl) - 1 if plan_.off_walk else len(fl))   # the top-rung try is apart
+  ax.plot(fl[walk], mem[walk], ".-", color="0.6",
+          label="upgrade path (estimated, corrected by the compiles)")
   ax.plot(fl[plan_.chosen], mem[plan_.chosen], "o", color="C0", label="chosen (estimated)")
   steps = [(f / max(plan_.exact_flops, 1), b / scale) for what, b, f in plan_.measured
            if what != "exact" and (b, f) != (plan_.device_bytes, plan_.flops)]

@@ -76,7 +76,8 @@ def test_where_nothing_fits_the_plan_is_the_smallest_step_compiled():
   p = plan_lib.plan(model, (x, y), 2**20, max_batch=False)
   walked = [b for what, b, _ in p.measured if what.startswith("walk point")]
   assert not p.fits and len(walked) >= 2 and walked[-1] > min(walked), p.measured
-  assert p.device_bytes == min(walked) and p.chosen < len(p.front) - 1
+  assert p.device_bytes == min(walked) and p.chosen < len(p.front) - 1 and not p.off_walk
+  assert (f"walk point {p.chosen}", p.device_bytes, p.flops) in p.measured, p.measured
   # The walk's end here has every site on the top rung already: no further try.
   assert all(w.startswith("walk point") for w, _, _ in p.measured[1:]), p.measured
   assert any(n.startswith("nothing fits: the plan is the smallest of the steps compiled "
@@ -214,7 +215,8 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
   x = jax.ShapeDtypeStruct((16, 32, 32, 3), jnp.float32)
   y = jax.ShapeDtypeStruct((16,), jnp.int32)
   optimizer = train.default_optimizer(1e-3, 100)
-  p = plan_lib.plan(model, (x, y), "90%", mesh=mesh, optimizer=optimizer, max_batch=False)
+  p = plan_lib.plan(model, (x, y), "90%", mesh=mesh, optimizer=optimizer, max_batch=False,
+                    max_compiles=10)            # it takes 8: room for one more miss
   assert p.fits and p.techniques[0] == jmem.Spatial(mesh), p.table()
   assert any("per device" in n for n in p.notes) and "jmem.Spatial over" in p.table()
   # The walk's end (a BatchNorm at 1 bit, the other recomputed from 2 bits) compiles over
@@ -224,7 +226,18 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
       p.notes
   # The front ends with it, after the walk's end: estimated a little larger (460.4 against
   # 460.2 kB: the estimate put the 1-bit site below its recomputation), compiled 7% smaller.
-  assert p.chosen == len(p.front) - 1 and p.front[-1] != p.front[-2], p.front
+  assert p.off_walk and p.chosen == len(p.front) - 1 and p.front[-1] != p.front[-2], p.front
+  assert p.to_json()["off_walk"] and ("every site on the top rung", p.device_bytes,
+                                      p.flops) in p.measured
+  # At 84% it misses too, and, the smallest step compiled, is the plan that does not fit.
+  tight = plan_lib.plan(model, (x, y), "84%", mesh=mesh, optimizer=optimizer,
+                        max_batch=False, max_compiles=10)
+  assert not tight.fits and tight.off_walk and tight.device_bytes == p.device_bytes
+  assert any(n.startswith("every site that saves anything on the top rung missed the "
+                          "budget by") for n in tight.notes), tight.notes
+  assert any(n.startswith("nothing fits: the plan is the smallest of the steps compiled for "
+                          "the walk (every site on the top rung") for n in tight.notes), \
+      tight.notes
   assert {(c.kind, c.bits) for c in p.choices if c.kind != "save"} == {
       ("recompute_compressed", 2)}, p.table()
   one_device = plan_lib.step_cost(model, optimizer, x, y)[0]
