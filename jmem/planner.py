@@ -131,6 +131,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _APPROXIMATE_LADDER = (("save", None), ("compress", 8), ("compress", 4), ("compress", 2),
                        ("compress", 1), ("recompute_compressed", 2))
 _EXACT_LADDER = (("save", None), ("recompute", None))
+# `Plan.measured`'s name for the one compile after a walk's end that missed.
+_TOP_RUNG = "every site on the top rung"
 # XLA FLOPs per quantized value, compress and decompress (a measured order of magnitude:
 # ActNN L3 on ResNet-50 costs 1.03x exact's FLOPs); the plan's reported FLOPs are XLA's.
 _QUANTIZE_FLOPS = 12.0
@@ -840,7 +842,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                 "anything on the top rung after the walk's end missed: more compiles may find "
                 "a plan that fits")
     else:
-      top_bytes, top_flops = cost(top, "every site on the top rung")
+      top_bytes, top_flops = cost(top, _TOP_RUNG)
       if top_bytes <= budget_bytes:
         walk_note = (f"the walk's end missed the budget by {_size(end_bytes - budget_bytes)}; "
                      "every site that saves anything on the top rung (recomputed from a "
@@ -858,14 +860,14 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     tried = {walk[0]: (exact_bytes, exact_flops), **costs}
     smallest = min((s_ for s_ in tried if s_ in walk or s_ == top), key=lambda s_: tried[s_])
     name = lambda s_: ("exact" if s_ == walk[0] else f"walk point {walk.index(s_)}"
-                       if s_ in walk else "every site on the top rung")
+                       if s_ in walk else _TOP_RUNG)
     if smallest != state:
       walk_note = (f"nothing fits: the plan is the smallest of the steps compiled for the walk "
                    f"({name(smallest)}, {_size(tried[smallest][0])}); the walk ended at "
                    f"{name(state)} ({_size(end_bytes)})")
       state, device_bytes, flops = smallest, *tried[smallest]
-      index = walk.index(smallest) if smallest in walk else len(walk) - 1
-      on_top = smallest not in walk
+      on_top = smallest not in walk               # else a walk point (index: the walk's end)
+      index = index if on_top else walk.index(smallest)
   # InPlace-ABN alone is the plan where it fits at fewer compiled FLOPs than the walk's
   # plan, or fits where that does not, or (nothing fits) comes closer.
   under = ()                                  # techniques under every site (and the base)
