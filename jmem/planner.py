@@ -824,7 +824,15 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   # the estimate: ResNet-20 at 22%), and between the last miss and ``hi`` once one fits, so
   # a plan found past a short estimate is brought back towards the fewest bit reductions
   # and FLOPs that fit.
+  # A step from compression into recomputation stops at the last point before it: the
+  # recomputation's estimate is the least sure (it leaves out its own working set, and on
+  # ResNet-20 it compiles larger than 2 bits: a line through compression points sent the
+  # 22% walk past every point that fits, to recomputation everywhere at 1.33x FLOPs).
+  first_recompute = next((i for i, s_ in enumerate(walk)
+                          if any(ladder[r][0].startswith("recompute") for r in s_)), None)
+  stop = first_recompute - 1 if first_recompute else None
   index = choose(0) if exact_bytes > budget_bytes else 0
+  index = min(index, stop) if stop else index
   misses, hi = [0], None
   while index > 0:
     if cost(walk[index])[0] <= budget_bytes:
@@ -832,7 +840,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     else:
       misses.append(index)
     index = _next_point(walk, misses, hi, lambda i: predicted(walk[i])[0],
-                        lambda i: costs[walk[i]][0] if i else exact_bytes, budget_bytes)
+                        lambda i: costs[walk[i]][0] if i else exact_bytes, budget_bytes,
+                        stop)
     if index is None or compiles - searched >= max_compiles:
       break
   index = misses[-1] if hi is None else hi
@@ -1166,16 +1175,17 @@ def _inplace_abn(model, x, allowed: bool, max_compiles: int):
   return surgery.InPlaceABN(where="|".join(re.escape(p) for p in paths)), None
 
 
-def _next_point(walk, misses, hi, estimate, compiled, budget) -> int | None:
+def _next_point(walk, misses, hi, estimate, compiled, budget, stop=None) -> int | None:
   """The walk point to compile next, or None. ``misses``: the walk points compiled over the
   budget (0, exact, first); ``hi``: the first compiled within it (None: none yet);
-  ``estimate(i)``: point i's predicted bytes; ``compiled(i)``: its compiled bytes.
+  ``estimate(i)``: point i's predicted bytes; ``compiled(i)``: its compiled bytes;
+  ``stop``: a point a step from before it goes no further than (None: the walk's end).
 
   Compiled bytes are taken as linear in the estimate: between the last miss and ``hi``
   (regula falsi), else through the last two misses, the slope clamped to [0.1, 1] (1: the
   estimate's savings taken as they are; under 0.1 a miss could send the walk to its end)."""
   lo = misses[-1]
-  end = len(walk) - 1 if hi is None else hi
+  end = hi if hi is not None else stop if stop is not None and lo < stop else len(walk) - 1
   if end - lo <= 1:
     return None if hi is not None or lo == end else end
   a, b = (lo, hi) if hi is not None else (misses[-2], lo)

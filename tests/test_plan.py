@@ -525,18 +525,24 @@ def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
 
 def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reductions():
   """The next walk point: where a line through the last two compiled misses (compiled
-  against predicted bytes) meets the budget, its slope clamped to [0.1, 1]; once a point
-  fits, where the line between the last miss and it does (regula falsi)."""
+  against predicted bytes) meets the budget, its slope clamped to [0.1, 1], but not into
+  recomputation before the last point without it missed; once a point fits, where the
+  line between the last miss and it does (regula falsi)."""
   # pylint: disable=protected-access
   walk = list(range(11))
   estimate = lambda i: 100.0 - 10 * i                    # predicted bytes, 10 per point
   truth = {0: 100.0, 2: 96.0}                            # compiled: 2 per point, a fifth
-  step = lambda misses, hi, budget, compiled=truth: plan_lib._next_point(
-      walk, misses, hi, estimate, compiled.__getitem__, budget)
+  step = lambda misses, hi, budget, compiled=truth, stop=None: plan_lib._next_point(
+      walk, misses, hi, estimate, compiled.__getitem__, budget, stop)
   # The offset correction (slope 1) would try point 3 (96 - 10 = 86); the slope 0.2
   # reaches the budget of 90 three points past 2.
   assert step([0, 2], None, 90.0) == 5
   assert step([0, 2], None, 50.0) == 10                   # past the walk: its end
+  # Recomputation from point 7 on: a step from before it stops at 6, and goes on once 6
+  # missed too.
+  assert step([0, 2], None, 50.0, stop=6) == 6
+  assert step([0, 2], None, 90.0, stop=6) == 5
+  assert step([0, 2, 6], None, 50.0, {**truth, 6: 88.0}, stop=6) == 10
   assert step([0, 2], None, 90.0, {0: 100.0, 2: 101.0}) == 10   # grew: slope 0.1, 2 + 6 > 10
   assert step([0, 2], None, 45.0, {0: 100.0, 2: 60.0}) == 4     # slope 2 (3), clamped to 1
   # A fit at 10 (60) after a miss at 2 (96): the line between says 4 (87) is within 90.
