@@ -783,7 +783,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   notes += _reach(share, outside, paths, exact_bytes > budget_bytes)
   slope = (exact_bytes - exact_small) / (batch - small)
   fixed = exact_bytes - slope * batch
-  working = slope - sum(s.residual_bytes for s in sites)
+  working = slope - sum(s.residual_bytes for s in sites)   # what no site holds
   walk = _upgrade_path(sites, ladder, sens if approximate else None)
   abn = abn_cost = None
   if exact_bytes > budget_bytes:
@@ -920,8 +920,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   notes += [walk_note] if walk_note else []
   if sens is not None and index > 0 and device_bytes <= budget_bytes:
     # Once the walk's plan fits: one try with the bit reductions it does not need undone.
-    working += (device_bytes - predicted(state)[0]) / batch
-    loose = _relax(state, sites, ladder, sens, lambda s_: predicted(s_)[0] <= budget_bytes)
+    miss = device_bytes - predicted(state)[0]       # the estimate, anchored at the plan
+    loose = _relax(state, sites, ladder, sens,
+                   lambda s_: predicted(s_)[0] + miss <= budget_bytes)
     if loose != state and loose not in costs and compiles - searched >= max_compiles:
       notes.append("no compile left to try undoing the bit reductions the estimate does not "
                    "need")
@@ -1267,7 +1268,7 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
   fig, ax = plt.subplots(figsize=(6, 4))
   walk = slice(0, len(fl) - 1 if plan_.off_walk else len(fl))   # the top-rung try is apart
   ax.plot(fl[walk], mem[walk], ".-", color="0.6",
-          label="upgrade path (estimated, corrected by the compiles)")
+          label="upgrade path (estimated)")
   ax.plot(fl[plan_.chosen], mem[plan_.chosen], "o", color="C0", label="chosen (estimated)")
   steps = [(f / max(plan_.exact_flops, 1), b / scale) for what, b, f in plan_.measured
            if what != "exact" and (b, f) != (plan_.device_bytes, plan_.flops)]
