@@ -75,7 +75,7 @@ def main():
     uniform = {}
     for name, make in UNIFORM.items():
       total, flops = plan_lib.step_cost(make(base), optimizer, x, y, mesh=mesh,
-                                        specs=(P("data"), P("data")))
+                                        specs=(P("data"), P("data")) if mesh else None)
       uniform[name] = dict(device_bytes=total, flops_ratio=flops / result.exact_flops,
                            fits=total <= result.budget_bytes)
     fitting = [u["flops_ratio"] for u in uniform.values() if u["fits"]]

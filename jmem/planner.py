@@ -49,11 +49,14 @@ How:
    its slope clamped to [0.1, 1]) puts within the budget; once a point fits, to the first
    between the last miss and it that the line through those two puts within (regula
    falsi), so a plan found past a short estimate comes back towards the fewest bit
-   reductions and FLOPs; at most ``max_compiles`` compiles. Where the walk's end
-   misses and a compile is left, one more tries every site that saves anything on the top rung (the
-   estimates of the last rungs are the least sure: a site the estimate keeps at 1 bit may
-   compile smaller recomputed from 2 bits). If nothing fits, the plan is the smallest step
-   compiled. With sensitivities, once
+   reductions and FLOPs; at most ``max_compiles`` compiles. A step from compression into
+   recomputation first compiles the last point before it (the recomputation's estimate
+   is the least sure). Where the walk's end misses and a compile is left, one more tries
+   every site that saves anything on the top rung (a site the estimate keeps at 1 bit may
+   compile smaller recomputed from 2 bits); so does one where the walk's plan fits but the
+   estimate puts the top rung at fewer FLOPs (a small CNN, whose quantizer outweighs its
+   convolutions), taken if it fits at fewer compiled FLOPs. If nothing fits, the plan is
+   the smallest step compiled. With sensitivities, once
    a plan fits, one more compile tries it with the bit reductions the prediction says the
    budget does not need undone (the one adding the most variance first): the walk lowers
    many small tolerant sites before a large sensitive one, and may not have needed all of
@@ -135,7 +138,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _APPROXIMATE_LADDER = (("save", None), ("compress", 8), ("compress", 4), ("compress", 2),
                        ("compress", 1), ("recompute_compressed", 2))
 _EXACT_LADDER = (("save", None), ("recompute", None))
-# `Plan.measured`'s name for the one compile after a walk's end that missed.
+# `Plan.measured`'s name for the one compile off the walk: every site on its top rung.
 _TOP_RUNG = "every site on the top rung"
 # XLA FLOPs per quantized value, compress and decompress (a measured order of magnitude:
 # ActNN L3 on ResNet-50 costs 1.03x exact's FLOPs); the plan's reported FLOPs are XLA's.
@@ -221,7 +224,7 @@ class Plan:
     exact_max_batch: the same for the exact step (from its two compiles).
     compiles: the steps compiled.
     front: the estimated (device bytes, FLOPs) of each point of the upgrade path, then,
-      where the plan is every site on the top rung (the walk's end missed), that point's,
+      where the plan is every site on the top rung (``off_walk``), that point's,
       for the Pareto plot; ``chosen``: the index in it of the point the plan is (or, where
       undoing unneeded bit reductions fitted, the plan started from: same FLOPs; 0 for
       InPlace-ABN alone).
@@ -232,7 +235,8 @@ class Plan:
       saves); else empty.
     measured: ``(what, device bytes, FLOPs)`` of every step compiled at ``batch_size``:
       "exact", "InPlace-ABN alone", "walk point i" (``front[i]`` compiled), "every site
-      on the top rung" (the walk's end missed), "bit reductions undone".
+      on the top rung" (the walk's end missed, or the estimate put it at fewer FLOPs than
+      the walk's plan), "bit reductions undone".
     devices: the devices each step's activations are split over (``mesh=`` or
       ``devices=``; 1: one device): the sites' bytes and FLOPs per example are then their
       share on one device.
@@ -240,8 +244,9 @@ class Plan:
       ``devices=`` made: train on it; None: one device).
     batch_specs: the `PartitionSpec` of a batch's x and y on ``mesh``, as compiled (None:
       one device). `Plan.model_fns` trains the planned model so.
-    off_walk: the plan is no point of the walk: every site on the top rung, tried after
-      the walk's end missed (``front``'s last point, after the walk's; ``chosen`` is it).
+    off_walk: the plan is no point of the walk: every site that saves anything on the top
+      rung, tried after the walk's end missed or where the estimate put it at fewer FLOPs
+      than the walk's plan (``front``'s last point, after the walk's; ``chosen`` is it).
   """
 
   budget_bytes: int
@@ -874,6 +879,19 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
         notes.append(f"every site that saves anything on the top rung missed the budget by "
                      f"{_size(top_bytes - budget_bytes)} too (the walk's end by "
                      f"{_size(end_bytes - budget_bytes)})")
+  elif (index > 0 and device_bytes <= budget_bytes and top != state and
+        predicted(top)[1] < predicted(state)[1] and compiles - searched < max_compiles):
+    # The walk's plan fits, but the estimate says the top rung everywhere costs fewer
+    # FLOPs: where a model's convolutions are small the quantizer's elementwise work
+    # outweighs a recomputation (the 2 x 4-device CNN of plan_ladder_sweep.md: 1.208x
+    # exact's FLOPs at 1 and 2 bits, 1.084x recomputed from 2 bits). One compile tries it.
+    top_bytes, top_flops = cost(top, _TOP_RUNG)
+    if top_bytes <= budget_bytes and top_flops < flops:
+      walk_note = (f"every site that saves anything on the top rung (recomputed from a 2-bit "
+                   f"input) fitted at {top_flops / max(exact_flops, 1):.3f}x exact's FLOPs, "
+                   f"fewer than the walk's plan ({flops / max(exact_flops, 1):.3f}x): that is "
+                   "the plan")
+      state, device_bytes, flops, on_top = top, top_bytes, top_flops, True
   if device_bytes > budget_bytes and costs:
     # Nothing fits: the smallest step compiled, which need not be the last (past a point
     # the largest block's backward sets the peak, and recomputing adds its own working
