@@ -46,10 +46,11 @@ How:
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the walk goes on to the first point
    that the line through the last two compiled misses (compiled against predicted bytes,
-   its slope clamped to [0.1, 1]) puts within the budget; once a point fits, to the first
-   between the last miss and it that the line through those two puts within (regula
-   falsi), so a plan found past a short estimate comes back towards the fewest bit
-   reductions and FLOPs; at most ``max_compiles`` compiles. A step from compression into
+   its slope clamped to [0.1, 1]) puts within the budget (none: the walk's end); once a
+   point fits, to the first between the last miss and it that the line through those two
+   puts within (regula falsi), so a plan found past a short estimate comes back towards
+   the fewest bit reductions and FLOPs, keeping a compile for the tries below where one
+   of them will run; at most ``max_compiles`` compiles. A step from compression into
    recomputation first compiles the last point before it (the recomputation's estimate
    is the least sure). Where the walk's end misses and a compile is left, one more tries
    every site that saves anything on the top rung (a site the estimate keeps at 1 bit may
@@ -835,9 +836,17 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   # 22% walk past every point that fits, to recomputation everywhere at 1.33x FLOPs).
   first_recompute = next((i for i, s_ in enumerate(walk)
                           if any(ladder[r][0].startswith("recompute") for r in s_)), None)
-  stop = first_recompute - 1 if first_recompute else None
+  stop = first_recompute - 1 if first_recompute is not None and first_recompute > 1 else None
   index = choose(0) if exact_bytes > budget_bytes else 0
-  index = min(index, stop) if stop else index
+  index = min(index, stop) if stop is not None else index
+
+  def top_of(state):                          # every site that saves anything on the top rung
+    return tuple(len(ladder) - 1 if _kept(s_, ladder[-1])[0] < s_.residual_bytes else r
+                 for s_, r in zip(sites, state))
+
+  def cheaper_top(state):                     # the estimate puts top_of(state) at fewer FLOPs
+    return top_of(state) != state and predicted(top_of(state))[1] < predicted(state)[1]
+
   misses, hi = [0], None
   while index > 0:
     if cost(walk[index])[0] <= budget_bytes:
@@ -847,14 +856,15 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     index = _next_point(walk, misses, hi, lambda i: predicted(walk[i])[0],
                         lambda i: costs[walk[i]][0] if i else exact_bytes, budget_bytes,
                         stop)
-    if index is None or compiles - searched >= max_compiles:
+    # Once a point fits, bringing it back keeps a compile for the tries after the walk.
+    keep = hi is not None and (sens is not None or cheaper_top(walk[hi]))
+    if index is None or compiles - searched >= max_compiles - keep:
       break
   index = misses[-1] if hi is None else hi
   state = walk[index]
   device_bytes, flops = costs[state] if index else (exact_bytes, exact_flops)
   cut = index > 0 and device_bytes > budget_bytes and index < len(walk) - 1
-  top = tuple(len(ladder) - 1 if _kept(s_, ladder[-1])[0] < s_.residual_bytes else r
-              for s_, r in zip(sites, state))
+  top = top_of(state)
   walk_note = None                            # what the walk's plan is; dropped for InPlace-ABN
   no_top = None                               # said only if the plan misses
   on_top = False                              # the plan is every site on the top rung
@@ -879,19 +889,24 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
         notes.append(f"every site that saves anything on the top rung missed the budget by "
                      f"{_size(top_bytes - budget_bytes)} too (the walk's end by "
                      f"{_size(end_bytes - budget_bytes)})")
-  elif (index > 0 and device_bytes <= budget_bytes and top != state and
-        predicted(top)[1] < predicted(state)[1] and compiles - searched < max_compiles):
+  elif (index > 0 and device_bytes <= budget_bytes and cheaper_top(state) and
+        compiles - searched < max_compiles):
     # The walk's plan fits, but the estimate says the top rung everywhere costs fewer
     # FLOPs: where a model's convolutions are small the quantizer's elementwise work
     # outweighs a recomputation (the 2 x 4-device CNN of plan_ladder_sweep.md: 1.208x
     # exact's FLOPs at 1 and 2 bits, 1.084x recomputed from 2 bits). One compile tries it.
     top_bytes, top_flops = cost(top, _TOP_RUNG)
+    ratio = lambda f: f"{f / max(exact_flops, 1):.3f}x"
+    what = ("every site that saves anything on the top rung (recomputed from a 2-bit input), "
+            f"which the estimate put at fewer FLOPs than the walk's plan ({ratio(flops)}),")
     if top_bytes <= budget_bytes and top_flops < flops:
-      walk_note = (f"every site that saves anything on the top rung (recomputed from a 2-bit "
-                   f"input) fitted at {top_flops / max(exact_flops, 1):.3f}x exact's FLOPs, "
-                   f"fewer than the walk's plan ({flops / max(exact_flops, 1):.3f}x): that is "
-                   "the plan")
-      state, device_bytes, flops, on_top = top, top_bytes, top_flops, True
+      walk_note = f"{what} fitted at {ratio(top_flops)}: that is the plan"
+      state, device_bytes, flops = top, top_bytes, top_flops
+      on_top = top not in walk
+      index = index if on_top else walk.index(top)
+    else:
+      notes.append(f"{what} compiled to {_size(top_bytes)} at {ratio(top_flops)}: the plan "
+                   "is the walk's")
   if device_bytes > budget_bytes and costs:
     # Nothing fits: the smallest step compiled, which need not be the last (past a point
     # the largest block's backward sets the peak, and recomputing adds its own working
@@ -1201,8 +1216,11 @@ def _next_point(walk, misses, hi, estimate, compiled, budget, stop=None) -> int 
   ``stop``: a point a step from before it goes no further than (None: the walk's end).
 
   Compiled bytes are taken as linear in the estimate: between the last miss and ``hi``
-  (regula falsi), else through the last two misses, the slope clamped to [0.1, 1] (1: the
-  estimate's savings taken as they are; under 0.1 a miss could send the walk to its end)."""
+  (regula falsi; None where the line puts no point between them within the budget), else
+  through the last two misses, the slope clamped to [0.1, 1] (1: the estimate's savings
+  taken as they are; under 0.1 a miss could send the walk to its end), going to ``stop``
+  or the walk's end where the line puts no point before it within the budget."""
+  assert hi is not None or len(misses) > 1, "a step needs two misses (exact, one point)"
   lo = misses[-1]
   end = hi if hi is not None else stop if stop is not None and lo < stop else len(walk) - 1
   if end - lo <= 1:

@@ -246,11 +246,15 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
   loose = plan_lib.plan(model, (x, y), "95%", mesh=mesh, optimizer=optimizer,
                         max_batch=False)
   assert [w for w, _, _ in loose.measured] == ["exact", "walk point 1", _TOP], loose.measured
+  # (At 90% the walk compiled points 1, 8 (the last before recomputation) and 9, its end.)
+  assert [w for w, _, _ in p.measured] == ["exact"] + [f"walk point {i}" for i in (1, 8, 9)] \
+      + [_TOP], p.measured
   assert loose.fits and loose.off_walk and loose.flops < loose.measured[1][2], loose.measured
   assert loose.device_bytes == p.device_bytes and loose.flops == p.flops
   assert any(n.startswith("every site that saves anything on the top rung (recomputed from "
-                          "a 2-bit input) fitted at 1.084x exact's FLOPs, fewer than the "
-                          "walk's plan (1.116x)") for n in loose.notes), loose.notes
+                          "a 2-bit input), which the estimate put at fewer FLOPs than the "
+                          "walk's plan (1.116x), fitted at 1.084x: that is the plan")
+             for n in loose.notes), loose.notes
   one_device = plan_lib.step_cost(model, optimizer, x, y)[0]
   assert p.exact_device_bytes < 0.5 * one_device
   assert plan_lib.step_cost(jmem.convert(model, *p.techniques), optimizer, x, y, mesh=mesh,
@@ -554,10 +558,15 @@ def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reduc
   assert step([0, 2], None, 50.0, stop=6) == 6
   assert step([0, 2], None, 90.0, stop=6) == 5
   assert step([0, 2, 6], None, 50.0, {**truth, 6: 88.0}, stop=6) == 10
-  assert step([0, 2], None, 90.0, {0: 100.0, 2: 101.0}) == 10   # grew: slope 0.1, 2 + 6 > 10
+  assert step([0, 2], None, 90.0, {0: 100.0, 2: 101.0}) == 10   # grew: slope 0.1, 13 > 10
+  assert step([0, 2], None, 95.0, {0: 100.0, 2: 99.0}) == 6      # 0.05 clamped to 0.1 (10)
   assert step([0, 2], None, 45.0, {0: 100.0, 2: 60.0}) == 4     # slope 2 (3), clamped to 1
+  # The line is through the last two misses, not exact: 2 -> 4 fell 8 (slope 0.4).
+  assert step([0, 2, 4], None, 80.0, {**truth, 4: 88.0}) == 6    # 0 -> 4's 0.3: 7
   # A fit at 10 (60) after a miss at 2 (96): the line between says 4 (87) is within 90.
   assert step([0, 2], 10, 90.0, {**truth, 10: 60.0}) == 4
   assert step([0, 2], 10, 50.0, {**truth, 10: 49.0}) is None    # none between within it
+  assert step([0, 2], 10, 60.0, {**truth, 10: 0.0}) == 5         # slope 1.2, not clamped
+  assert step([0, 2, 4], 10, 80.0, {**truth, 4: 88.0, 10: 60.0}) == 6   # a miss after a fit
   assert step([0, 2], 3, 90.0) is None                   # nothing between a miss and a fit
   assert step([0, 10], None, 50.0, {0: 100.0, 10: 60.0}) is None  # a miss at the end
