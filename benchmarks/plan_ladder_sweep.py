@@ -81,8 +81,10 @@ def main():
         f"{jax.__version__}, 2 CPU cores, {time.time() - t0:.0f} s). Device bytes: the "
         "compiled AdamW train step's, per device where there is a mesh; FLOPs: XLA's cost "
         "analysis against exact's. Bit reductions in bytes order (no sensitivities). "
-        "\"top\": the walk's end missed and every site that saves anything was tried on the "
-        "top rung (recompute from a 2-bit input).", ""]
+        "\"top\": every site that saves anything was tried on the top rung (recompute from "
+        "a 2-bit input), off the walk, because the walk's end missed or the estimate put it "
+        "at fewer FLOPs than the walk's plan (where that point is on the walk, as without "
+        "the 1-bit rung on the CNN, it is a walk point).", ""]
   for name, *_ in problems():
     md += [f"## {name}", "",
            "| budget | ladder | fits | device MiB (budget) | FLOPs / exact | compiles | top "
