@@ -240,6 +240,14 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
       tight.notes
   assert {(c.kind, c.bits) for c in p.choices if c.kind != "save"} == {
       ("recompute_compressed", 2)}, p.table()
+  # With 5 compiles the walk reaches its end with none left for the top rung: a note says
+  # so, and the plan is the smallest step compiled.
+  short = plan_lib.plan(model, (x, y), "90%", mesh=mesh, optimizer=optimizer,
+                        max_batch=False, max_compiles=5)
+  assert not short.fits and short.compiles == 5 and not short.off_walk
+  assert short.device_bytes == min(b for _, b, _ in short.measured), short.measured
+  assert any(n.startswith("no compile left (max_compiles=5) to try every site that saves "
+                          "anything on the top rung") for n in short.notes), short.notes
   # At 95% the walk's first point fits (a BatchNorm at 8 bits, 1.116x exact's FLOPs), but
   # the estimate puts the top rung at fewer FLOPs (the quantizer outweighs this CNN's
   # convolutions): compiled, it fits at 1.084x, and is the plan.
