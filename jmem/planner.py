@@ -39,11 +39,11 @@ How:
    from the compiled exact step at two batch sizes. A tighter budget walks further along
    the same path, so a plan that fits should need no fewer FLOPs (with InPlace-ABN, item
    4, the cheaper of the walk's plan and a fixed-cost alternative keeps that). Not a
-   proof, and it has failed: the compiles' corrections and the undo step depend on the
-   budget, and compiled FLOPs need not grow along the path as estimated (the 2 x 4-device
-   CNN of benchmarks/results/plan_ladder_sweep.md, before the cheaper-top try of item 3:
-   1.125x exact's FLOPs at 92%, 1.084x at 90%, where a site at 1 bit compiled to more
-   FLOPs than recomputed from 2 bits).
+   proof, and it has failed: the compiled steps that steer the walk and the undo step
+   depend on the budget, and compiled FLOPs need not grow along the path as estimated (the 2 x 4-device
+   CNN of benchmarks/results/plan_ladder_sweep.md with the walk of commit 08fb59f, before
+   the cheaper-top try of item 3: 1.125x exact's FLOPs at 92%, 1.084x at 90%, where a site
+   at 1 bit compiled to more FLOPs than recomputed from 2 bits).
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the walk goes on to the first point
    that the line through the last two compiled misses (compiled against predicted bytes,
@@ -238,7 +238,8 @@ class Plan:
     measured: ``(what, device bytes, FLOPs)`` of every step compiled at ``batch_size``:
       "exact", "InPlace-ABN alone", "walk point i" (``front[i]`` compiled), "every site
       on the top rung" (the walk's end missed, or the estimate put it at fewer FLOPs than
-      the walk's plan), "bit reductions undone".
+      the walk's plan; "walk point i" where that point is on the walk), "bit reductions
+      undone".
     devices: the devices each step's activations are split over (``mesh=`` or
       ``devices=``; 1: one device): the sites' bytes and FLOPs per example are then their
       share on one device.
