@@ -40,10 +40,11 @@ How:
    the same path, so a plan that fits should need no fewer FLOPs (with InPlace-ABN, item
    4, the cheaper of the walk's plan and a fixed-cost alternative keeps that). Not a
    proof, and it has failed: the compiled steps that steer the walk and the undo step
-   depend on the budget, and compiled FLOPs need not grow along the path as estimated (the 2 x 4-device
-   CNN of benchmarks/results/plan_ladder_sweep.md with the walk of commit 08fb59f, before
-   the cheaper-top try of item 3: 1.125x exact's FLOPs at 92%, 1.084x at 90%, where a site
-   at 1 bit compiled to more FLOPs than recomputed from 2 bits).
+   depend on the budget, and compiled FLOPs need not grow along the path as estimated
+   (the 2 x 4-device CNN of benchmarks/results/plan_ladder_sweep.md with the walk of
+   commit 08fb59f, before the cheaper-top try of item 3: 1.125x exact's FLOPs at 92%,
+   1.084x at 90%, where a site at 1 bit compiled to more FLOPs than recomputed from 2
+   bits).
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
    reported peak is XLA's. Where it does not fit, the walk goes on to the first point
    that the line through the last two compiled misses (compiled against predicted bytes,
