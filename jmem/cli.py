@@ -46,6 +46,13 @@ def _mesh_shape(text: str) -> tuple[int, int, int]:
   return sizes + (1, 1) if len(sizes) == 1 else sizes
 
 
+def _techniques_help() -> str:
+  """The registered techniques for a help text (argparse formats help with ``%``: the
+  planner's ``plan-50%`` would break ``--help``)."""
+  from jmem import bench  # pylint: disable=g-import-not-at-top
+  return ", ".join(bench.technique_names()).replace("%", "%%")
+
+
 def _parser() -> argparse.ArgumentParser:
   from jmem import bench, models  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="jmem", description="Memory-saving training for JAX/Flax.")
@@ -61,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
   d = bench.BenchConfig()
   b.add_argument("--model", default=d.model, help=f"one of: {', '.join(models.MODEL_NAMES)}")
   b.add_argument("--techniques", type=_str_list, default=d.techniques,
-                 help=f"comma-separated, from: {', '.join(bench.technique_names())} "
+                 help=f"comma-separated, from: {_techniques_help()} "
                  f"(default: {','.join(d.techniques)}); ':xla' or ':pallas' after a technique "
                  "with kernels (actnn-*, inplace-abn, sync-bn) picks its implementation")
   b.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -120,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
   t = sub.add_parser("train", help="train one model (with checkpoints and --resume)")
   t.add_argument("--model", default="resnet8", help=f"one of: {', '.join(models.MODEL_NAMES)}")
   t.add_argument("--technique", default="exact",
-                 help=f"one of: {', '.join(bench.technique_names())}")
+                 help=f"one of: {_techniques_help()}")
   t.add_argument("--image-size", type=int, default=16,
                  help="image side, or frame side for video models (at least 22 for 16 frames)")
   t.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")

@@ -236,3 +236,15 @@ def test_cli_train_resume(checkpoint, tmp_path, capsys):
   second = capsys.readouterr().out
   assert "resumed from step 2" in second
   assert first.splitlines()[-1] == second.splitlines()[-1]   # same final accuracy
+
+
+@pytest.mark.parametrize("command", ["bench", "plan", "train"])
+def test_every_subcommand_prints_its_help(command, capsys):
+  """argparse formats help with ``%``: a registered name such as ``plan-50%`` in a help
+  text made ``jmem bench --help`` raise instead of printing."""
+  with pytest.raises(SystemExit) as exit_:
+    cli.main([command, "--help"])
+  assert exit_.value.code == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f"usage: jmem {command}") and (
+      command == "plan" or "plan-50%" in out), out
