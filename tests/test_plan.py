@@ -220,15 +220,14 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
   assert any("per device" in n for n in p.notes) and "jmem.Spatial over" in p.table()
   # The walk's end (a BatchNorm at 1 bit, the other recomputed from 2 bits) compiles over
   # the budget; both recomputed from 2 bits, the one more compile, fit.
-  _TOP = "every site on the top rung"                 # pylint: disable=invalid-name
+  _TOP = plan_lib._TOP_RUNG          # pylint: disable=invalid-name,protected-access
   assert p.measured[-1][0] == _TOP, p.measured
   assert any("on the top rung" in n and "that is the walk's plan" in n for n in p.notes), \
       p.notes
   # The front ends with it, after the walk's end: estimated a little larger (460.4 against
   # 460.2 kB: the estimate put the 1-bit site below its recomputation), compiled 7% smaller.
   assert p.off_walk and p.chosen == len(p.front) - 1 and p.front[-1] != p.front[-2], p.front
-  assert p.to_json()["off_walk"] and ("every site on the top rung", p.device_bytes,
-                                      p.flops) in p.measured
+  assert p.to_json()["off_walk"] and (_TOP, p.device_bytes, p.flops) in p.measured
   # At 84% it misses too, and, the smallest step compiled, is the plan that does not fit.
   tight = plan_lib.plan(model, (x, y), "84%", mesh=mesh, optimizer=optimizer,
                         max_batch=False)
