@@ -16,6 +16,31 @@ X = jax.ShapeDtypeStruct((64, 32, 32, 3), jnp.float32)
 Y = jax.ShapeDtypeStruct((64,), jnp.int32)
 
 
+@pytest.fixture(autouse=True)
+def _compile_each_step_once(monkeypatch):
+  """Within a test, a step lowered to the same program (text, compiler options, devices) is
+  compiled by XLA once. The plans of one test compile many of the same steps (exact at two
+  batch sizes, a walk's first points), and what a plan reads of one (bytes, FLOPs, the HLO)
+  is a function of the program. The planner's own count of steps compiled is unchanged.
+  Programs with host callbacks, and lowerings whose compile arguments this JAX keeps
+  elsewhere, are compiled every time."""
+  cache, compile_ = {}, jax.stages.Lowered.compile
+
+  def compile_once(self, *args, **kwargs):
+    lowering = getattr(self, "_lowering", None)
+    options = getattr(lowering, "_compiler_options_kvs", None)
+    devices = getattr(lowering, "_device_list", None)
+    callbacks = getattr(lowering, "compile_args", {}).get("host_callbacks", True)
+    if args or kwargs or options is None or callbacks:
+      return compile_(self, *args, **kwargs)
+    key = (self.as_text(), repr(options),
+           None if devices is None else tuple(d.id for d in devices))
+    if key not in cache:
+      cache[key] = compile_(self)
+    return cache[key]
+  monkeypatch.setattr(jax.stages.Lowered, "compile", compile_once)
+
+
 def _device_bytes(model, optimizer):
   fns = train.model_fns(model)
   abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
