@@ -469,12 +469,21 @@ def test_budgets_and_bad_input():
     plan_lib.plan(tp.FunctionalCNN(), (X, jax.ShapeDtypeStruct((8,), jnp.int32)), "50%")
 
 
-def test_plan_cli(tmp_path):
+def test_plan_cli(tmp_path, capsys):
   out = tmp_path / "out"
   code = cli.main(["plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "32",
-                   "--budget", "4MiB", "--devices", "2", "--output-dir", str(out), "--json"])
+                   "--budget", "4MiB", "--devices", "2", "--output-dir", str(out), "--json",
+                   "--verify-steps", "2"])
   written = json.loads((out / "plan.json").read_text())
   assert code == (0 if written["fits"] else 1)
+  # --verify-steps: the planned model (approximate policies here) and exact, each trained
+  # 2 steps on the embedded digits at 16x16, on one device; both accuracies in the output.
+  printed = json.loads(capsys.readouterr().out)
+  assert any(c["kind"] in ("compress", "recompute_compressed") for c in written["choices"])
+  verify = printed.pop("verify")
+  assert printed == written and verify["steps"] == 2 and verify["image_size"] == 16
+  assert sorted(verify["accuracy"]) == ["exact", "plan"], verify
+  assert all(0.0 < a <= 1.0 for a in verify["accuracy"].values()), verify
   assert written["budget_bytes"] == 4 * 2**20 and written["choices"]
   assert any("per device (2 devices)" in n for n in written["notes"]), written["notes"]
   assert written["devices"] == 2 and "per device of 2" in (out / "plan.md").read_text()
