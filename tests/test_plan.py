@@ -577,6 +577,12 @@ def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
   assert plan_lib._relax((2, 2, 2), sites, ladder, sens, lambda s: kept(s) <= budget) == \
       (2, 2, 1)                                          # c, the most sensitive, goes back
   assert plan_lib._relax((1, 1, 1), sites, ladder, sens, lambda s: True) == (1, 1, 1)
+  # The undo step's line runs through the plan at the compiled slope from the last miss:
+  # a compile that saved half the estimate's bytes leaves room for twice the estimate.
+  assert plan_lib._compiled_slope((10.0, 90.0), (2.0, 86.0)) == 0.5
+  assert plan_lib._compiled_slope((10.0, 90.0), (2.0, 89.9)) == 0.1      # at least 0.1
+  assert plan_lib._compiled_slope((10.0, 90.0), (2.0, 74.0)) == 2.0      # not capped at 1
+  assert plan_lib._compiled_slope((2.0, 90.0), (2.0, 86.0)) == 1.0       # no estimated drop
 
 
 def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reductions():
