@@ -61,7 +61,8 @@ How:
    convolutions), taken if it fits at fewer compiled FLOPs. If nothing fits, the plan is
    the smallest step compiled. With sensitivities, once
    a plan fits, one more compile tries it with the bit reductions the prediction (the
-   estimate through the plan's compiled bytes, at the compiled slope from the last miss)
+   estimate through the plan's compiled bytes, at the compiled slope from the last miss,
+   at least 0.1 and not capped at 1)
    says the budget does not need undone (the one adding the most variance first): the walk
    lowers many small tolerant sites before a large sensitive one, and may not have needed
    all of them. It is kept only if it fits. The largest batch at the
@@ -783,8 +784,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   base = layout.base
 
   # The exact step at two batch sizes: fixed bytes and the per-example working bytes.
-  k = layout.multiple                         # batch sizes the data axis divides
-  small = (batch // 2 // k) * k or 2 * batch
+  multiple = layout.multiple                  # batch sizes the data axis divides
+  small = (batch // 2 // multiple) * multiple or 2 * batch
   exact_small, _ = compiled((), small)
   if len(layouts) == 1:
     exact_bytes, exact_flops = compiled((), batch, "exact")
@@ -961,10 +962,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # miss: taken as it is, it undid too few (ResNet-20 at 25%, where a compile saved half
     # of the estimate's bytes or less, kept the most sensitive site, the stem, at 4 bits).
     lo = misses[-1]
-    k = _compiled_slope((predicted(walk[lo])[0], costs[walk[lo]][0] if lo else exact_bytes),
-                        (predicted(state)[0], device_bytes))
+    slope = _compiled_slope(
+        (predicted(walk[lo])[0], costs[walk[lo]][0] if lo else exact_bytes),
+        (predicted(state)[0], device_bytes))
     loose = _relax(state, sites, ladder, sens,
-                   lambda s_: device_bytes + k * (predicted(s_)[0] - predicted(state)[0])
+                   lambda s_: device_bytes + slope * (predicted(s_)[0] - predicted(state)[0])
                    <= budget_bytes)
     if loose != state and loose not in costs and compiles - searched >= max_compiles:
       notes.append("no compile left to try undoing the bit reductions the estimate does not "
@@ -990,13 +992,14 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   best = exact_best = None
   if max_batch:
     exact_best = _largest(*sorted([(small, exact_small), (batch, exact_bytes)]), budget_bytes,
-                          k)
+                          multiple)
     if not (under or index):
       best = exact_best                   # the exact step's
     else:
       other = 2 * batch if fits else small
       at_other, _ = compiled(under + _policies(choices), other)
-      best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes, k)
+      best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes,
+                      multiple)
   front = tuple(predicted(s_) for s_ in walk) + ((predicted(top),) if on_top else ())
   index = len(front) - 1 if on_top else index
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,

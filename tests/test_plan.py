@@ -469,8 +469,11 @@ def test_budgets_and_bad_input():
     plan_lib.plan(tp.FunctionalCNN(), (X, jax.ShapeDtypeStruct((8,), jnp.int32)), "50%")
 
 
-def test_plan_cli(tmp_path, capsys):
+def test_plan_cli(tmp_path, capsys, monkeypatch):
   out = tmp_path / "out"
+  trained, train_ = [], train.train             # what --verify-steps trains
+  monkeypatch.setattr(train, "train", lambda model, *a, **k: trained.append(
+      (model, train_(model, *a, **k))) or trained[-1][1])
   code = cli.main(["plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "32",
                    "--budget", "4MiB", "--devices", "2", "--output-dir", str(out), "--json",
                    "--verify-steps", "2"])
@@ -484,10 +487,18 @@ def test_plan_cli(tmp_path, capsys):
   assert printed == written and verify["steps"] == 2 and verify["image_size"] == 16
   assert sorted(verify["accuracy"]) == ["exact", "plan"], verify
   assert all(0.0 < a <= 1.0 for a in verify["accuracy"].values()), verify
+  # Exact, then the model converted with the plan's techniques (a data mesh: no Spatial).
+  (exact, exact_run), (planned, plan_run) = trained
+  assert not hasattr(exact, "techniques") and written["techniques"]
+  assert [repr(t) for t in planned.techniques] == written["techniques"], written["techniques"]
+  assert verify["accuracy"] == {"exact": exact_run.test_accuracy,
+                                "plan": plan_run.test_accuracy}
   assert written["budget_bytes"] == 4 * 2**20 and written["choices"]
   assert any("per device (2 devices)" in n for n in written["notes"]), written["notes"]
   assert written["devices"] == 2 and "per device of 2" in (out / "plan.md").read_text()
   assert written["mesh"] == {"data": 2}          # 32 splits over both: data parallelism
+  for best in (written["max_batch"], written["exact_max_batch"]):   # batches the 2 divide
+    assert isinstance(best, int) and best % 2 == 0, written
   assert (out / "plan.md").exists() and (out / "plan_front.png").exists()
   for bad in (["--budget", "sixteen"], ["--mesh", "2y4"], ["--mesh", "0x2x4"], ["--mesh", "2x4"],
               ["--mesh", "2x4x4"],                 # 32 devices: the tests have 8
@@ -496,7 +507,7 @@ def test_plan_cli(tmp_path, capsys):
       cli.main(["plan", *bad, "--output-dir", str(out)])
 
 
-def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them():
+def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkeypatch):
   """Down the compression rungs (the same FLOPs per byte at every site) the walk lowers
   first the site that adds the least gradient variance per byte saved; without
   sensitivities it goes by bytes. Measured sensitivities reach the plan's table."""
@@ -535,8 +546,16 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them():
   loose = plan_lib.plan(model, (X, Y), "75%", max_batch=False, optimizer=optimizer,
                         calibration_batch=batch)
   assert any("measured at 2 bits on 4 examples" in n for n in loose.notes), loose.notes
+  slopes = []                     # the undo step's line: (miss, plan) as (estimate, compiled)
+  slope_of = plan_lib._compiled_slope
+  monkeypatch.setattr(plan_lib, "_compiled_slope",
+                      lambda miss, fit: slopes.append((miss, fit)) or slope_of(miss, fit))
   tight = plan_lib.plan(model, (X, Y), "65%", max_batch=False, optimizer=optimizer,
                         sensitivities={c.path: c.sensitivity for c in loose.choices})
+  # It runs through the walk's plan from the last compiled miss.
+  [(miss, fit)] = slopes
+  assert miss[0] > fit[0] and miss[1] > tight.budget_bytes >= fit[1], (miss, fit)
+  assert fit[1] in [b for _, b, _ in tight.measured], tight.measured
   # The plan follows them: the stem's BatchNorm, the least sensitive, has the fewest bits,
   # and the largest site (the most bytes saved at 8 bits, in the loose plan), which the
   # bytes order would lower first, has more.
