@@ -59,15 +59,13 @@ How:
    compile smaller recomputed from 2 bits); so does one where the walk's plan fits but the
    estimate puts the top rung at fewer FLOPs (a small CNN, whose quantizer outweighs its
    convolutions), taken if it fits at fewer compiled FLOPs. If nothing fits, the plan is
-   the smallest step compiled. With sensitivities, once
-   a plan fits, one more compile tries it with the bit reductions the prediction (the
-   estimate through the plan's compiled bytes, at the compiled slope from the last miss,
-   at least 0.1 and not capped at 1)
-   says the budget does not need undone (the one adding the most variance first): the walk
-   lowers many small tolerant sites before a large sensitive one, and may not have needed
-   all of them. It is kept only if it fits. The largest batch at the
-   budget is predicted by the line through the plan compiled at two batch sizes (one
-   compile more).
+   the smallest step compiled. With sensitivities, once a plan fits, one more compile
+   tries it with the bit reductions the prediction (the estimate through the plan's
+   compiled bytes, at the compiled slope from the last miss, at least 0.1 and not capped
+   at 1) says the budget does not need undone (the one adding the most variance first):
+   the walk lowers many small tolerant sites before a large sensitive one, and may not
+   have needed all of them. It is kept only if it fits. The largest batch at the budget is
+   predicted by the line through the plan compiled at two batch sizes (one compile more).
 
 4. **InPlace-ABN alone.** Where the exact step does not fit and the model has BatchNorms
    InPlace-ABN can take (followed by leaky_relu or elu in a Sequential,
