@@ -959,12 +959,12 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # The estimate, anchored at the plan and scaled by the compiled slope from the last
     # miss: taken as it is, it undid too few (ResNet-20 at 25%, where a compile saved half
     # of the estimate's bytes or less, kept the most sensitive site, the stem, at 4 bits).
-    lo = misses[-1]
+    lo, at_plan = misses[-1], predicted(state)[0]
     slope = _compiled_slope(
         (predicted(walk[lo])[0], costs[walk[lo]][0] if lo else exact_bytes),
-        (predicted(state)[0], device_bytes))
+        (at_plan, device_bytes))
     loose = _relax(state, sites, ladder, sens,
-                   lambda s_: device_bytes + slope * (predicted(s_)[0] - predicted(state)[0])
+                   lambda s_: device_bytes + slope * (predicted(s_)[0] - at_plan)
                    <= budget_bytes)
     if loose != state and loose not in costs and compiles - searched >= max_compiles:
       notes.append("no compile left to try undoing the bit reductions the estimate does not "
@@ -1237,22 +1237,22 @@ def _next_point(walk, misses, hi, estimate, compiled, budget, stop=None) -> int 
   if end - lo <= 1:
     return None if hi is not None or lo == end else end
   a, b = (lo, hi) if hi is not None else (misses[-2], lo)
-  drop = estimate(a) - estimate(b)
-  k = (compiled(a) - compiled(b)) / drop if drop > 0 else 1.0
-  k = k if hi is not None else min(max(k, 0.1), 1.0)
+  k = _compiled_slope((estimate(a), compiled(a)), (estimate(b), compiled(b)),
+                      *((-math.inf, math.inf) if hi is not None else (0.1, 1.0)))
   for i in range(lo + 1, end):
     if compiled(lo) - k * (estimate(lo) - estimate(i)) <= budget:
       return i
   return None if hi is not None else end
 
 
-def _compiled_slope(miss, fit) -> float:
-  """Compiled bytes per estimated byte between two ``(estimate, compiled)`` points, a miss
-  and a fit: at least 0.1 (a point saved nothing compiled), 1 where the estimate does not
-  fall between them. Above 1 the compile saved more than the estimate, and undoing a
-  reduction costs more than estimated too."""
-  drop = miss[0] - fit[0]
-  return max((miss[1] - fit[1]) / drop, 0.1) if drop > 0 else 1.0
+def _compiled_slope(a, b, low: float = 0.1, high: float = math.inf) -> float:
+  """Compiled bytes per estimated byte from ``(estimate, compiled)`` point ``a`` to ``b``
+  (a miss and a fit, or two misses), held within [``low``, ``high``]: by default at least
+  0.1 (a point saved nothing compiled); 1 where the estimate does not fall from ``a`` to
+  ``b``. Above 1 the compile saved more than the estimate, and undoing a reduction costs
+  more than estimated too."""
+  drop = a[0] - b[0]
+  return min(max((a[1] - b[1]) / drop, low), high) if drop > 0 else 1.0
 
 
 def _relax(state, sites, ladder, sensitivity, fits):

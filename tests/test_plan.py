@@ -548,8 +548,12 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
   assert any("measured at 2 bits on 4 examples" in n for n in loose.notes), loose.notes
   slopes = []                     # the undo step's line: (miss, plan) as (estimate, compiled)
   slope_of = plan_lib._compiled_slope
-  monkeypatch.setattr(plan_lib, "_compiled_slope",
-                      lambda miss, fit: slopes.append((miss, fit)) or slope_of(miss, fit))
+
+  def recorded(miss, fit, *bounds):
+    if not bounds:                             # the walk's steps pass their own bounds
+      slopes.append((miss, fit))
+    return slope_of(miss, fit, *bounds)
+  monkeypatch.setattr(plan_lib, "_compiled_slope", recorded)
   tight = plan_lib.plan(model, (X, Y), "65%", max_batch=False, optimizer=optimizer,
                         sensitivities={c.path: c.sensitivity for c in loose.choices})
   # It runs through the walk's plan from the last compiled miss.
