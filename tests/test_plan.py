@@ -42,11 +42,10 @@ def _compile_each_step_once(monkeypatch):
 
 
 def _device_bytes(model, optimizer):
-  fns = train.model_fns(model)
-  abstract = jax.eval_shape(lambda k, v: train.init_state(fns, optimizer, k, v),
-                            jax.random.key(0), X)
-  compiled = train.make_train_step(fns, optimizer).lower(abstract, X, Y).compile()
-  return jmem.measure.device_bytes_and_flops(compiled)[0]
+  """The device bytes of ``model``'s step compiled as `jmem.plan` compiles it (where the
+  converted model lowers to the program the planner compiled, the fixture above hands back
+  that compile)."""
+  return plan_lib.step_cost(model, optimizer, X, Y)[0]
 
 
 def test_plans_fit_and_a_tighter_budget_never_needs_fewer_flops():
