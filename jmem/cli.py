@@ -46,6 +46,18 @@ def _mesh_shape(text: str) -> tuple[int, int, int]:
   return sizes + (1, 1) if len(sizes) == 1 else sizes
 
 
+def _policies(text: str) -> tuple[str, ...]:
+  """Comma-separated site policies of `jmem.planner.POLICY_KINDS`."""
+  from jmem.planner import POLICY_KINDS  # pylint: disable=g-import-not-at-top
+  kinds = tuple(k.strip() for k in text.split(","))
+  bad = [k for k in kinds if k not in POLICY_KINDS]
+  if bad:
+    raise argparse.ArgumentTypeError(
+        f"unknown site policies {bad}: give some of {', '.join(POLICY_KINDS)}, separated by "
+        f"commas (save is always allowed); got {text!r}")
+  return kinds
+
+
 def _techniques_help() -> str:
   """The registered techniques for a help text (argparse formats help with ``%``: the
   planner's ``plan-50%`` would break ``--help``)."""
@@ -106,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("--dtype", default="float32", choices=bench.DTYPES)
   pl.add_argument("--exact-only", action="store_true",
                   help="accuracy-safe: no compression, the gradients stay exact")
+  pl.add_argument("--policies", type=_policies, default=None, metavar="KIND[,KIND]",
+                  help="the site policies allowed besides save: compress, recompute, "
+                  "recompute_compressed (default: compress,recompute_compressed; with "
+                  "--exact-only: recompute)")
+  pl.add_argument("--no-inplace-abn", action="store_true",
+                  help="do not try InPlace-ABN alone where the exact step does not fit")
   pl.add_argument("--max-compiles", type=int, default=8)
   layout = pl.add_mutually_exclusive_group()
   layout.add_argument("--mesh", type=_mesh_shape, default=None, metavar="D|DxHxW",
@@ -245,7 +263,7 @@ def _plan(args) -> int:
   # 16 examples of the embedded data at the plan's shapes: their gradient sensitivities
   # order the bit reductions (and they give the number of classes).
   calibration, classes = None, 10
-  if not args.exact_only:
+  if not args.exact_only and "compress" in (args.policies or ("compress",)):
     if video:
       clips = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,
                                  train_clips=16, test_clips=1)
@@ -256,7 +274,8 @@ def _plan(args) -> int:
   model = bench.create_model(args.model, classes, args.dtype)
   result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
                          max_compiles=args.max_compiles, calibration_batch=calibration,
-                         mesh=mesh, **axes)
+                         mesh=mesh, policies=args.policies,
+                         inplace_abn=not args.no_inplace_abn, **axes)
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:

@@ -24,14 +24,14 @@ How:
    the FLOPs it adds (a recomputation: the site's forward; a quantizer: a few per value).
 2. **A path of upgrades.** From "save everywhere", one site moves one rung up its ladder
    at a time (save -> compress at 8, 4, 2, 1 bits -> recompute from a 2-bit input; exact
-   only: save -> recompute): every site climbs a rung before any climbs the next (all at
-   8 bits before one goes to 4: fewer bits only where the budget needs them), the site
-   with the most bytes saved per FLOP added first (a rung that keeps no less is skipped),
-   until the predicted step fits. Down the compression rungs (8 -> 4 -> 2 -> 1 bits, which add
-   no FLOPs) the order is GACT's instead when the gradient
-   sensitivities are known (``calibration_batch=``: measured at 2 bits on a few real
-   examples at the initial weights, `jmem.surgery.sensitivities`; or your own
-   ``sensitivities=``): most bytes saved per gradient variance added, the
+   only: save -> recompute; ``policies=`` leaves rungs out): every site climbs a rung
+   before any climbs the next (all at 8 bits before one goes to 4: fewer bits only where
+   the budget needs them), the site with the most bytes saved per FLOP added first (a
+   rung that keeps no less is skipped), until the predicted step fits. Down the
+   compression rungs (8 -> 4 -> 2 -> 1 bits, which add no FLOPs) the order is GACT's
+   instead when the gradient sensitivities are known (``calibration_batch=``: measured
+   at 2 bits on a few real examples at the initial weights, `jmem.surgery.sensitivities`;
+   or your own ``sensitivities=``): most bytes saved per gradient variance added, the
    variance a site adds at ``b`` bits being about ``C / (2^b - 1)^2``, so the sites whose
    gradients tolerate it get fewer bits first. The prediction is
    ``fixed + batch * (working + sum of the sites' bytes)``, with ``fixed`` and
@@ -133,7 +133,7 @@ from jmem.parallel.data_parallel import data_parallel
 from jmem.techniques import register_technique
 
 __all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share", "step_cost",
-           "compile_step"]
+           "compile_step", "POLICY_KINDS"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -141,6 +141,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _APPROXIMATE_LADDER = (("save", None), ("compress", 8), ("compress", 4), ("compress", 2),
                        ("compress", 1), ("recompute_compressed", 2))
 _EXACT_LADDER = (("save", None), ("recompute", None))
+# The site policies `plan(policies=...)` may allow (``save`` is always allowed).
+POLICY_KINDS = ("compress", "recompute", "recompute_compressed")
 # `Plan.measured`'s name for the one compile off the walk: every site on its top rung.
 _TOP_RUNG = "every site on the top rung"
 # XLA FLOPs per quantized value, compress and decompress (a measured order of magnitude:
@@ -527,6 +529,37 @@ def _kept(site: _Site, rung) -> tuple[float, float]:
   raise ValueError(kind)
 
 
+def _ladder(policies, approximate: bool) -> tuple:
+  """The rungs of every site's ladder for ``plan``'s ``policies`` and ``approximate``."""
+  if policies is None:
+    return _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
+  kinds = (policies,) if isinstance(policies, str) else tuple(policies)
+  bad = [k for k in kinds if k not in POLICY_KINDS]
+  if not kinds or bad:
+    raise ValueError(f"policies takes site policies of {list(POLICY_KINDS)} (save is always "
+                     f"allowed), at least one; got {list(kinds)!r}.")
+  quantized = [k for k in kinds if k != "recompute"]
+  if not approximate and quantized:
+    raise ValueError(f"approximate=False keeps the gradients exact, but policies allows "
+                     f"{quantized}, which quantize: allow only 'recompute', or drop "
+                     "approximate=False (--exact-only).")
+  ladder = [("save", None)]
+  if "compress" in kinds:
+    ladder += [rung for rung in _APPROXIMATE_LADDER if rung[0] == "compress"]
+  if "recompute_compressed" in kinds:
+    ladder.append(_APPROXIMATE_LADDER[-1])
+  elif "recompute" in kinds:
+    ladder.append(("recompute", None))
+  return tuple(ladder)
+
+
+def _rung_text(rung) -> str:
+  kind, bits = rung
+  return {"save": "save", "compress": f"compressed at {bits} bit{'s' * (bits != 1)}",
+          "recompute": "recomputed",
+          "recompute_compressed": f"recomputed from a {bits}-bit input"}[kind]
+
+
 def _variance(sensitivity: float, rung) -> float:
   """The gradient variance a site of GACT sensitivity ``sensitivity`` adds on ``rung``."""
   kind, bits = rung
@@ -595,7 +628,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
          max_batch: bool = True, calibration_batch=None,
          sensitivities: Mapping[str, float] | None = None, inplace_abn: bool = True,
          mesh=None, spatial_axes: tuple | None = ("h", "w"),
-         data_axis: str | None = None, devices=None) -> Plan:
+         data_axis: str | None = None, devices=None,
+         policies: Sequence[str] | None = None) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
@@ -645,6 +679,13 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       (`_lay_out`), each exact step compiled: of those within 2% of the fewest device bytes, the one
       with the fewest collectives; those compiles are in ``Plan.compiles`` and not counted
       against ``max_compiles``). ``Plan.mesh`` is the mesh it made.
+    policies: the site policies the walk may use besides ``save``, of `POLICY_KINDS`:
+      ``"compress"`` (at 8, 4, 2 and 1 bits), ``"recompute"``, ``"recompute_compressed"``
+      (from a 2-bit input). Default: compress and recompute_compressed (with
+      ``approximate=False``: recompute). Plain recompute goes on the ladder only where
+      recompute_compressed is not allowed (recomputing from a 2-bit input keeps less for
+      the same recomputation). InPlace-ABN is allowed by ``inplace_abn``, jmem.Spatial by
+      ``mesh``/``devices``.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -656,6 +697,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if max_compiles < 3:
     raise ValueError(f"max_compiles must be at least 3 (exact at two batch sizes, the plan), "
                      f"got {max_compiles}.")
+  ladder = _ladder(policies, approximate)
   if not isinstance(model, (nn.Module, nnx.Module)):
     raise TypeError(f"jmem.plan takes a flax.linen or flax.nnx Module, got "
                     f"{type(model).__name__}.")
@@ -703,14 +745,18 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   held = sum(s.residual_bytes for s in sites)
   share = held / max(held + outside, 1e-30)
   sites = _per_device(sites, layout.shards)
-  ladder = _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
+  if policies is not None:
+    notes.append("site policies searched: " + ", ".join(_rung_text(r) for r in ladder))
+  quantizes = any(kind == "compress" for kind, _ in ladder)   # sensitivities order these
   notes += ["offload not searched (on CPU, where host and device memory are one, it saves "
             "nothing: only a GPU compile could measure it)"]
   sens = None
   if sensitivities is not None and calibration_batch is not None:
     raise ValueError("give sensitivities or a calibration_batch to measure them on, not both.")
-  if not approximate and (sensitivities is not None or calibration_batch is not None):
-    notes.append("sensitivities unused: an exact plan (approximate=False) quantizes nothing")
+  if not quantizes and (sensitivities is not None or calibration_batch is not None):
+    notes.append("sensitivities unused: " + (
+        "an exact plan (approximate=False) quantizes nothing" if not approximate else
+        "they order bit reductions, and the policies allowed compress nothing"))
   elif sensitivities is not None:
     missing = sorted(set(paths) - set(sensitivities))
     if missing:
@@ -732,7 +778,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       notes.append(f"sites {unseen} quantize nothing the probe saw: their sensitivity is "
                    "taken as the largest measured")
       sens.update({p: max(sens.values(), default=1.0) for p in unseen})
-  elif approximate:
+  elif quantizes:
     notes.append("bit reductions ordered by bytes saved, not by gradient sensitivity: pass "
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
   compiles, measured = 0, []                  # measured: the steps compiled at the batch
@@ -793,7 +839,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   slope = (exact_bytes - exact_small) / (batch - small)
   fixed = exact_bytes - slope * batch
   working = slope - sum(s.residual_bytes for s in sites)   # what no site holds
-  walk = _upgrade_path(sites, ladder, sens if approximate else None)
+  walk = _upgrade_path(sites, ladder, sens if quantizes else None)
   abn = abn_cost = None
   if exact_bytes > budget_bytes:
     abn, note = _inplace_abn(model, xs, inplace_abn, max_compiles)
@@ -885,8 +931,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       top_bytes, top_flops = cost(top, _TOP_RUNG)
       if top_bytes <= budget_bytes:
         walk_note = (f"the walk's end missed the budget by {_size(end_bytes - budget_bytes)}; "
-                     "every site that saves anything on the top rung (recomputed from a "
-                     "2-bit input) fitted: that is the walk's plan")
+                     "every site that saves anything on the top rung "
+                     f"({_rung_text(ladder[-1])}) fitted: that is the walk's plan")
         state, device_bytes, flops, on_top = top, top_bytes, top_flops, True
       else:
         notes.append(f"every site that saves anything on the top rung missed the budget by "
@@ -900,7 +946,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # exact's FLOPs at 1 and 2 bits, 1.084x recomputed from 2 bits). One compile tries it.
     top_bytes, top_flops = cost(top, _TOP_RUNG)
     ratio = lambda f: f"{f / max(exact_flops, 1):.3f}x"
-    what = ("every site that saves anything on the top rung (recomputed from a 2-bit input), "
+    what = (f"every site that saves anything on the top rung ({_rung_text(ladder[-1])}), "
             f"which the estimate put at fewer FLOPs than the walk's plan ({ratio(flops)}),")
     if top_bytes <= budget_bytes and top_flops < flops:
       walk_note = f"{what} fitted at {ratio(top_flops)}: that is the plan"

@@ -89,6 +89,24 @@ def test_exact_only_plans_keep_the_gradients_exact():
   tiny = plan_lib.plan(model, (x, y), 2**20, approximate=False, max_batch=False)
   assert not tiny.fits and all(c.kind == "recompute" for c in tiny.choices)
   assert "does NOT fit" in tiny.table() and "over" in tiny.table()
+  # policies= allows some site policies: recompute alone is the exact ladder (the same
+  # plan; sensitivities have no bit reduction to order), compress alone no recomputation.
+  ones = {c.path: 1.0 for c in p.choices}
+  same = plan_lib.plan(model, (x, y), budget, policies=("recompute",), max_batch=False,
+                       sensitivities=ones)
+  assert [c.label for c in same.choices] == [c.label for c in p.choices]
+  assert (same.device_bytes, same.flops) == (p.device_bytes, p.flops) and not same.approximate
+  assert "sensitivities unused: they order bit reductions, and the policies allowed " \
+      "compress nothing" in same.notes and "site policies searched: save, recomputed" in same.notes
+  packed = plan_lib.plan(model, (x, y), budget, policies="compress", max_batch=False)
+  assert packed.fits and packed.approximate, packed.table()
+  assert {c.kind for c in packed.choices} <= {"save", "compress"}
+  assert "site policies searched: save, compressed at 8 bits, compressed at 4 bits, " \
+      "compressed at 2 bits, compressed at 1 bit" in packed.notes, packed.notes
+  for bad, match in ((("save",), "policies takes site policies of"),
+                     ((), "at least one"), (("compress",), "approximate=False keeps")):
+    with pytest.raises(ValueError, match=match):
+      plan_lib.plan(model, (x, y), budget, policies=bad, approximate=bad != ("compress",))
 
 
 def test_where_nothing_fits_the_plan_is_the_smallest_step_compiled():
@@ -501,7 +519,8 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
   assert (out / "plan.md").exists() and (out / "plan_front.png").exists()
   for bad in (["--budget", "sixteen"], ["--mesh", "2y4"], ["--mesh", "0x2x4"], ["--mesh", "2x4"],
               ["--mesh", "2x4x4"],                 # 32 devices: the tests have 8
-              ["--devices", "9"], ["--devices", "2", "--mesh", "2"]):
+              ["--devices", "9"], ["--devices", "2", "--mesh", "2"],
+              ["--policies", "save"], ["--policies", "compress", "--exact-only"]):
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
 
