@@ -211,7 +211,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   seen to fit by a compile: a lower bound), over_budget (the smallest batch seen not to),
   max_batch_ratio (exact's per-example temp bytes over the
   technique's: the max-batch multiplier), flops and flops_ratio (XLA's cost analysis of
-  the step).
+  the step), collectives (op -> count in the compiled step, those it has).
   """
   config.validate()
   names = ["exact"] + [t for t in config.techniques if t != "exact"]
@@ -248,7 +248,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
                    for g in config.budgets_gib},
         over_budget={_budget_key(g): fit.over_budget[int(g * measure.GIB)]
                      for g in config.budgets_gib},
-        flops=fit.flops, step_time_s=None, step_time_ratio=None, accuracy=None,
+        flops=fit.flops, collectives=fit.collectives, step_time_s=None, step_time_ratio=None,
+        accuracy=None,
         accuracy_per_seed=None)
     if not config.memory_only:
       accs = []

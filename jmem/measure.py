@@ -638,6 +638,8 @@ class BatchFit:
     over_budget: budget in bytes -> the smallest batch seen NOT to fit (None: no compiled
       batch went over the budget).
     compiles: compiles made (the fit's two included).
+    collectives: op -> count of the collectives (`COLLECTIVE_OPS`) in the compiled step at
+      ``batch_sizes[0]``, those it has only (empty on one device).
   """
 
   batch_sizes: tuple[int, int]
@@ -650,6 +652,7 @@ class BatchFit:
   max_batch: dict[int, int | None]
   over_budget: dict[int, int | None]
   compiles: int
+  collectives: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def fit_batch(compile_at: Callable[[int], Any], batch_sizes: tuple[int, int],
@@ -674,7 +677,7 @@ def fit_batch(compile_at: Callable[[int], Any], batch_sizes: tuple[int, int],
   if b0 < 1 or b0 == b1:
     raise ValueError(f"fit_batch needs two different positive batch sizes, got {batch_sizes}.")
   seen: dict[int, tuple[int, int]] = {}
-  flops = 0.0
+  flops, collectives = 0.0, {}
 
   def measure_at(b):
     nonlocal flops
@@ -685,6 +688,8 @@ def fit_batch(compile_at: Callable[[int], Any], batch_sizes: tuple[int, int],
       cost = compiled.cost_analysis()
       cost = cost[0] if isinstance(cost, (list, tuple)) else cost
       flops = float((cost or {}).get("flops", 0.0))
+      collectives.update((op, n) for op, n in collective_counts(compiled.as_text()).items()
+                         if n)
     return seen[b][0]
 
   measure_at(b0)
@@ -729,7 +734,7 @@ def fit_batch(compile_at: Callable[[int], Any], batch_sizes: tuple[int, int],
     above[budget] = min(over, default=None)
   return BatchFit((b0, b1), (seen[b0][0], seen[b1][0]), (seen[b0][1], seen[b1][1]),
                   slope, (seen[b1][1] - seen[b0][1]) / (b1 - b0), fixed, flops, best,
-                  above, len(seen))
+                  above, len(seen), collectives)
 
 
 def time_steps(steps: Mapping[str, Callable[[], Any]], *, warmup: int = 2, repeats: int = 10,

@@ -11,6 +11,8 @@ all against exact in the same run (the README's first command).
   hold none): its error against plain BatchNorm on the valid examples alone, and the
   collectives of its compiled step.
 
+Every row gives the collectives of its compiled step (none on one device).
+
 ``quick=True`` runs the same pipeline on tiny shapes (a check by hand: about 4 minutes on 2
 cores, most of it compiling; tests/test_tour.py checks the parts).
 """
@@ -140,23 +142,29 @@ def _cell(v, fmt):
   return "-" if v is None else format(v, fmt)
 
 
+def _collectives(counts) -> str:
+  """``{op: n}`` as "8 collective-permute, 2 all-reduce" (most first); "-" for none."""
+  counts = {op: n for op, n in (counts or {}).items() if n}
+  return ", ".join(f"{n} {op}" for op, n in sorted(counts.items(), key=lambda kv: -kv[1])) \
+      or "-"
+
+
 def format_tour(rows) -> str:
   lines = ["| section | technique | model | max-batch x | MiB / example | FLOPs / exact | "
-           "temp / exact | saved / exact | step time / exact | accuracy |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+           "temp / exact | saved / exact | step time / exact | collectives | accuracy |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
   for r in rows:
     if "skipped" in r:
       lines.append(f"| {r['section']} | {r['technique']} | {r['model']} | - | - | - | - | - | "
-                   f"- | not run: {r['skipped']} |")
+                   f"- | - | not run: {r['skipped']} |")
       continue
     if "sync_bn" in r:
       s = r["sync_bn"]
       lines.append(
-          f"| {r['section']} | sync-bn | {r['model']} | - | - | - | - | - | - | exact: max "
-          f"error {s['max_abs_error_valid']:.2g} on valid rows {s['counts']}, "
-          f"{s['nan_outputs']} NaN; collectives fwd+bwd "
-          + ", ".join(f"{n} {op}" for op, n in s["collectives_forward_backward"].items())
-          + " |")
+          f"| {r['section']} | sync-bn | {r['model']} | - | - | - | - | - | - | "
+          f"{_collectives(s['collectives_forward_backward'])} (forward + backward) | exact: "
+          f"max error {s['max_abs_error_valid']:.2g} on valid rows {s['counts']}, "
+          f"{s['nan_outputs']} NaN |")
       continue
     if r.get("accuracy") is not None:
       acc = f"{100 * r['accuracy']:.2f}% ({r['steps']} steps)"
@@ -170,7 +178,8 @@ def format_tour(rows) -> str:
         f"{_cell(r['per_example_temp_bytes'] / 2**20, '.3g')} | "
         f"{_cell(r.get('flops_ratio'), '.3f')} | "
         f"{_cell(r.get('temp_ratio'), '.3f')} | {_cell(r.get('saved_ratio'), '.3f')} | "
-        f"{_cell(r.get('step_time_ratio'), '.2f')} | {acc} |")
+        f"{_cell(r.get('step_time_ratio'), '.2f')} | {_collectives(r.get('collectives'))} | "
+        f"{acc} |")
   return "\n".join(lines)
 
 

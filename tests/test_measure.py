@@ -238,11 +238,16 @@ class _FakeCompiled:
   def cost_analysis(self):
     return {"flops": 7.0}
 
+  def as_text(self):
+    return ("%ar = f32[4] all-reduce(f32[4] %g), replica_groups={}\n"
+            "%cp-start = f32[4] collective-permute-start(f32[4] %h)\n")
+
 
 def test_fit_batch_confirms_the_largest_batch_where_memory_is_not_linear():
   # Linear: the line's guess is the answer, one compile per budget.
   fit = measure.fit_batch(lambda b: _FakeCompiled(100 * b), (4, 8), (10_000 + 1000,))
   assert fit.per_example_bytes == 100 and fit.fixed_bytes == 1000 and fit.flops == 7.0
+  assert fit.collectives == {"all-reduce": 1, "collective-permute": 1}   # those it has
   assert fit.max_batch == {11_000: 100} and fit.compiles == 3
   # Superlinear beyond 50 examples: the line's guess (100) does not fit; compiles walk down
   # to a batch that does, and the answer is bounded by the smallest batch seen not to fit.

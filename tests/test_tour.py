@@ -39,12 +39,14 @@ def test_tour_table_and_figure(tmp_path):
   rows = [dict(base, section="A", technique="exact"),
           dict(base, section="A", technique="actnn-L3", max_batch_ratio=4.5,
                flops_ratio=1.07, accuracy=None, quoted_accuracy="99.16%",
-               source="benchmarks/results/stacks_accuracy.md"),
+               source="benchmarks/results/stacks_accuracy.md",
+               collectives={"all-reduce": 2, "collective-permute": 8}),
           dict(section="SyncBN", technique="sync-bn", model="BatchNorm layer",
                sync_bn=dict(max_abs_error_valid=1e-7, counts=[1, 0], nan_outputs=0,
                             collectives_forward_backward={"all-gather": 1}))]
   table = tour.format_tour(rows)
   assert "4.50x" in table and "99.16%, from benchmarks/results/stacks_accuracy.md" in table
-  assert "1 all-gather" in table and "99.00% (60 steps)" in table
+  assert "1 all-gather (forward + backward)" in table and "99.00% (60 steps)" in table
+  assert "| 8 collective-permute, 2 all-reduce |" in table     # the actnn-L3 row's
   paths = tour.write_tour(rows, str(tmp_path))
   assert all((tmp_path / f"tour.{e}").exists() for e in ("json", "md", "png")), paths
