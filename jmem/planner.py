@@ -1347,10 +1347,20 @@ def _largest(lo, hi, budget, multiple: int = 1) -> int:
   return max(0, int((budget - (bytes_lo - slope * b_lo)) // slope)) // multiple * multiple
 
 
+def _pareto(points):
+  """The ``(FLOPs, bytes)`` points no other point beats on both (fewer or equal FLOPs and
+  fewer bytes), by FLOPs."""
+  front = []
+  for f, b in sorted(set(points)):
+    if not front or b < front[-1][1]:
+      front.append((f, b))
+  return front
+
+
 def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
   """``<stem>.json``, ``<stem>.md`` and ``<stem>_front.png`` (estimated memory against
   FLOPs along the upgrade path, the chosen point marked, every step compiled at the batch
-  and the plan's)."""
+  and the plan's, and the front of the compiled ones)."""
   import os  # pylint: disable=g-import-not-at-top
   os.makedirs(output_dir, exist_ok=True)
   paths = [os.path.join(output_dir, f"{stem}.{ext}") for ext in ("json", "md")]
@@ -1376,6 +1386,10 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
            if what != "exact" and (b, f) != (plan_.device_bytes, plan_.flops)]
   if steps:
     ax.plot(*zip(*steps), "x", color="C2", label="other steps compiled")
+  front = _pareto([(f / max(plan_.exact_flops, 1), b / scale) for _, b, f in plan_.measured])
+  if len(front) > 1:
+    ax.step(*zip(*front), where="post", color="C2", lw=1, alpha=0.7,
+            label="compiled front (fewest bytes at each FLOPs)")
   ax.plot(plan_.flops / max(plan_.exact_flops, 1), plan_.device_bytes / scale, "*", ms=12,
           color="C1", label="chosen (compiled)")
   ax.plot(1.0, plan_.exact_device_bytes / scale, "s", color="k", label="exact (compiled)")

@@ -658,3 +658,11 @@ def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reduc
   assert step([0, 2, 4], 10, 80.0, {**truth, 4: 88.0, 10: 60.0}) == 6   # a miss after a fit
   assert step([0, 2], 3, 90.0) is None                   # nothing between a miss and a fit
   assert step([0, 10], None, 50.0, {0: 100.0, 10: 60.0}) is None  # a miss at the end
+
+
+def test_the_compiled_front_keeps_the_points_nothing_beats():
+  """The plan's PNG draws the compiled steps' front: at each FLOPs, the fewest bytes."""
+  # pylint: disable=protected-access
+  points = [(1.0, 90.0), (1.02, 70.0), (1.02, 75.0), (1.05, 80.0), (1.08, 40.0), (1.0, 90.0)]
+  assert plan_lib._pareto(points) == [(1.0, 90.0), (1.02, 70.0), (1.08, 40.0)]
+  assert plan_lib._pareto([]) == []
