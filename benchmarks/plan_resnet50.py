@@ -3,7 +3,7 @@ several batch sizes, against the single uniform techniques that also fit (issue 
 
 For each (budget, batch): the plan (its compiled device bytes, FLOPs against exact, the
 compiles it made and its wall time on this machine) and each uniform technique (ActNN's
-2 bits everywhere, remat, recompute from a 2-bit input) compiled at the same batch: does
+8, 4 or 2 bits everywhere, remat, recompute from a 2-bit input) compiled at the same batch: does
 it fit, at what FLOPs. The plan must fit and need no more FLOPs than the cheapest uniform
 technique that fits. The planner gets 16 digits (resized to 224x224, 3 channels) as its
 calibration batch: plan time includes measuring the sites' gradient sensitivity. Writes
@@ -39,6 +39,10 @@ from _common import RESULTS  # noqa: E402
 
 GIB = 2**30
 UNIFORM = {
+    "ActNN 8-bit everywhere (Policy compress)": lambda m: jmem.convert(
+        m, jmem.Policy("compress", bits=8)),
+    "ActNN 4-bit everywhere (Policy compress)": lambda m: jmem.convert(
+        m, jmem.Policy("compress", bits=4)),
     "ActNN 2-bit everywhere (Policy compress)": lambda m: jmem.convert(
         m, jmem.Policy("compress", bits=2)),
     "remat (Policy recompute)": lambda m: jmem.convert(m, jmem.Policy("recompute")),
