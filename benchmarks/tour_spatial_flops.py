@@ -9,7 +9,7 @@ convolution's weight gradient alone, both ways (XLA's cost analysis):
 
   python benchmarks/tour_spatial_flops.py
 
-Writes results/tour_spatial_flops.{json,md}. Compile-only, about a minute on 2 CPU cores.
+Writes results/tour_spatial_flops.{json,md}. Compile-only, seconds on 2 CPU cores.
 """
 
 import os

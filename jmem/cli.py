@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
   pl = sub.add_parser(
       "plan", help="per-site memory policies that fit a model's train step into a budget",
       description="Chooses a jmem.Policy per block site (save, compress at 8/4/2/1 bits, "
-      "recompute from a 2-bit input; --exact-only: save or recompute) so that the compiled "
+      "recompute from a 2-bit input; --exact-only: save or recompute; --policies: some of "
+      "them) so that the compiled "
       "train step fits --budget at --batch-size with the fewest extra FLOPs (jmem.plan).")
   pl.add_argument("--model", default="resnet50", help=f"one of: {', '.join(models.MODEL_NAMES)}")
   pl.add_argument("--image-size", type=int, default=224)

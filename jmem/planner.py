@@ -24,7 +24,7 @@ How:
    the FLOPs it adds (a recomputation: the site's forward; a quantizer: a few per value).
 2. **A path of upgrades.** From "save everywhere", one site moves one rung up its ladder
    at a time (save -> compress at 8, 4, 2, 1 bits -> recompute from a 2-bit input; exact
-   only: save -> recompute; ``policies=`` leaves rungs out): every site climbs a rung
+   only: save -> recompute; ``policies=`` chooses the rungs): every site climbs a rung
    before any climbs the next (all at 8 bits before one goes to 4: fewer bits only where
    the budget needs them), the site with the most bytes saved per FLOP added first (a
    rung that keeps no less is skipped), until the predicted step fits. Down the
@@ -681,11 +681,12 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       against ``max_compiles``). ``Plan.mesh`` is the mesh it made.
     policies: the site policies the walk may use besides ``save``, of `POLICY_KINDS`:
       ``"compress"`` (at 8, 4, 2 and 1 bits), ``"recompute"``, ``"recompute_compressed"``
-      (from a 2-bit input). Default: compress and recompute_compressed (with
-      ``approximate=False``: recompute). Plain recompute goes on the ladder only where
-      recompute_compressed is not allowed (recomputing from a 2-bit input keeps less for
-      the same recomputation). InPlace-ABN is allowed by ``inplace_abn``, jmem.Spatial by
-      ``mesh``/``devices``.
+      (from a 2-bit input); one kind may be given as a string. Default: compress and
+      recompute_compressed (with ``approximate=False``: recompute). Plain recompute goes
+      on the ladder only where recompute_compressed is not allowed (recomputing from a
+      2-bit input keeps less for the same recomputation); above the compression rungs a
+      site climbs to it only where the estimate keeps less recomputed than at 1 bit.
+      InPlace-ABN is allowed by ``inplace_abn``, jmem.Spatial by ``mesh``/``devices``.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -889,9 +890,15 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   index = choose(0) if exact_bytes > budget_bytes else 0
   index = min(index, stop) if stop is not None else index
 
-  def top_of(state):                          # every site that saves anything on the top rung
-    return tuple(len(ladder) - 1 if _kept(s_, ladder[-1])[0] < s_.residual_bytes else r
-                 for s_, r in zip(sites, state))
+  def top_of(state):
+    """Every site that saves anything on the top rung moved there; where the top is plain
+    recompute above compression rungs (``policies=``), only where the estimate keeps less
+    there than where the site is (a recomputed input keeps more than a block at 1 bit)."""
+    def up(s_, r):
+      top = _kept(s_, ladder[-1])[0]
+      return top < s_.residual_bytes and (ladder[-1][0] != "recompute" or
+                                          top < _kept(s_, ladder[r])[0])
+    return tuple(len(ladder) - 1 if up(s_, r) else r for s_, r in zip(sites, state))
 
   def cheaper_top(state):                     # the estimate puts top_of(state) at fewer FLOPs
     return top_of(state) != state and predicted(top_of(state))[1] < predicted(state)[1]
@@ -1348,8 +1355,8 @@ def _largest(lo, hi, budget, multiple: int = 1) -> int:
 
 
 def _pareto(points):
-  """The ``(FLOPs, bytes)`` points no other point beats on both (fewer or equal FLOPs and
-  fewer bytes), by FLOPs."""
+  """The ``(FLOPs, bytes)`` points that no point of fewer or equal FLOPs matches in bytes
+  (the fewest bytes at each FLOPs), by FLOPs."""
   front = []
   for f, b in sorted(set(points)):
     if not front or b < front[-1][1]:

@@ -100,6 +100,7 @@ def test_gpu_benchmark_without_a_gpu_exits_0_and_writes_nothing(tmp_path):
   cwd.mkdir()
   tmp.mkdir()
   env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp))
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)     # conftest's cache: "writes nothing" covers it
   proc = subprocess.run([sys.executable, str(script), "--output-dir", str(tmp_path / "out")],
                         cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -523,6 +523,8 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
               ["--policies", "save"], ["--policies", "compress", "--exact-only"]):
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
+    if "--exact-only" in bad:      # refused before any trace, by the planner's own check
+      assert "approximate=False keeps the gradients exact" in capsys.readouterr().err
 
 
 def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkeypatch):

@@ -178,6 +178,8 @@ def test_bench_technique_spatial_8():
                          quiet=True)
   assert [r["technique"] for r in rows] == ["exact", "spatial-8"]
   assert rows[1]["temp_ratio"] < 0.25, rows[1]
+  # The collectives of each compiled step: none on one device, halo exchanges on 2 x 4.
+  assert rows[0]["collectives"] == {} and rows[1]["collectives"]["collective-permute"] > 0
 
 
 def test_axis_names_that_do_not_split_the_input():

@@ -48,5 +48,9 @@ def test_tour_table_and_figure(tmp_path):
   assert "4.50x" in table and "99.16%, from benchmarks/results/stacks_accuracy.md" in table
   assert "1 all-gather (forward + backward)" in table and "99.00% (60 steps)" in table
   assert "| 8 collective-permute, 2 all-reduce |" in table     # the actnn-L3 row's
+  spatial = dict(base, section="S", technique="spatial-8", saved_bytes=800.0, saved_ratio=1.6)
+  tour._saved_per_device(spatial, 8)   # pylint: disable=protected-access
+  assert spatial["saved_bytes"] == 100.0 and spatial["saved_bytes_all_devices"] == 800.0
+  assert "| 0.200 |" in tour.format_tour([spatial])
   paths = tour.write_tour(rows, str(tmp_path))
   assert all((tmp_path / f"tour.{e}").exists() for e in ("json", "md", "png")), paths
