@@ -138,7 +138,9 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("--verify-steps", type=int, default=0, metavar="N",
                   help="train the planned model next to exact for N steps on the embedded "
                   "data (at --verify-image-size) and report both accuracies")
-  pl.add_argument("--verify-image-size", type=int, default=16)
+  pl.add_argument("--verify-image-size", type=int, default=None, metavar="S",
+                  help="image size of --verify-steps (default: --image-size, at most 32: the "
+                  "embedded digits are 8x8, resized)")
   pl.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
   pl.add_argument("--output-dir", default="jmem_results",
                   help="where plan.json, plan.md and plan_front.png go")
@@ -238,6 +240,8 @@ def _plan(args) -> int:
   # Bad input fails before any work: a size, or a share of exact's bytes ("50%").
   budget = (args.budget if plan_lib.budget_share(args.budget) is not None
             else plan_lib.parse_bytes(args.budget))
+  if args.verify_image_size is not None and args.verify_image_size < 1:
+    raise ValueError(f"--verify-image-size must be positive, got {args.verify_image_size}.")
   if args.batch_size < 1 or args.image_size < 1:
     raise ValueError(f"--batch-size and --image-size must be positive, got "
                      f"{args.batch_size} and {args.image_size}.")
@@ -280,7 +284,8 @@ def _plan(args) -> int:
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:
-    dataset = bench.make_dataset(args.model, args.verify_image_size,
+    size = args.verify_image_size or min(args.image_size, 32)
+    dataset = bench.make_dataset(args.model, size,
                                  num_frames=args.num_frames)
     config = train.TrainConfig(steps=args.verify_steps, batch_size=min(128, len(
         dataset.x_train)), progress=False)
@@ -291,7 +296,7 @@ def _plan(args) -> int:
     accuracy = {name: train.train(m, dataset, config).test_accuracy
                 for name, m in (("exact", base),
                                 ("plan", surgery.convert(base, *techniques)))}
-    out["verify"] = dict(steps=args.verify_steps, image_size=args.verify_image_size,
+    out["verify"] = dict(steps=args.verify_steps, image_size=size,
                          accuracy=accuracy)
   if args.json:
     json.dump(out, sys.stdout, indent=2)
@@ -300,9 +305,9 @@ def _plan(args) -> int:
     print(result.table())
     if args.verify_steps:
       acc = out["verify"]["accuracy"]
-      print(f"\nverify ({args.verify_steps} steps at {args.verify_image_size}x"
-            f"{args.verify_image_size}): exact {100 * acc['exact']:.2f}%, plan "
-            f"{100 * acc['plan']:.2f}%")
+      size = out["verify"]["image_size"]
+      print(f"\nverify ({args.verify_steps} steps at {size}x{size}): exact "
+            f"{100 * acc['exact']:.2f}%, plan {100 * acc['plan']:.2f}%")
     print(f"\nwrote {', '.join(paths)}")
   return 0 if result.fits else 1
 

@@ -520,7 +520,8 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
   for bad in (["--budget", "sixteen"], ["--mesh", "2y4"], ["--mesh", "0x2x4"], ["--mesh", "2x4"],
               ["--mesh", "2x4x4"],                 # 32 devices: the tests have 8
               ["--devices", "9"], ["--devices", "2", "--mesh", "2"],
-              ["--policies", "save"], ["--policies", "compress", "--exact-only"]):
+              ["--policies", "save"], ["--policies", "compress", "--exact-only"],
+              ["--verify-steps", "1", "--verify-image-size", "-4"]):
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
     if "--exact-only" in bad:      # refused before any trace, by the planner's own check
