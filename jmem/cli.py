@@ -58,6 +58,12 @@ def _policies(text: str) -> tuple[str, ...]:
   return kinds
 
 
+def _verify_size(args) -> int:
+  """``--verify-image-size``, by default the plan's ``--image-size`` up to 32 (the embedded
+  digits are 8x8, resized)."""
+  return args.verify_image_size or min(args.image_size, 32)
+
+
 def _techniques_help() -> str:
   """The registered techniques for a help text (argparse formats help with ``%``: the
   planner's ``plan-50%`` would break ``--help``)."""
@@ -284,7 +290,7 @@ def _plan(args) -> int:
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:
-    size = args.verify_image_size or min(args.image_size, 32)
+    size = _verify_size(args)
     dataset = bench.make_dataset(args.model, size,
                                  num_frames=args.num_frames)
     config = train.TrainConfig(steps=args.verify_steps, batch_size=min(128, len(

@@ -685,7 +685,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       recompute_compressed (with ``approximate=False``: recompute). Plain recompute goes
       on the ladder only where recompute_compressed is not allowed (recomputing from a
       2-bit input keeps less for the same recomputation); above the compression rungs a
-      site climbs to it only where the estimate keeps less recomputed than at 1 bit.
+      site climbs to it only where the estimate keeps less recomputed than where the site
+      is.
       InPlace-ABN is allowed by ``inplace_abn``, jmem.Spatial by ``mesh``/``devices``.
 
   Returns:
@@ -890,13 +891,14 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   index = choose(0) if exact_bytes > budget_bytes else 0
   index = min(index, stop) if stop is not None else index
 
-  def top_of(state):
-    """Every site that saves anything on the top rung moved there; where the top is plain
-    recompute above compression rungs (``policies=``), only where the estimate keeps less
-    there than where the site is (a recomputed input keeps more than a block at 1 bit)."""
+  def top_of(state, smaller=False):
+    """Every site that saves anything on the top rung moved there. ``smaller`` (the try
+    after the walk's end missed, which must keep less): where the top is plain recompute
+    above compression rungs (``policies=``), only where the estimate keeps less there than
+    where the site is (a recomputed input keeps more than a block at 1 bit)."""
     def up(s_, r):
       top = _kept(s_, ladder[-1])[0]
-      return top < s_.residual_bytes and (ladder[-1][0] != "recompute" or
+      return top < s_.residual_bytes and (not smaller or ladder[-1][0] != "recompute" or
                                           top < _kept(s_, ladder[r])[0])
     return tuple(len(ladder) - 1 if up(s_, r) else r for s_, r in zip(sites, state))
 
@@ -920,7 +922,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   state = walk[index]
   device_bytes, flops = costs[state] if index else (exact_bytes, exact_flops)
   cut = index > 0 and device_bytes > budget_bytes and index < len(walk) - 1
-  top = top_of(state)
+  top = top_of(state, smaller=index == len(walk) - 1 and device_bytes > budget_bytes)
   walk_note = None                            # what the walk's plan is; dropped for InPlace-ABN
   no_top = None                               # said only if the plan misses
   on_top = False                              # the plan is every site on the top rung

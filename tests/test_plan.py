@@ -524,8 +524,16 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
               ["--verify-steps", "1", "--verify-image-size", "-4"]):
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
-    if "--exact-only" in bad:      # refused before any trace, by the planner's own check
-      assert "approximate=False keeps the gradients exact" in capsys.readouterr().err
+    err = capsys.readouterr().err   # refused before any trace or plan
+    if "--exact-only" in bad:
+      assert "approximate=False keeps the gradients exact" in err
+    if "-4" in bad:
+      assert "--verify-image-size must be positive" in err
+  # --verify-image-size: by default the plan's image size (224 by default) up to 32.
+  # pylint: disable=protected-access
+  size = lambda *flags: cli._verify_size(cli._parser().parse_args(["plan", *flags]))
+  assert size() == 32 and size("--image-size", "24") == 24
+  assert size("--verify-image-size", "16") == 16
 
 
 def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkeypatch):

@@ -54,3 +54,20 @@ def test_tour_table_and_figure(tmp_path):
   assert "| 0.200 |" in tour.format_tour([spatial])
   paths = tour.write_tour(rows, str(tmp_path))
   assert all((tmp_path / f"tour.{e}").exists() for e in ("json", "md", "png")), paths
+
+
+def test_the_tour_gives_the_spatial_row_per_device(monkeypatch):
+  """run_tour divides the spatial row's traced saved bytes (every device's blocks) by its 8
+  devices, and no other row's."""
+  def fake_bench(config, **kwargs):
+    del kwargs
+    return [dict(technique=t, saved_bytes=80.0, saved_ratio=1.0 if t == "exact" else 1.6)
+            for t in ("exact",) + tuple(config.techniques)]
+  monkeypatch.setattr(tour.bench, "run_bench", fake_bench)
+  monkeypatch.setattr(tour, "sync_bn_check", dict)
+  rows = {(r["section"], r["technique"]): r for r in tour.run_tour(quiet=True)}
+  spatial = [r for (_, t), r in rows.items() if t == "spatial-8"]
+  assert len(spatial) == 1 and spatial[0]["saved_ratio"] == pytest.approx(0.2)
+  assert spatial[0]["saved_bytes"] == 10.0 and spatial[0]["saved_bytes_all_devices"] == 80.0
+  others = [r for (_, t), r in rows.items() if t not in ("spatial-8", "sync-bn")]
+  assert len(others) > 4 and all(r["saved_bytes"] == 80.0 for r in others)
