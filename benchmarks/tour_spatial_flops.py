@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 from _common import write_report  # noqa: E402
-from jmem import bench, models, train  # noqa: E402
+from jmem import bench, measure, models, train  # noqa: E402
 from jmem.models.convnext import CONVNEXT_CONFIGS  # noqa: E402
 
 BATCH, SIZE, MODEL = 16, 32, "convnext-digits"
@@ -30,8 +30,7 @@ BATCH, SIZE, MODEL = 16, 32, "convnext-digits"
 
 def _flops(f, *args):
   f = f if hasattr(f, "lower") else jax.jit(f)
-  cost = f.lower(*args).compile().cost_analysis()
-  return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+  return measure.device_bytes_and_flops(f.lower(*args).compile())[1]
 
 
 def _step_flops(name, dataset, base):

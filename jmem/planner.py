@@ -903,7 +903,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     return tuple(len(ladder) - 1 if up(s_, r) else r for s_, r in zip(sites, state))
 
   def cheaper_top(state):                     # the estimate puts top_of(state) at fewer FLOPs
-    return top_of(state) != state and predicted(top_of(state))[1] < predicted(state)[1]
+    top = top_of(state)
+    return top != state and predicted(top)[1] < predicted(state)[1]
 
   misses, hi = [0], None
   while index > 0:
