@@ -544,3 +544,38 @@ def test_inplace_abn_inside_actnn_keeps_the_output_it_inverts_exact():
   proj, want = draws @ directions.T, directions @ exact_abn
   se = jnp.std(proj, axis=0, ddof=1) / 8.0
   assert bool(jnp.all(jnp.abs(jnp.mean(proj, 0) - want) <= 3 * se)), (proj.mean(0), want, se)
+
+
+class DetachedBN(nn.Module):
+  """A conv, then a conv + BatchNorm applied detached (its variables held by the caller)."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    del train
+    x = nn.Conv(4, (3, 3), name="conv")(x)
+    inner = nn.Sequential([nn.Conv(4, (3, 3)), nn.BatchNorm(use_running_average=False)],
+                          parent=None)
+    held = self.param("inner", lambda rng: inner.init(rng, x))
+    return inner.apply(held, x, mutable=["batch_stats"])[0]
+
+
+def test_detached_modules_are_no_sites(monkeypatch):
+  # Modules applied detached inside the model's call (Block(parent=None).apply) are outside
+  # its variables: their layers are no sites (before, a detached block's inner layers were
+  # taken for top-level blocks at paths the model does not have), with a warning.
+  monkeypatch.setattr(surgery._common, "_WARNED", set())  # pylint: disable=protected-access
+  model, x = tp.DetachedBlocksViT(), jnp.ones((2, 16, 16, 3))
+  variables = model.init(jax.random.key(0), x)
+  remat = jmem.convert(model, jmem.Remat())
+  with pytest.warns(UserWarning, match=r"ViTBlock is applied detached .*\(at '<top>'"):
+    assert surgery.sites(remat, x) == {repr(jmem.Remat()): ["patchify"]}
+  loss = lambda m: lambda p: jnp.sum(m.apply({"params": p}, x) ** 2)
+  want, got = (jax.grad(loss(m))(variables["params"]) for m in (model, remat))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+  with pytest.raises(ValueError, match=r"matched no module call.*Module paths: <top>, patchify,"
+                                       r" Dense_0"):
+    jmem.convert(model, jmem.Remat(where="LayerNorm_0")).init(jax.random.key(0), x)
+  # BatchNorm statistics there would be left local and unmasked: an error, not a silent skip.
+  with pytest.raises(ValueError, match=r"BatchNorm statistics inside flax.linen.*Sequential, "
+                                       r"which is applied detached .*\(at '<top>'"):
+    jmem.convert(DetachedBN(), jmem.SyncBN(axis_name=None)).init(jax.random.key(0), X)

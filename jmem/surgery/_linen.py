@@ -16,6 +16,7 @@ import dataclasses
 import flax.core.lift as lift
 import flax.linen as nn
 import numpy as np
+from flax.core.scope import Scope
 from flax.linen import transforms as nn_transforms
 
 from jmem.ops.actnn.technique import ActNN
@@ -61,6 +62,16 @@ def _path(module, root: tuple) -> str:
   return "/".join(path[len(root):])
 
 
+def _detached_root(module, trace) -> bool:
+  """``module`` was bound by its own ``init``/``apply`` inside the converted model's call
+  (``Block(parent=None).apply(...)`` in a ``__call__``): its variables are not the model's,
+  and the paths under it start again from its own root. A lifted transform's copy of a
+  module has a scope for parent too, but keeps its path in the model; jmem's own copy of
+  the top module (a site at ``<top>``) is known by its id."""
+  return (isinstance(module.parent, Scope) and not module.scope.path
+          and id(module) not in trace.in_site)
+
+
 @dataclasses.dataclass
 class _Trace:
   """The state of one trace of a converted model (init or apply)."""
@@ -72,6 +83,8 @@ class _Trace:
   active: list = dataclasses.field(default_factory=list)     # (found, spec, path) enclosing
   pairs: dict = dataclasses.field(default_factory=dict)      # id(bn) -> activation pair
   sbp_keys: dict = dataclasses.field(default_factory=dict)   # technique index -> keep key
+  detached: list = dataclasses.field(default_factory=list)   # detached calls running
+  calls: list = dataclasses.field(default_factory=list)      # paths of the calls running
 
   # ------------------------------------------------------------------ classification
   def _bn_techniques(self):
@@ -187,6 +200,8 @@ class _Trace:
     mod = context.module
     if context.method_name != "__call__" or mod.scope is None:
       return next_fun(*args, **kwargs)
+    if self.detached or _detached_root(mod, self):
+      return self._call_detached(mod, next_fun, args, kwargs)
     path = _path(mod, self.root)
     if id(mod) not in self.in_site:
       found = self.block_site(mod, path)
@@ -215,6 +230,41 @@ class _Trace:
     if (self._bn_techniques() or c.active_mask() is not None) and c.linen_has_bn_variables(mod):
       self._unhandled_bn(mod, path)
     return y
+
+  def _call_detached(self, mod, next_fun, args, kwargs):
+    """A module call outside the model's variables (`_detached_root`, or under one): no
+    technique's site (its paths are not the model's), run as it is, with a warning where
+    block techniques are on and an error where BatchNorm statistics would go unconverted."""
+    inside = self.active_path()
+    if not self.detached:
+      if any(not isinstance(t, (SyncBN, InPlaceABN, Spatial)) for t in self.techniques):
+        c.warn_once(f"detached-{c.describe(mod)}", (
+            f"jmem.convert: {c.describe(mod)} is applied detached inside the model's call (at "
+            f"{inside or '<top>'!r}: Module(parent=None).apply, its variables held by the "
+            "caller), so it and its layers are no sites of the model's techniques and run as "
+            "they are. Make it a submodule (self.block = Block(...) in setup, or "
+            "Block(name=...)(x)) for jmem.convert to reach it."))
+    elif (self._bn_techniques() or c.active_mask() is not None) and \
+        c.linen_has_bn_variables(mod):
+      raise ValueError(
+          f"{c.describe(mod)} keeps BatchNorm statistics inside "
+          f"{c.describe(self.detached[0])}, which is applied detached inside the model's "
+          f"call (at {inside or '<top>'!r}: Module(parent=None).apply), where jmem.SyncBN, "
+          "jmem.InPlaceABN and jmem.batch_mask cannot reach it. Make that module a submodule "
+          "(self.block = Block(...) in setup, or Block(name=...)(x)).")
+    tape = sbp_sites.active_tape()
+    if tape is not None:
+      handled = self._in_sbp_site(tape, mod, "<detached>", next_fun, args, kwargs)
+      if handled is not None:
+        return handled[0]
+    self.detached.append(mod)
+    try:
+      return next_fun(*args, **kwargs)
+    finally:
+      self.detached.pop()
+
+  def active_path(self) -> str:
+    return self.calls[-1] if self.calls else ""
 
   def _unhandled_bn(self, mod, path):
     if c.active_mask() is not None and not getattr(mod, "_jmem_reads_batch_mask", False):
@@ -423,11 +473,18 @@ class Converted(nn.Module):
     seen = []
 
     def record(next_fun, a, kw, context):
-      if context.method_name == "__call__" and context.module.scope is not None:
-        p = _path(context.module, trace.root)
-        if p not in seen:
-          seen.append(p)
-      return next_fun(*a, **kw)
+      mod = context.module
+      if (context.method_name != "__call__" or mod.scope is None or trace.detached
+          or _detached_root(mod, trace)):
+        return next_fun(*a, **kw)
+      p = _path(mod, trace.root)
+      if p not in seen:
+        seen.append(p)
+      trace.calls.append(p)
+      try:
+        return next_fun(*a, **kw)
+      finally:
+        trace.calls.pop()
 
     with nn.intercept_methods(record), nn.intercept_methods(trace.intercept):
       y = call()
