@@ -10,8 +10,12 @@ step into a budget at the least extra compute.
 The model is a linen or an NNX module, as `jmem.convert` takes (an NNX model is planned on
 ``nnx.clone`` copies: yours is converted only when you call `jmem.convert` with the plan).
 The sites are `jmem.convert`'s default block sites (the direct children of the top module
-but its ``Dense`` / ``nnx.Linear`` layers, as `jmem.Remat`'s); each gets a `jmem.Policy`.
-How:
+but its ``Dense`` / ``nnx.Linear`` layers, as `jmem.Remat`'s); a site that holds over half
+of the saved activations (a per-frame CNN called as one submodule) is replaced by the
+module calls directly inside it where they hold at least 90% of its bytes, down to three
+levels (one site leaves the walk compressing all of it or recomputing all of it, and
+recomputing the largest block keeps its whole forward live in its backward: no smaller
+peak). Each site gets a `jmem.Policy`. How:
 
 1. **Estimates, traced only.** The exact step's residuals are attributed to the sites by
    the module path of the equation that made them (`jmem.measure.Residual.scope`; NNX,
@@ -608,12 +612,51 @@ def _converted(model, techniques):
   return surgery.convert(model, *techniques)
 
 
-def _default_sites(model, x) -> list[str]:
-  probe = Policy("save")
+def _default_sites(model, x, where: str | None = None) -> list[str]:
+  """`jmem.convert`'s block sites of ``model`` (``where``: those its regex matches)."""
+  probe = Policy("save", where=where)
   if isinstance(model, nnx.Module):
     return list(surgery.sites(_converted(model, [probe])).get("save", []))
   kw = {"train": True} if train_lib.takes_train(model) else {}
   return list(surgery.sites(surgery.convert(model, probe), x, **kw).get(repr(probe), []))
+
+
+# A site holding more than this share of the saved activations is planned per module inside
+# it, where its children hold at least _COVERED of its bytes (and there are two or more).
+_DOMINANT, _COVERED, _MAX_DEPTH = 0.5, 0.9, 3
+
+
+def _split_dominant(model, optimizer, xs, ys, paths, sites, outside):
+  """``(paths, sites, outside, notes)`` with a site that holds most of the saved activations
+  (a per-frame CNN applied as one submodule, an encoder) replaced by the module calls
+  directly inside it, repeatedly: one site would leave the walk one choice (compress it all,
+  or recompute it all, which keeps its whole forward live in the backward: no smaller peak)."""
+  notes = []
+  x0 = jnp.zeros(xs.shape, xs.dtype)
+  for _ in range(_MAX_DEPTH):
+    total = sum(s.residual_bytes for s in sites) + outside
+    big = max(sites, key=lambda s: s.residual_bytes)
+    if big.residual_bytes <= _DOMINANT * total:
+      break
+    try:
+      inner = _default_sites(model, x0, where=re.escape(big.path) + "/[^/]+")
+    except ValueError:                      # where= matched no module call: a leaf site
+      break
+    if len(inner) < 2:
+      break
+    at = paths.index(big.path)
+    new_paths = paths[:at] + inner + paths[at + 1:]
+    new_sites, new_outside = _estimate_sites(model, optimizer, xs, ys, new_paths)
+    covered = sum(s.residual_bytes for s in new_sites if s.path in inner)
+    if covered < _COVERED * big.residual_bytes:
+      notes.append(f"the site {big.path!r} holds {big.residual_bytes / total:.0%} of the saved "
+                   f"activations, but the modules inside it only {covered / total:.0%} (the "
+                   "rest is inline code): planned as one site")
+      break
+    notes.append(f"the site {big.path!r} held {big.residual_bytes / total:.0%} of the saved "
+                 f"activations: planned per module inside it ({len(inner)} sites)")
+    paths, sites, outside = new_paths, new_sites, new_outside
+  return paths, sites, outside, notes
 
 
 def _block_techniques(model) -> list:
@@ -744,6 +787,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
                      "sites: the direct children of the top module but its Dense layers).")
   sites, outside = _estimate_sites(model, optimizer, xs, ys, paths)
+  paths, sites, outside, split = _split_dominant(model, optimizer, xs, ys, paths, sites,
+                                                 outside)
+  notes += split
   held = sum(s.residual_bytes for s in sites)
   share = held / max(held + outside, 1e-30)
   sites = _per_device(sites, layout.shards)

@@ -74,14 +74,18 @@ class TokenBlock(nn.Module):
     return (y + nn.Dense(d, dtype=dt, name="fc2")(nn.gelu(m))).astype(x.dtype)
 
 
-def _detached(module_cls, *args, **kwargs):
-  """A module instance with no parent: its variables are held by the caller as a pytree."""
-  return module_cls(*args, **kwargs, parent=None)
-
-
 def _frame_cnn(backbone: str, feature_dim: int, **kw):
   # Flattened head: global pooling would discard where the digit is, hence the motion.
   return make_resnet(backbone, feature_dim, norm=group_norm, head_pool="flatten", **kw)
+
+
+def _pure(module: nn.Module, call: Callable[..., Any]):
+  """``(params, *args) -> call(module, *args)`` with ``module``'s ``params`` as an argument:
+  what the SBP transforms (plain JAX) differentiate. The call runs on an unbound copy, so
+  `jmem.convert`'s techniques do not reach it; the module itself stays a bound submodule
+  (its parameters, and every call outside SBP, are the model's own)."""
+  free = module.clone(parent=None)
+  return lambda params, *args: free.apply({"params": params}, *args, method=call)
 
 
 class StTVideo(nn.Module):
@@ -122,20 +126,23 @@ class StTVideo(nn.Module):
     if video.ndim != 5:
       raise ValueError(f"StTVideo expects [B, T, H, W, C] clips, got shape {video.shape}.")
     b, t = video.shape[:2]
-    cnn = _detached(_frame_cnn, self.backbone, self.feature_dim, dtype=self.dtype)
+    # A bound submodule (`resnet`'s first argument is the config name, so it is named by a
+    # clone): jmem.convert and jmem.plan reach its blocks on the exact path.
+    cnn = _frame_cnn(self.backbone, self.feature_dim, dtype=self.dtype,
+                     parent=None).clone(parent=self, name="spatial")
 
-    def per_frame(params, clips):
+    def per_frame(m, clips):
       frames = clips.reshape((-1,) + clips.shape[2:])
-      feats = cnn.apply({"params": params}, frames, train=True)
+      feats = m(frames, train=True)
       return feats.reshape(clips.shape[:2] + feats.shape[1:])
 
-    params = self.param("spatial", lambda rng: cnn.init(rng, video[:1, 0], train=False)["params"])
-    if train and self.keep_ratio < 1.0:
+    if train and self.keep_ratio < 1.0 and not self.is_initializing():
       transform = sbp_lib.sbp_reference if self.reference else sbp_lib.sbp
-      run = transform(per_frame, keep_ratio=self.keep_ratio, axis=1, sampler=self.sampler)
-      feats = run(params, video, self.make_rng("dropout"))
-    else:                                   # exact backprop (keep_ratio 1, or eval)
-      feats = per_frame(params, video)
+      run = transform(_pure(cnn, per_frame), keep_ratio=self.keep_ratio, axis=1,
+                      sampler=self.sampler)
+      feats = run(cnn.variables["params"], video, self.make_rng("dropout"))
+    else:                         # exact backprop (keep_ratio 1, eval, or init)
+      feats = per_frame(cnn, video)
     time_embed = self.param("time_embed", nn.initializers.normal(0.02), (t, self.feature_dim))
     x = feats.astype(self.dtype) + time_embed.astype(self.dtype)
     for i in range(self.temporal_depth):
@@ -202,19 +209,20 @@ class VideoTransformer(nn.Module):
     time = self.param("time_embed", nn.initializers.normal(0.02), (t, 1, self.dim))
     x = x + pos.astype(x.dtype) + time.astype(x.dtype)
     x = x.reshape(b, -1, self.dim)                       # tokens in (t, h, w) order
-    block = _detached(TokenBlock, self.dim, self.heads, dtype=self.dtype)
-    f_full = lambda prm, v: block.apply({"params": prm}, v)
-    f_rows = lambda prm, v, rows: block.apply({"params": prm}, v, rows)
     idx = None
-    if train and self.keep_ratio < 1.0 and self.exact_last < self.depth:
+    if (train and self.keep_ratio < 1.0 and self.exact_last < self.depth
+        and not self.is_initializing()):
       idx = sbp_lib.sample_indices(self.make_rng("dropout"), x, keep_ratio=self.keep_ratio,
                                    axis=1, sampler=self.sampler)
     for i in range(self.depth):
-      prm = self.param(f"block{i}", lambda rng, v=x: block.init(rng, v)["params"])
+      # Bound submodules: jmem.convert and jmem.plan reach the blocks on the exact path.
+      block = TokenBlock(self.dim, self.heads, dtype=self.dtype, name=f"block{i}")
       if idx is not None and i < self.depth - self.exact_last:
-        x = sbp_lib.sbp_rows(f_full, f_rows, prm, x, idx, axis=1)
+        x = sbp_lib.sbp_rows(_pure(block, lambda m, v: m(v)),
+                             _pure(block, lambda m, v, rows: m(v, rows)),
+                             block.variables["params"], x, idx, axis=1)
       else:
-        x = f_full(prm, x)
+        x = block(x)
     x = x.reshape(b, t, -1, self.dim)
     x = jnp.mean(x, axis=(1, 2)) if self.readout == "mean" else jnp.mean(x, axis=2)
     x = nn.LayerNorm(dtype=self.dtype, name="norm")(x).reshape(b, -1)
