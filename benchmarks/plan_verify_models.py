@@ -1,6 +1,7 @@
 """Accuracy of `jmem.plan`'s plans for the segmentation model and the video transformer
 (`plan_models.md`), trained next to exact on the embedded data, as `jmem plan
---verify-steps` does for the registered models (these two are not registered):
+--verify-steps` does for the registered models (the third-party ViT is not one; the U-Net
+is, as ``unet``, with this data, `jmem.data.digit_segmentation`):
 
 * the U-Net plan for 1024x2048 at batch 1 in 6 GiB (8-bit compression at 8 of its 10
   sites), on the U-Net with 11 classes trained to segment the digits at 32x32: each pixel
@@ -42,20 +43,6 @@ from jmem import data, train  # noqa: E402
 from jmem.models.segmentation import UNet  # noqa: E402
 from _common import RESULTS, parser, write_report  # noqa: E402
 
-BACKGROUND = 10
-
-
-def digit_segmentation(size: int = 32) -> data.Dataset:
-  """The digits at ``size``², one label per pixel: the digit where it is ink, else 10."""
-  ds = data.digits(size)
-
-  def labels(x, y):
-    ink = x[..., 0] > 1.0                      # standardised: one std above the mean
-    return np.where(ink, y[:, None, None], BACKGROUND).astype(np.int32)
-  return data.Dataset(f"digit segmentation {size}", ds.x_train, labels(ds.x_train, ds.y_train),
-                      ds.x_test, labels(ds.x_test, ds.y_test), 11)
-
-
 def mean_iou(fns, state, x, y, classes) -> float:
   """Mean over ``classes`` of intersection over union on ``x, y`` (eval mode)."""
   predict = jax.jit(lambda p, s, v: jnp.argmax(fns.apply(p, s, v, train=False)[0], -1))
@@ -84,7 +71,7 @@ def main():
   args = p.parse_args()
   cases = [   # name, plan, model, data, batch, steps, learning rate
       ("U-Net, digit segmentation 32x32", "U-Net 1024x2048, batch 1", lambda: UNet(11),
-       digit_segmentation(32), 32, 200, 1e-3),
+       data.digit_segmentation(32), 32, 200, 1e-3),
       ("video ViT, moving digits 8x32x32", "video ViT 16x112x112, batch 8",
        lambda: tp.FrameTokenViT(patch=16, dim=384, depth=8, heads=6, num_classes=10),
        data.moving_digits(8, frame_size=32, num_directions=1), 32, 300, 3e-4),
@@ -126,7 +113,7 @@ def main():
         out[which] = dict(accuracy=result.test_accuracy)
         if ds.y_test.ndim > 1:         # the digits' classes: background is near 1 for all
           out[which]["miou"] = mean_iou(train.model_fns(model), result.state, ds.x_test,
-                                        ds.y_test, range(BACKGROUND))
+                                        ds.y_test, range(data.BACKGROUND))
       out["seconds"] = time.time() - t0
       rows.append(out)
       md.append(_md_row(out, name, label))

@@ -135,14 +135,18 @@ def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
                  train_clips: int = 1024, test_clips: int = 256) -> data_lib.Dataset:
   """The data ``jmem bench`` and ``jmem train`` use for the model named ``model``.
 
-  Image models get the digits resized to ``image_size``; video models get moving-digit clips
+  Image models get the digits resized to ``image_size``, segmentation models the same digits
+  with a label per pixel (`jmem.data.digit_segmentation`); video models get moving-digit clips
   of ``num_frames`` frames of side ``image_size``, the digits a third of it, moving one pixel
   per frame (so the frame must leave ``num_frames - 1`` pixels of room).
 
   Raises:
     ValueError: if ``image_size`` is too small for clips of ``num_frames`` frames.
   """
-  if models_lib.model_task(model) != "video":
+  task = models_lib.model_task(model)
+  if task == "segmentation":
+    return data_lib.digit_segmentation(image_size)
+  if task != "video":
     return data_lib.digits(image_size)
   need = 3
   while need - need // 3 < num_frames - 1:    # frame minus digit >= travel
@@ -223,7 +227,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
         f"examples of {dataset.name}; lower --batch-size.")
   base_model = create_model(config.model, dataset.num_classes, config.dtype)
   x_spec = jax.ShapeDtypeStruct((config.batch_size,) + dataset.example_shape, jnp.float32)
-  y_spec = jax.ShapeDtypeStruct((config.batch_size,), jnp.int32)
+  y_spec = jax.ShapeDtypeStruct((config.batch_size,) + dataset.y_train.shape[1:], jnp.int32)
   rows: list[dict[str, Any]] = []
   timing_steps: dict[str, Callable[[], Any]] = {}
   for name in names:

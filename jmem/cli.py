@@ -265,15 +265,19 @@ def _plan(args) -> int:
                          devices=jax.devices()[:d * h * w])
     axes = dict(data_axis="data" if d > 1 else None,
                 spatial_axes=("h", "w") if h * w > 1 else None)
-  video = models.model_task(args.model) == "video"
+  task = models.model_task(args.model)
+  video = task == "video"
   channels = 1 if video or args.model.endswith("digits") else 3
   shape = ((args.batch_size, args.num_frames) if video else (args.batch_size,)) + (
       args.image_size, args.image_size, channels)
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
-  y = jax.ShapeDtypeStruct((args.batch_size,), jnp.int32)
+  # Segmentation: a label per pixel.
+  y = jax.ShapeDtypeStruct((args.batch_size,) + (
+      (args.image_size, args.image_size) if task == "segmentation" else ()), jnp.int32)
   # 16 examples of the embedded data at the plan's shapes: their gradient sensitivities
   # order the bit reductions (and they give the number of classes).
-  calibration, classes = None, 10
+  calibration = None
+  classes = data_lib.BACKGROUND + 1 if task == "segmentation" else 10
   if not args.exact_only and "compress" in (args.policies or ("compress",)):
     if video:
       clips = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,
@@ -281,6 +285,8 @@ def _plan(args) -> int:
       (cx, cy), classes = (clips.x_train, clips.y_train), clips.num_classes
     else:
       cx, cy = data_lib.digits_sample(16, args.image_size)
+      if task == "segmentation":
+        cy = data_lib.pixel_labels(cx, cy)
     calibration = (np.repeat(cx, channels, axis=-1) if cx.shape[-1] != channels else cx, cy)
   model = bench.create_model(args.model, classes, args.dtype)
   result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,

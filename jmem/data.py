@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-__all__ = ["Dataset", "digits", "moving_digits", "frames_of", "batch_indices", "DIRECTIONS"]
+__all__ = ["Dataset", "digits", "digit_segmentation", "pixel_labels", "moving_digits", "frames_of", "batch_indices", "DIRECTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +113,24 @@ def digits_sample(num: int, image_size: int) -> tuple[np.ndarray, np.ndarray]:
   x = _resize(images[tr[:num]], image_size)
   x = (x - x.mean()) / max(float(x.std()), 1e-6)
   return x[..., None].astype(np.float32), labels[tr[:num]]
+
+
+BACKGROUND = 10      # the segmentation label of a pixel that is no digit's ink
+
+
+def pixel_labels(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+  """``int32[N, H, W]``: each pixel of the standardised digits ``x [N, H, W, 1]`` labelled
+  with its digit ``y`` where it is ink (over one standard deviation above the mean
+  intensity), else `BACKGROUND`."""
+  return np.where(x[..., 0] > 1.0, np.asarray(y)[:, None, None], BACKGROUND).astype(np.int32)
+
+
+def digit_segmentation(image_size: int = 32) -> Dataset:
+  """`digits` at ``image_size`` with one label per pixel (`pixel_labels`): 11 classes, the
+  ten digits and the background. The data of the registered segmentation model."""
+  ds = digits(image_size)
+  return Dataset(f"digit segmentation {image_size}", ds.x_train, pixel_labels(ds.x_train, ds.y_train),
+                 ds.x_test, pixel_labels(ds.x_test, ds.y_test), BACKGROUND + 1)
 
 
 # Unit velocity per direction, as (dy, dx): right, down, left, up, then the diagonals.

@@ -248,3 +248,38 @@ def test_every_subcommand_prints_its_help(command, capsys):
   out = capsys.readouterr().out
   assert out.startswith(f"usage: jmem {command}") and (
       command == "plan" or "plan-50%" in out), out
+
+
+def test_the_unet_is_registered_with_a_label_per_pixel(capsys, monkeypatch):
+  import numpy as np
+  from jmem import data, models, planner
+  assert "unet" in models.MODEL_NAMES and models.model_task("unet") == "segmentation"
+  ds = bench.make_dataset("unet", 16)
+  assert ds.num_classes == 11 and ds.y_train.shape == (len(ds.x_train), 16, 16)
+  ink = ds.x_train[..., 0] > 1.0                    # a digit's label on its ink, else 10
+  digit = data.digits(16).y_train[:, None, None]
+  assert np.array_equal(ds.y_train, np.where(ink, digit, 10)) and 0.05 < ink.mean() < 0.5
+  # jmem train: pixel accuracy over the test set.
+  assert cli.main(["train", "--model", "unet", "--image-size", "16", "--steps", "1",
+                   "--batch-size", "8", "--no-progress"]) == 0
+  assert "test accuracy" in capsys.readouterr().out
+  # jmem bench: the step compiled with per-pixel labels.
+  row, = bench.run_bench(bench.BenchConfig(model="unet", techniques=(), batch_size=2,
+                                           image_size=16, memory_only=True, budgets_gib=()),
+                         quiet=True)
+  assert row["technique"] == "exact" and row["saved_bytes"] > 0
+  # jmem plan: the example batch and the calibration labels are per pixel, 11 classes.
+  seen = {}
+
+  def fake_plan(model, batch, budget, **kw):
+    seen.update(model=model, batch=batch, calibration=kw["calibration_batch"])
+    raise KeyboardInterrupt
+  monkeypatch.setattr(planner, "plan", fake_plan)
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(["plan", "--model", "unet", "--image-size", "64", "--batch-size", "4",
+              "--budget", "1GiB"])
+  assert seen["model"].num_classes == 11
+  assert [a.shape for a in seen["batch"]] == [(4, 64, 64, 3), (4, 64, 64)]
+  cx, cy = seen["calibration"]
+  assert cx.shape == (16, 64, 64, 3) and cy.shape == (16, 64, 64)
+  assert set(np.unique(cy)) <= set(range(11)) and 10 in cy and len(np.unique(cy)) > 2

@@ -17,12 +17,19 @@ from jmem.models.video import StTVideo as StTVideo
 from jmem.models.video import VideoTransformer as VideoTransformer
 from jmem.models.video import video_model as video_model
 
-MODEL_NAMES = tuple(RESNET_CONFIGS) + tuple(CONVNEXT_CONFIGS) + tuple(VIDEO_CONFIGS)
+# name -> UNet fields (the U-Net of the peak-memory issue: 5 stages, 32 to 512 channels).
+SEGMENTATION_CONFIGS = {"unet": {}}
+
+MODEL_NAMES = (tuple(RESNET_CONFIGS) + tuple(CONVNEXT_CONFIGS) + tuple(VIDEO_CONFIGS)
+               + tuple(SEGMENTATION_CONFIGS))
 
 
 def model_task(name: str) -> str:
-  """``"video"`` for models of ``[B, T, H, W, C]`` clips, else ``"image"``."""
-  return "video" if name in VIDEO_CONFIGS else "image"
+  """``"video"`` for models of ``[B, T, H, W, C]`` clips, ``"segmentation"`` for models of
+  per-pixel labels, else ``"image"``."""
+  if name in VIDEO_CONFIGS:
+    return "video"
+  return "segmentation" if name in SEGMENTATION_CONFIGS else "image"
 
 
 def create_model(name: str, num_classes: int, **overrides):
@@ -33,4 +40,6 @@ def create_model(name: str, num_classes: int, **overrides):
     return convnext(name, num_classes, **overrides)
   if name in VIDEO_CONFIGS:
     return video_model(name, num_classes, **overrides)
+  if name in SEGMENTATION_CONFIGS:
+    return UNet(num_classes, **{**SEGMENTATION_CONFIGS[name], **overrides})
   raise ValueError(f"Unknown model {name!r}; valid models: {', '.join(MODEL_NAMES)}.")
