@@ -283,3 +283,25 @@ def test_the_unet_is_registered_with_a_label_per_pixel(capsys, monkeypatch):
   cx, cy = seen["calibration"]
   assert cx.shape == (16, 64, 64, 3) and cy.shape == (16, 64, 64)
   assert set(np.unique(cy)) <= set(range(11)) and 10 in cy and len(np.unique(cy)) > 2
+
+
+def test_plan_flags_reach_the_planner(monkeypatch):
+  # --no-inplace-abn and --policies reach jmem.plan; with no compressing policy there is
+  # nothing for sensitivities to order, so no calibration batch is made.
+  from jmem import planner
+  seen = {}
+
+  def fake_plan(model, batch, budget, **kw):
+    seen.update(kw)
+    raise KeyboardInterrupt
+  monkeypatch.setattr(planner, "plan", fake_plan)
+  base = ["plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "4", "--budget",
+          "50%"]
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(base + ["--no-inplace-abn", "--policies", "recompute"])
+  assert seen["inplace_abn"] is False and tuple(seen["policies"]) == ("recompute",)
+  assert seen["calibration_batch"] is None and seen["approximate"]
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(base)
+  assert seen["inplace_abn"] is True and seen["policies"] is None
+  assert seen["calibration_batch"][0].shape == (16, 16, 16, 3)
