@@ -547,35 +547,62 @@ def test_inplace_abn_inside_actnn_keeps_the_output_it_inverts_exact():
 
 
 class DetachedBN(nn.Module):
-  """A conv, then a conv + BatchNorm applied detached (its variables held by the caller)."""
+  """A BatchNorm, then a conv + BatchNorm applied detached (variables held by the caller),
+  then an encoder applied detached by another method than ``__call__``."""
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     del train
-    x = nn.Conv(4, (3, 3), name="conv")(x)
+    x = nn.BatchNorm(use_running_average=False, name="bn")(nn.Conv(4, (3, 3), name="conv")(x))
     inner = nn.Sequential([nn.Conv(4, (3, 3)), nn.BatchNorm(use_running_average=False)],
                           parent=None)
     held = self.param("inner", lambda rng: inner.init(rng, x))
-    return inner.apply(held, x, mutable=["batch_stats"])[0]
+    x = inner.apply(held, x, mutable=["batch_stats"])[0]
+    enc = _Encoder(parent=None)
+    return enc.apply(self.param("enc", lambda rng: enc.init(rng, x, method="encode")), x,
+                     method="encode")
 
 
-def test_detached_modules_are_no_sites(monkeypatch):
+class _Encoder(nn.Module):
+  def setup(self):
+    self.d1, self.d2 = nn.Dense(4), nn.Dense(4)
+
+  def encode(self, x):
+    return self.d2(self.d1(x))
+
+
+def test_detached_modules_are_no_block_sites(monkeypatch):
   # Modules applied detached inside the model's call (Block(parent=None).apply) are outside
-  # its variables: their layers are no sites (before, a detached block's inner layers were
-  # taken for top-level blocks at paths the model does not have), with a warning.
+  # its variables. Before, a detached block's inner layers were taken for top-level blocks
+  # at paths the model does not have. Now they are no block sites (with a warning), and
+  # their paths say what they are.
   monkeypatch.setattr(surgery._common, "_WARNED", set())  # pylint: disable=protected-access
   model, x = tp.DetachedBlocksViT(), jnp.ones((2, 16, 16, 3))
   variables = model.init(jax.random.key(0), x)
   remat = jmem.convert(model, jmem.Remat())
-  with pytest.warns(UserWarning, match=r"ViTBlock is applied detached .*\(at '<top>'"):
+  with pytest.warns(UserWarning, match=r"ViTBlock is applied detached .*jmem calls it "
+                                       r"'<detached ViTBlock>'"):
     assert surgery.sites(remat, x) == {repr(jmem.Remat()): ["patchify"]}
   loss = lambda m: lambda p: jnp.sum(m.apply({"params": p}, x) ** 2)
   want, got = (jax.grad(loss(m))(variables["params"]) for m in (model, remat))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
-  with pytest.raises(ValueError, match=r"matched no module call.*Module paths: <top>, patchify,"
-                                       r" Dense_0"):
+  with pytest.raises(ValueError, match=r"matched no module call.*Module paths: <top>, patchify, "
+                                       r"<detached ViTBlock>, <detached ViTBlock>/LayerNorm_0"):
     jmem.convert(model, jmem.Remat(where="LayerNorm_0")).init(jax.random.key(0), x)
-  # BatchNorm statistics there would be left local and unmasked: an error, not a silent skip.
-  with pytest.raises(ValueError, match=r"BatchNorm statistics inside flax.linen.*Sequential, "
-                                       r"which is applied detached .*\(at '<top>'"):
-    jmem.convert(DetachedBN(), jmem.SyncBN(axis_name=None)).init(jax.random.key(0), X)
+  # A lifted copy of the top model (nn.remat of the whole model) is the model, not detached.
+  assert surgery.sites(jmem.convert(nn.remat(tp.LinenViT)(), jmem.Remat()), x) == {
+      repr(jmem.Remat()): ["LayerNorm_0", "block0", "block1", "patchify"]}
+  # BatchNorm techniques take a detached BatchNorm as any other (where=None or a class: its
+  # statistics would otherwise stay local or unmasked), not through a path regex of the
+  # model's; a detached module applied by another method is detached too.
+  net = DetachedBN()
+  v = net.init(jax.random.key(0), X)
+  local = jmem.convert(net, jmem.SyncBN(axis_name=None))
+  assert surgery.sites(local, X) == {repr(jmem.SyncBN(axis_name=None)): [
+      "<detached Sequential>/layers_1", "bn"]}
+  np.testing.assert_allclose(local.apply(v, X, mutable=["batch_stats"])[0],
+                             net.apply(v, X, mutable=["batch_stats"])[0], atol=1e-5)
+  named = jmem.SyncBN(axis_name=None, where="bn")
+  assert surgery.sites(jmem.convert(net, named), X) == {repr(named): ["bn"]}
+  with pytest.warns(UserWarning, match="_Encoder is applied detached"):
+    assert surgery.sites(jmem.convert(net, jmem.Remat()), X) == {repr(jmem.Remat()): ["bn", "conv"]}

@@ -66,10 +66,11 @@ def _detached_root(module, trace) -> bool:
   """``module`` was bound by its own ``init``/``apply`` inside the converted model's call
   (``Block(parent=None).apply(...)`` in a ``__call__``): its variables are not the model's,
   and the paths under it start again from its own root. A lifted transform's copy of a
-  module has a scope for parent too, but keeps its path in the model; jmem's own copy of
-  the top module (a site at ``<top>``) is known by its id."""
+  module has a scope for parent too, but keeps its path in the model, and a lifted copy of
+  the top model (``jmem.convert(nn.remat(Net)(), ...)``, or jmem's own for a site at
+  ``<top>``) keeps the top model's name, where ``apply`` leaves a root unnamed."""
   return (isinstance(module.parent, Scope) and not module.scope.path
-          and id(module) not in trace.in_site)
+          and module.name != trace.top_name and id(module) not in trace.in_site)
 
 
 @dataclasses.dataclass
@@ -83,8 +84,10 @@ class _Trace:
   active: list = dataclasses.field(default_factory=list)     # (found, spec, path) enclosing
   pairs: dict = dataclasses.field(default_factory=dict)      # id(bn) -> activation pair
   sbp_keys: dict = dataclasses.field(default_factory=dict)   # technique index -> keep key
-  detached: list = dataclasses.field(default_factory=list)   # detached calls running
+  top_name: str | None = None                                # the converted model's name
+  seen: list = dataclasses.field(default_factory=list)       # paths of the calls, in order
   calls: list = dataclasses.field(default_factory=list)      # paths of the calls running
+  roots: list = dataclasses.field(default_factory=list)      # paths of detached roots running
 
   # ------------------------------------------------------------------ classification
   def _bn_techniques(self):
@@ -198,10 +201,12 @@ class _Trace:
   # ------------------------------------------------------------------ interception
   def intercept(self, next_fun, args, kwargs, context):
     mod = context.module
-    if context.method_name != "__call__" or mod.scope is None:
+    if mod.scope is None:
       return next_fun(*args, **kwargs)
-    if self.detached or _detached_root(mod, self):
-      return self._call_detached(mod, next_fun, args, kwargs)
+    if self.roots or _detached_root(mod, self):
+      return self._call_detached(mod, context.method_name, next_fun, args, kwargs)
+    if context.method_name != "__call__":
+      return next_fun(*args, **kwargs)
     path = _path(mod, self.root)
     if id(mod) not in self.in_site:
       found = self.block_site(mod, path)
@@ -231,40 +236,64 @@ class _Trace:
       self._unhandled_bn(mod, path)
     return y
 
-  def _call_detached(self, mod, next_fun, args, kwargs):
-    """A module call outside the model's variables (`_detached_root`, or under one): no
-    technique's site (its paths are not the model's), run as it is, with a warning where
-    block techniques are on and an error where BatchNorm statistics would go unconverted."""
-    inside = self.active_path()
-    if not self.detached:
-      if any(not isinstance(t, (SyncBN, InPlaceABN, Spatial)) for t in self.techniques):
-        c.warn_once(f"detached-{c.describe(mod)}", (
-            f"jmem.convert: {c.describe(mod)} is applied detached inside the model's call (at "
-            f"{inside or '<top>'!r}: Module(parent=None).apply, its variables held by the "
-            "caller), so it and its layers are no sites of the model's techniques and run as "
-            "they are. Make it a submodule (self.block = Block(...) in setup, or "
-            "Block(name=...)(x)) for jmem.convert to reach it."))
-    elif (self._bn_techniques() or c.active_mask() is not None) and \
-        c.linen_has_bn_variables(mod):
-      raise ValueError(
-          f"{c.describe(mod)} keeps BatchNorm statistics inside "
-          f"{c.describe(self.detached[0])}, which is applied detached inside the model's "
-          f"call (at {inside or '<top>'!r}: Module(parent=None).apply), where jmem.SyncBN, "
-          "jmem.InPlaceABN and jmem.batch_mask cannot reach it. Make that module a submodule "
-          "(self.block = Block(...) in setup, or Block(name=...)(x)).")
+  def detached_path(self, mod) -> str:
+    """The path jmem gives a call outside the model's variables: ``<detached Class>`` where
+    its root is applied (after the path of the call that applies it), then the path inside
+    it. No user path regex of the model's modules matches it; a class in where= does."""
+    if _detached_root(mod, self):
+      base = self.calls[-1] if self.calls else ""
+      return (base + "/" if base else "") + f"<detached {type(mod).__name__}>"
+    return "/".join([self.roots[-1], *mod.scope.path])
+
+  def _call_detached(self, mod, method, next_fun, args, kwargs):
+    """A module call outside the model's variables (`_detached_root`, or under one). Its
+    layers are no block sites (Remat, ActNN, Policy, SBP: their sites are the model's
+    blocks), with a warning; BatchNorm and Spatial techniques take its BatchNorms and
+    convolutions as anywhere else (where=None or a class), at its `detached_path`."""
+    root = _detached_root(mod, self)
+    path = self.detached_path(mod)
+    if root and any(not isinstance(t, (SyncBN, InPlaceABN, Spatial)) for t in self.techniques):
+      what = c.describe(mod)
+      fix = ("Make it a submodule (self.block = Block(...) in setup, or Block(name=...)(x)) "
+             "for jmem.convert to reach it.")
+      if what.startswith("jmem.models."):       # jmem's video models, keep_ratio < 1
+        fix = ("jmem's video models run their SBP blocks so (keep_ratio < 1): the block "
+               "techniques take the blocks outside SBP.")
+      c.warn_once(f"detached-{what}", (
+          f"jmem.convert: {what} is applied detached inside the model's call "
+          "(Module(parent=None).apply, its variables held by the caller; jmem calls it "
+          f"{path!r}), so its layers are no sites of block techniques (Remat, ActNN, Policy, "
+          f"SBP) and run as they are. {fix}"))
+    if root:
+      self.roots.append(path)
+    self.calls.append(path)
+    try:
+      if method != "__call__":
+        return next_fun(*args, **kwargs)
+      if path not in self.seen:
+        self.seen.append(path)
+      return self._detached_layer(mod, path, next_fun, args, kwargs)
+    finally:
+      self.calls.pop()
+      if root:
+        self.roots.pop()
+
+  def _detached_layer(self, mod, path, next_fun, args, kwargs):
+    spatial = self.spatial_site(mod, path)
+    if spatial is not None:
+      return self._call_spatial(mod, path, spatial, next_fun, args, kwargs)
+    bn = self.bn_site(mod, path)
+    if bn:
+      return self._call_bn(mod, path, bn, args, kwargs)
     tape = sbp_sites.active_tape()
     if tape is not None:
-      handled = self._in_sbp_site(tape, mod, "<detached>", next_fun, args, kwargs)
+      handled = self._in_sbp_site(tape, mod, path, next_fun, args, kwargs)
       if handled is not None:
         return handled[0]
-    self.detached.append(mod)
-    try:
-      return next_fun(*args, **kwargs)
-    finally:
-      self.detached.pop()
-
-  def active_path(self) -> str:
-    return self.calls[-1] if self.calls else ""
+    y = next_fun(*args, **kwargs)
+    if (self._bn_techniques() or c.active_mask() is not None) and c.linen_has_bn_variables(mod):
+      self._unhandled_bn(mod, path)
+    return y
 
   def _unhandled_bn(self, mod, path):
     if c.active_mask() is not None and not getattr(mod, "_jmem_reads_batch_mask", False):
@@ -469,17 +498,16 @@ class Converted(nn.Module):
     return super().init(rngs, *args, method=_MethodOf(method), **kwargs)
 
   def _run(self, call):
-    trace = _Trace(self.techniques, tuple(self.scope.path))
-    seen = []
+    trace = _Trace(self.techniques, tuple(self.scope.path), top_name=self.model.name)
 
     def record(next_fun, a, kw, context):
       mod = context.module
-      if (context.method_name != "__call__" or mod.scope is None or trace.detached
+      if (context.method_name != "__call__" or mod.scope is None or trace.roots
           or _detached_root(mod, trace)):
-        return next_fun(*a, **kw)
+        return next_fun(*a, **kw)                  # detached calls: `_Trace._call_detached`
       p = _path(mod, trace.root)
-      if p not in seen:
-        seen.append(p)
+      if p not in trace.seen:
+        trace.seen.append(p)
       trace.calls.append(p)
       try:
         return next_fun(*a, **kw)
@@ -488,7 +516,7 @@ class Converted(nn.Module):
 
     with nn.intercept_methods(record), nn.intercept_methods(trace.intercept):
       y = call()
-    c.check_all_matched(self.techniques, trace.hits, seen, "module call")
+    c.check_all_matched(self.techniques, trace.hits, trace.seen, "module call")
     return y
 
 
