@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jmem
 import third_party_models as tp
@@ -182,7 +183,6 @@ def test_nnx_models_are_planned_through_copies():
   it was; its sites' residuals are found through name scopes of their paths; converting it
   with the plan gives the reported step. (Its sensitivities, through a probing copy too:
   tests/test_actnn.py.)"""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   model = tp.NNXViT(rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   x = rng.normal(size=(32, 16, 16, 3)).astype(np.float32)
@@ -218,7 +218,6 @@ def test_inplace_abn_alone_is_the_plan_where_it_fits_at_fewer_flops():
   leaky_relu in an nnx.Sequential, at 95% and 90% of exact's bytes (1.04x exact's FLOPs,
   where recomputing both sites costs 1.14x); at 80% it misses and the walk's plan fits,
   at no fewer FLOPs."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
   x = jax.ShapeDtypeStruct((64, 32, 32, 3), jnp.float32)
   assert jmem.surgery.inplace_abn_sites(tp.SequentialABNCNN(), jnp.zeros((2, 8, 8, 3))) == [
       "BatchNorm_0", "BatchNorm_1"]
@@ -512,6 +511,41 @@ def test_jmem_video_models_have_sites_and_a_dominant_site_is_split(monkeypatch):
   held = {s.path: s.residual_bytes for s in sites}
   assert min(held[p] for p in inner[1:]) > 0 and max(held.values()) < 0.5 * (
       sum(held.values()) + outside)
+  # NNX too: an encoder of two blocks holding nearly all is planned per block.
+  net, x = _NNXEncoderNet(nnx.Rngs(0)), jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32)
+  paths = plan_lib._default_sites(net, jnp.zeros(x.shape))
+  sites, outside = plan_lib._estimate_sites(net, optimizer, x, y2, paths)
+  paths, sites, outside, notes = plan_lib._split_dominant(net, optimizer, x, y2, paths, sites,
+                                                          outside)
+  assert paths == ["conv", "enc/b1", "enc/b2"] and len(notes) == 1, (paths, notes)
+  assert all(s.residual_bytes > 0 for s in sites[1:])
+
+
+class _NNXBlock(nnx.Module):
+  def __init__(self, cin, cout, rngs):
+    self.conv = nnx.Conv(cin, cout, (3, 3), rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.relu(self.conv(x))
+
+
+class _NNXEncoder(nnx.Module):
+  def __init__(self, rngs):
+    self.b1, self.b2 = _NNXBlock(3, 8, rngs), _NNXBlock(8, 8, rngs)
+
+  def __call__(self, x):
+    return self.b2(self.b1(x))
+
+
+class _NNXEncoderNet(nnx.Module):
+  def __init__(self, rngs):
+    self.enc = _NNXEncoder(rngs)
+    self.conv = nnx.Conv(8, 4, (3, 3), strides=(4, 4), rngs=rngs)
+    self.head = nnx.Linear(64, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.conv(self.enc(x)))
+    return self.head(x.reshape(x.shape[0], -1))
 
 
 def test_plan_cli(tmp_path, capsys, monkeypatch):
