@@ -230,6 +230,9 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   y_spec = jax.ShapeDtypeStruct((config.batch_size,) + dataset.y_train.shape[1:], jnp.int32)
   rows: list[dict[str, Any]] = []
   timing_steps: dict[str, Callable[[], Any]] = {}
+  for name in names:      # a technique the model cannot take fails before anything compiles
+    if get_technique(name).prepare is None:
+      get_technique(name).build(base_model, dataset, config.batch_size)
   for name in names:
     technique = get_technique(name)
     if technique.prepare is not None:

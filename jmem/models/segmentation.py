@@ -17,6 +17,8 @@ Reference:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -31,13 +33,16 @@ class UNetStage(nn.Module):
   features: int
   train: bool = True
   dtype: jnp.dtype = jnp.float32
+  conv: Any = nn.Conv
+  norm: Any = nn.BatchNorm
 
   @nn.compact
   def __call__(self, x):
-    norm = functools.partial(nn.BatchNorm, use_running_average=not self.train, momentum=0.9,
+    norm = functools.partial(self.norm, use_running_average=not self.train, momentum=0.9,
                              dtype=self.dtype)
     for i in range(2):
-      x = nn.Conv(self.features, (3, 3), use_bias=False, dtype=self.dtype, name=f"conv{i}")(x)
+      x = self.conv(self.features, (3, 3), use_bias=False, dtype=self.dtype,
+                    name=f"conv{i}")(x)
       x = nn.relu(norm(name=f"bn{i}")(x))
     return x
 
@@ -50,6 +55,12 @@ class UNet(nn.Module):
   widths: tuple[int, ...] = (32, 64, 128, 256, 512)
   train: bool = True
   dtype: jnp.dtype = jnp.float32
+  # As jmem's other models have them, for ``jmem bench``'s techniques (`jmem.convert` takes
+  # the U-Net without them): the stages' convolution and BatchNorm classes, and a map of the
+  # stage class (``nn.remat``).
+  conv: Any = nn.Conv
+  norm: Any = nn.BatchNorm
+  block_transform: Callable[[Any], Any] | None = None
 
   @nn.compact
   def __call__(self, x):
@@ -57,7 +68,9 @@ class UNet(nn.Module):
     if x.ndim != 4 or x.shape[1] % factor or x.shape[2] % factor:
       raise ValueError(f"UNet takes [B, H, W, C] images with H and W divisible by {factor} "
                        f"({len(self.widths) - 1} poolings); got shape {x.shape}.")
-    stage = functools.partial(UNetStage, train=self.train, dtype=self.dtype)
+    stage_cls = UNetStage if self.block_transform is None else self.block_transform(UNetStage)
+    stage = functools.partial(stage_cls, train=self.train, dtype=self.dtype, conv=self.conv,
+                              norm=self.norm)
     skips = []
     for i, w in enumerate(self.widths):
       if i:
