@@ -21,7 +21,9 @@ from jmem import models, planner, train
 from _common import write_report
 
 GIB = 2**30
-UNIFORM = {"compress 2-bit": dict(kind="compress", bits=2), "recompute": dict(kind="recompute"),
+UNIFORM = {"compress 8-bit": dict(kind="compress", bits=8),
+           "compress 4-bit": dict(kind="compress", bits=4),
+           "compress 2-bit": dict(kind="compress", bits=2), "recompute": dict(kind="recompute"),
            "recompute_compressed 2-bit": dict(kind="recompute_compressed", bits=2)}
 
 
@@ -66,7 +68,8 @@ def main():
                f"{k} {v['device_bytes'] / GIB:.2f} GiB ({'fits' if v['fits'] else 'over'}), "
                f"{v['flops_ratio']:.3f}x FLOPs" for k, v in uniform.items())]
     if extra:
-      md += [f"Against the exact ViT's step ({exact_vit.exact_device_bytes / GIB:.2f} GiB): the SBP "
+      md += [f"Against the exact ViT's step ({exact_vit.exact_device_bytes / GIB:.2f} GiB): "
+             "the SBP "
              f"model with this plan needs {result.device_bytes / GIB:.2f} GiB at "
              f"{extra['flops_vs_exact_vit']:.3f}x its FLOPs."]
     md += [f"Plan time {seconds:.0f} s on this machine.", ""]

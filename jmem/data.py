@@ -12,7 +12,8 @@ import functools
 
 import numpy as np
 
-__all__ = ["Dataset", "digits", "digit_segmentation", "pixel_labels", "moving_digits", "frames_of", "batch_indices", "DIRECTIONS"]
+__all__ = ["Dataset", "digits", "digit_segmentation", "pixel_labels", "BACKGROUND",
+           "moving_digits", "frames_of", "batch_indices", "DIRECTIONS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +130,9 @@ def digit_segmentation(image_size: int = 32) -> Dataset:
   """`digits` at ``image_size`` with one label per pixel (`pixel_labels`): 11 classes, the
   ten digits and the background. The data of the registered segmentation model."""
   ds = digits(image_size)
-  return Dataset(f"digit segmentation {image_size}", ds.x_train, pixel_labels(ds.x_train, ds.y_train),
-                 ds.x_test, pixel_labels(ds.x_test, ds.y_test), BACKGROUND + 1)
+  return Dataset(f"digit segmentation {image_size}", ds.x_train,
+                 pixel_labels(ds.x_train, ds.y_train), ds.x_test,
+                 pixel_labels(ds.x_test, ds.y_test), BACKGROUND + 1)
 
 
 # Unit velocity per direction, as (dy, dx): right, down, left, up, then the diagonals.
