@@ -565,7 +565,7 @@ class DetachedBN(nn.Module):
 
 class _Encoder(nn.Module):
   def setup(self):
-    self.d1, self.d2 = nn.Dense(4), nn.Dense(4)
+    self.d1, self.d2 = nn.Conv(4, (3, 3)), nn.Conv(4, (3, 3))
 
   def encode(self, x):
     return self.d2(self.d1(x))
@@ -606,3 +606,32 @@ def test_detached_modules_are_no_block_sites(monkeypatch):
   assert surgery.sites(jmem.convert(net, named), X) == {repr(named): ["bn"]}
   with pytest.warns(UserWarning, match="_Encoder is applied detached"):
     assert surgery.sites(jmem.convert(net, jmem.Remat()), X) == {repr(jmem.Remat()): ["bn", "conv"]}
+
+
+class _NamedLikeTheTop(nn.Module):
+  """A block applied detached under the name jmem's wrapper gives the top model."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    del train
+    x = nn.Conv(4, (3, 3), name="conv")(x)
+    block = nn.Sequential([nn.Conv(4, (3, 3)), nn.BatchNorm(use_running_average=False),
+                           functools.partial(nn.leaky_relu, negative_slope=0.01)],
+                          name="model", parent=None)
+    held = self.param("held", lambda rng: block.init(rng, x))
+    return block.apply(held, x, mutable=["batch_stats"])[0]
+
+
+def test_a_detached_module_named_like_the_top_and_inplace_abn_in_one():
+  net = _NamedLikeTheTop()
+  v = net.init(jax.random.key(0), X)
+  with pytest.warns(UserWarning, match="Sequential is applied detached"):
+    assert surgery.sites(jmem.convert(net, jmem.Remat()), X) == {repr(jmem.Remat()): ["conv"]}
+  # InPlace-ABN pairs a detached Sequential's BatchNorm with its activation as anywhere else.
+  abn = jmem.convert(net, jmem.InPlaceABN())
+  assert surgery.sites(abn, X) == {repr(jmem.InPlaceABN()): ["<detached Sequential>/layers_1"]}
+  loss = lambda m: lambda p: jnp.sum(m.apply({**v, "params": p}, X,
+                                             mutable=["batch_stats"])[0] ** 2)
+  want, got = (jax.grad(loss(m))(v["params"]) for m in (net, abn))
+  scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4 * scale), got, want)

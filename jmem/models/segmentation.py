@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -61,6 +61,7 @@ class UNet(nn.Module):
   conv: Any = nn.Conv
   norm: Any = nn.BatchNorm
   block_transform: Callable[[Any], Any] | None = None
+  has_stem: ClassVar[bool] = False         # ActNN L3-L5 wrap the stages only
 
   @nn.compact
   def __call__(self, x):

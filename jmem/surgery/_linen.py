@@ -17,6 +17,7 @@ import flax.core.lift as lift
 import flax.linen as nn
 import numpy as np
 from flax.core.scope import Scope
+from flax.linen.module import TestScope
 from flax.linen import transforms as nn_transforms
 
 from jmem.ops.actnn.technique import ActNN
@@ -68,9 +69,13 @@ def _detached_root(module, trace) -> bool:
   and the paths under it start again from its own root. A lifted transform's copy of a
   module has a scope for parent too, but keeps its path in the model, and a lifted copy of
   the top model (``jmem.convert(nn.remat(Net)(), ...)``, or jmem's own for a site at
-  ``<top>``) keeps the top model's name, where ``apply`` leaves a root unnamed."""
-  return (isinstance(module.parent, Scope) and not module.scope.path
-          and module.name != trace.top_name and id(module) not in trace.in_site)
+  ``<top>``) keeps the top model's name and class (a root that ``apply`` binds keeps the
+  name it was given, if any)."""
+  if (not isinstance(module.parent, Scope) or isinstance(module.parent, TestScope)
+      or module.scope.path or id(module) in trace.in_site):
+    return False          # (flax checks a setup() abstractly under a TestScope root: not ours)
+  # A lifted class subclasses the one it lifts: nn.remat(Net)'s copy is a Net.
+  return not (module.name == trace.top.name and isinstance(trace.top, type(module)))
 
 
 @dataclasses.dataclass
@@ -84,10 +89,10 @@ class _Trace:
   active: list = dataclasses.field(default_factory=list)     # (found, spec, path) enclosing
   pairs: dict = dataclasses.field(default_factory=dict)      # id(bn) -> activation pair
   sbp_keys: dict = dataclasses.field(default_factory=dict)   # technique index -> keep key
-  top_name: str | None = None                                # the converted model's name
+  top: nn.Module | None = None                               # the converted model
   seen: list = dataclasses.field(default_factory=list)       # paths of the calls, in order
   calls: list = dataclasses.field(default_factory=list)      # paths of the calls running
-  roots: list = dataclasses.field(default_factory=list)      # paths of detached roots running
+  roots: list = dataclasses.field(default_factory=list)      # (path, id) of detached roots
 
   # ------------------------------------------------------------------ classification
   def _bn_techniques(self):
@@ -239,18 +244,23 @@ class _Trace:
   def detached_path(self, mod) -> str:
     """The path jmem gives a call outside the model's variables: ``<detached Class>`` where
     its root is applied (after the path of the call that applies it), then the path inside
-    it. No user path regex of the model's modules matches it; a class in where= does."""
-    if _detached_root(mod, self):
+    it. A where= regex naming the model's modules does not match it (a broad one, ``.*``,
+    does), a class in where= does."""
+    if self._new_root(mod):
       base = self.calls[-1] if self.calls else ""
       return (base + "/" if base else "") + f"<detached {type(mod).__name__}>"
-    return "/".join([self.roots[-1], *mod.scope.path])
+    return "/".join([self.roots[-1][0], *mod.scope.path])
+
+  def _new_root(self, mod) -> bool:
+    """A detached root not already running (its own methods calling each other)."""
+    return _detached_root(mod, self) and not (self.roots and self.roots[-1][1] == id(mod))
 
   def _call_detached(self, mod, method, next_fun, args, kwargs):
     """A module call outside the model's variables (`_detached_root`, or under one). Its
     layers are no block sites (Remat, ActNN, Policy, SBP: their sites are the model's
     blocks), with a warning; BatchNorm and Spatial techniques take its BatchNorms and
     convolutions as anywhere else (where=None or a class), at its `detached_path`."""
-    root = _detached_root(mod, self)
+    root = self._new_root(mod)
     path = self.detached_path(mod)
     if root and any(not isinstance(t, (SyncBN, InPlaceABN, Spatial)) for t in self.techniques):
       what = c.describe(mod)
@@ -265,7 +275,7 @@ class _Trace:
           f"{path!r}), so its layers are no sites of block techniques (Remat, ActNN, Policy, "
           f"SBP) and run as they are. {fix}"))
     if root:
-      self.roots.append(path)
+      self.roots.append((path, id(mod)))
     self.calls.append(path)
     try:
       if method != "__call__":
@@ -279,6 +289,8 @@ class _Trace:
         self.roots.pop()
 
   def _detached_layer(self, mod, path, next_fun, args, kwargs):
+    if isinstance(mod, nn.Sequential) and any(isinstance(t, InPlaceABN) for t in self.techniques):
+      return self._call_sequential(mod, args, kwargs)
     spatial = self.spatial_site(mod, path)
     if spatial is not None:
       return self._call_spatial(mod, path, spatial, next_fun, args, kwargs)
@@ -498,7 +510,7 @@ class Converted(nn.Module):
     return super().init(rngs, *args, method=_MethodOf(method), **kwargs)
 
   def _run(self, call):
-    trace = _Trace(self.techniques, tuple(self.scope.path), top_name=self.model.name)
+    trace = _Trace(self.techniques, tuple(self.scope.path), top=self.model)
 
     def record(next_fun, a, kw, context):
       mod = context.module

@@ -230,13 +230,13 @@ def convert(model: nn.Module, level: str | Level = "L3", *,
 
 def _wrap_sites(model, lv, wrap) -> dict[str, Any]:
   """``block_transform`` / ``stem_transform`` updates that apply ``wrap`` after any
-  transform the model already has (a model without a stem, such as `jmem.models.UNet`,
-  has no ``stem_transform``)."""
+  transform the model already has (a model that declares ``has_stem = False``, such as
+  `jmem.models.UNet`, has no ``stem_transform``)."""
   updates = {}
-  _need(model, "block_transform", lv)
   for field in ("block_transform", "stem_transform"):
-    if not hasattr(model, field):
+    if field == "stem_transform" and getattr(model, "has_stem", True) is False:
       continue
+    _need(model, field, lv)
     inner = getattr(model, field)
     if getattr(inner, "func", inner) is nn.remat:        # nn.checkpoint is the same
       raise ValueError(
