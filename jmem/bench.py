@@ -230,14 +230,16 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   y_spec = jax.ShapeDtypeStruct((config.batch_size,) + dataset.y_train.shape[1:], jnp.int32)
   rows: list[dict[str, Any]] = []
   timing_steps: dict[str, Callable[[], Any]] = {}
-  for name in names:      # a technique the model cannot take fails before anything compiles
-    if get_technique(name).prepare is None:
-      get_technique(name).build(base_model, dataset, config.batch_size)
+  # Built before anything compiles: a technique the model cannot take fails at once (those
+  # with a data-dependent set-up are built in turn).
+  built = {name: get_technique(name).build(base_model, dataset, config.batch_size)
+           for name in names if get_technique(name).prepare is None}
   for name in names:
     technique = get_technique(name)
-    if technique.prepare is not None:
+    if name not in built:
       _log(f"[{name}] preparing (data-dependent set-up)", quiet)
-    model = technique.build(base_model, dataset, config.batch_size)
+    model = built[name] if name in built else technique.build(base_model, dataset,
+                                                                config.batch_size)
     fns = train_lib.model_fns(model)
     optimizer = train_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
     _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, "

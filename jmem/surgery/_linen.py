@@ -223,23 +223,7 @@ class _Trace:
         if not mod.is_initializing():
           return self._call_block(mod, path, *site, args, kwargs)
         self._hit_all(site[0], path, record=False)   # init: the forward pass, nothing to save
-    if isinstance(mod, nn.Sequential) and any(isinstance(t, InPlaceABN) for t in self.techniques):
-      return self._call_sequential(mod, args, kwargs)
-    spatial = self.spatial_site(mod, path)
-    if spatial is not None:
-      return self._call_spatial(mod, path, spatial, next_fun, args, kwargs)
-    bn = self.bn_site(mod, path)
-    if bn:
-      return self._call_bn(mod, path, bn, args, kwargs)
-    tape = sbp_sites.active_tape()
-    if tape is not None:
-      handled = self._in_sbp_site(tape, mod, path, next_fun, args, kwargs)
-      if handled is not None:
-        return handled[0]
-    y = next_fun(*args, **kwargs)
-    if (self._bn_techniques() or c.active_mask() is not None) and c.linen_has_bn_variables(mod):
-      self._unhandled_bn(mod, path)
-    return y
+    return self._layer(mod, path, next_fun, args, kwargs)
 
   def detached_path(self, mod) -> str:
     """The path jmem gives a call outside the model's variables: ``<detached Class>`` where
@@ -282,13 +266,16 @@ class _Trace:
         return next_fun(*args, **kwargs)
       if path not in self.seen:
         self.seen.append(path)
-      return self._detached_layer(mod, path, next_fun, args, kwargs)
+      return self._layer(mod, path, next_fun, args, kwargs)
     finally:
       self.calls.pop()
       if root:
         self.roots.pop()
 
-  def _detached_layer(self, mod, path, next_fun, args, kwargs):
+  def _layer(self, mod, path, next_fun, args, kwargs):
+    """A call that is no block site (or whose site is running): a Sequential with
+    InPlace-ABN pairs, a Spatial convolution, a BatchNorm site, a layer of an SBP site, or
+    the module as it is (a BatchNorm-like module there is checked)."""
     if isinstance(mod, nn.Sequential) and any(isinstance(t, InPlaceABN) for t in self.techniques):
       return self._call_sequential(mod, args, kwargs)
     spatial = self.spatial_site(mod, path)
