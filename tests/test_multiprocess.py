@@ -65,7 +65,10 @@ def _free_port() -> int:
 
 def _start(runs, tmp_path, tag, *, hold=False):
   port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ)
+  # 4 devices each, by flag: the other XLA flags (conftest's) as they are.
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
   env.update(JAX_PLATFORMS="cpu",
              # The resuming launch loads the first launch's compiled programs.
              JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
