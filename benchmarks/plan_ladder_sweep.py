@@ -1,11 +1,12 @@
 """Does the 1-bit rung cost plans that fitted without it? `jmem.plan` at the default
 ``max_compiles=8`` over budgets from loose to past what 2 bits everywhere reaches, with the
 planner's ladder (save -> compress 8, 4, 2, 1 bits -> recompute from a 2-bit input) and
-with the ladder it had before the 1-bit rung (no 1-bit rung; the walk's-end try and the
-smallest-step fallback are the same code in both), on ResNet-20 at 32x32 (the digits'
-model, batch 128) and the tests' functional CNN split over 2 x 4 simulated devices. Bytes
-order (no sensitivities). Per row: fits, the compiled device bytes, FLOPs against exact,
-the steps compiled, and the rungs the plan uses. Writes results/plan_ladder_sweep.{json,md}.
+with the ladder it had before the 1-bit rung (``bits=(8, 4, 2)``: no 1-bit rung; the
+walk's-end try and the smallest-step fallback are the same code in both), on ResNet-20 at
+32x32 (the digits' model, batch 128) and the tests' functional CNN split over 2 x 4
+simulated devices. Bytes order (no sensitivities). Per row: fits, the compiled device
+bytes, FLOPs against exact, the steps compiled, and the rungs the plan uses. Writes
+results/plan_ladder_sweep.{json,md}.
 
   python benchmarks/plan_ladder_sweep.py            # about 10 minutes on 2 CPU cores
 """
@@ -27,9 +28,8 @@ from jmem import models, planner, train  # noqa: E402
 from _common import write_report  # noqa: E402
 import third_party_models as tp  # noqa: E402
 
-WITH_ONE_BIT = planner._APPROXIMATE_LADDER  # pylint: disable=protected-access
-WITHOUT_ONE_BIT = tuple(r for r in WITH_ONE_BIT if r != ("compress", 1))
-LADDERS = (("with 1-bit", WITH_ONE_BIT), ("without 1-bit", WITHOUT_ONE_BIT))
+# The planner's default bit widths, and without 1 bit (`jmem.plan(bits=...)`).
+LADDERS = (("with 1-bit", None), ("without 1-bit", (8, 4, 2)))
 
 
 def problems():
@@ -58,15 +58,11 @@ def main():
   rows = []
   for name, model, batch, mesh, shares in problems():
     for share in shares:
-      for label, ladder in LADDERS:
-        planner._APPROXIMATE_LADDER = ladder  # pylint: disable=protected-access
-        try:
-          t = time.time()
-          p = planner.plan(model, batch, share, optimizer=optimizer, max_batch=False,
-                           mesh=mesh)
-          seconds = time.time() - t
-        finally:
-          planner._APPROXIMATE_LADDER = WITH_ONE_BIT  # pylint: disable=protected-access
+      for label, bits in LADDERS:
+        t = time.time()
+        p = planner.plan(model, batch, share, optimizer=optimizer, max_batch=False,
+                         mesh=mesh, bits=bits)
+        seconds = time.time() - t
         rows.append(dict(problem=name, budget=share, ladder=label, fits=p.fits,
                          budget_bytes=p.budget_bytes, device_bytes=p.device_bytes,
                          flops_ratio=p.flops / p.exact_flops, compiles=p.compiles,

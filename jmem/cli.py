@@ -58,6 +58,19 @@ def _policies(text: str) -> tuple[str, ...]:
   return kinds
 
 
+def _bits(text: str) -> tuple[int, ...]:
+  """Comma-separated bit widths of quantized values, of 8, 4, 2, 1."""
+  try:
+    widths = tuple(int(b) for b in text.split(","))
+  except ValueError:
+    widths = ()
+  if not widths or any(b not in (8, 4, 2, 1) for b in widths) or len(set(widths)) != len(widths):
+    raise argparse.ArgumentTypeError(
+        f"give some of the bit widths 8, 4, 2, 1, each once, separated by commas (e.g. 8,4 "
+        f"keeps at least 4 bits); got {text!r}")
+  return widths
+
+
 def _verify_size(args) -> int:
   """``--verify-image-size``, by default the plan's ``--image-size`` up to 32 (the embedded
   digits are 8x8, resized)."""
@@ -129,6 +142,10 @@ def _parser() -> argparse.ArgumentParser:
                   help="the site policies allowed besides save: compress, recompute, "
                   "recompute_compressed (default: compress,recompute_compressed; with "
                   "--exact-only: recompute)")
+  pl.add_argument("--bits", type=_bits, default=None, metavar="B[,B]",
+                  help="the bit widths a compressed value may have (default: 8,4,2,1; "
+                  "8,4 keeps at least 4 bits; recomputation is from a 2-bit input, or the "
+                  "fewest bits allowed above 1)")
   pl.add_argument("--no-inplace-abn", action="store_true",
                   help="do not try InPlace-ABN alone where the exact step does not fit")
   pl.add_argument("--max-compiles", type=int, default=8)
@@ -291,7 +308,7 @@ def _plan(args) -> int:
   model = bench.create_model(args.model, classes, args.dtype)
   result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
                          max_compiles=args.max_compiles, calibration_batch=calibration,
-                         mesh=mesh, policies=args.policies,
+                         mesh=mesh, policies=args.policies, bits=args.bits,
                          inplace_abn=not args.no_inplace_abn, **axes)
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()

@@ -28,10 +28,10 @@ peak). Each site gets a `jmem.Policy`. How:
    the FLOPs it adds (a recomputation: the site's forward; a quantizer: a few per value).
 2. **A path of upgrades.** From "save everywhere", one site moves one rung up its ladder
    at a time (save -> compress at 8, 4, 2, 1 bits -> recompute from a 2-bit input; exact
-   only: save -> recompute; ``policies=`` chooses the rungs): every site climbs a rung
-   before any climbs the next (all at 8 bits before one goes to 4: fewer bits only where
-   the budget needs them), the site with the most bytes saved per FLOP added first (a
-   rung that keeps no less is skipped), until the predicted step fits. Down the
+   only: save -> recompute; ``policies=`` and ``bits=`` choose the rungs): every site
+   climbs a rung before any climbs the next (all at 8 bits before one goes to 4: fewer
+   bits only where the budget needs them), the site with the most bytes saved per FLOP
+   added first (a rung that keeps no less is skipped), until the predicted step fits. Down the
    compression rungs (8 -> 4 -> 2 -> 1 bits, which add no FLOPs) the order is GACT's
    instead when the gradient sensitivities are known (``calibration_batch=``: measured
    at 2 bits on a few real examples at the initial weights, `jmem.surgery.sensitivities`;
@@ -141,10 +141,9 @@ __all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share", "step_co
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-# Rungs of a site's ladder: (policy kind, bits). Approximate policies first climb the bits.
-_APPROXIMATE_LADDER = (("save", None), ("compress", 8), ("compress", 4), ("compress", 2),
-                       ("compress", 1), ("recompute_compressed", 2))
-_EXACT_LADDER = (("save", None), ("recompute", None))
+# A site's ladder (`_ladder`) has rungs (policy kind, bits); approximate policies first
+# climb these bit widths (`plan(bits=...)` allows some of them).
+_COMPRESS_BITS = (8, 4, 2, 1)
 # The site policies `plan(policies=...)` may allow (``save`` is always allowed).
 POLICY_KINDS = ("compress", "recompute", "recompute_compressed")
 # `Plan.measured`'s name for the one compile off the walk: every site on its top rung.
@@ -533,11 +532,13 @@ def _kept(site: _Site, rung) -> tuple[float, float]:
   raise ValueError(kind)
 
 
-def _ladder(policies, approximate: bool) -> tuple:
-  """The rungs of every site's ladder for ``plan``'s ``policies`` and ``approximate``."""
+def _ladder(policies, approximate: bool, bits=None) -> tuple:
+  """The rungs of every site's ladder for ``plan``'s ``policies``, ``approximate`` and
+  ``bits``."""
   if policies is None:
-    return _APPROXIMATE_LADDER if approximate else _EXACT_LADDER
-  kinds = (policies,) if isinstance(policies, str) else tuple(policies)
+    kinds = ("compress", "recompute_compressed") if approximate else ("recompute",)
+  else:
+    kinds = (policies,) if isinstance(policies, str) else tuple(policies)
   bad = [k for k in kinds if k not in POLICY_KINDS]
   if not kinds or bad:
     raise ValueError(f"policies takes site policies of {list(POLICY_KINDS)} (save is always "
@@ -547,11 +548,23 @@ def _ladder(policies, approximate: bool) -> tuple:
     raise ValueError(f"approximate=False keeps the gradients exact, but policies allows "
                      f"{quantized}, which quantize: allow only 'recompute', or drop "
                      "approximate=False (--exact-only).")
+  widths = _COMPRESS_BITS
+  if bits is not None:
+    widths = (bits,) if isinstance(bits, numbers.Integral) else tuple(bits)
+    if (not widths or any(isinstance(b, bool) or b not in _COMPRESS_BITS for b in widths)
+        or len(set(widths)) != len(widths)):
+      raise ValueError(f"bits takes the bit widths a quantized value may have, some of "
+                       f"{list(_COMPRESS_BITS)}, each once; got {bits!r}.")
+    if not quantized:
+      raise ValueError(f"bits={bits!r} sets the widths of quantized values, but the policies "
+                       f"allowed ({', '.join(kinds)}) quantize nothing: allow compress or "
+                       "recompute_compressed, or drop bits.")
+    widths = tuple(sorted(widths, reverse=True))
   ladder = [("save", None)]
   if "compress" in kinds:
-    ladder += [rung for rung in _APPROXIMATE_LADDER if rung[0] == "compress"]
-  if "recompute_compressed" in kinds:
-    ladder.append(_APPROXIMATE_LADDER[-1])
+    ladder += [("compress", b) for b in widths]
+  if "recompute_compressed" in kinds:   # from a 2-bit input, or the fewest bits above 1
+    ladder.append(("recompute_compressed", min([b for b in widths if b > 1] or [1])))
   elif "recompute" in kinds:
     ladder.append(("recompute", None))
   return tuple(ladder)
@@ -672,7 +685,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
          sensitivities: Mapping[str, float] | None = None, inplace_abn: bool = True,
          mesh=None, spatial_axes: tuple | None = ("h", "w"),
          data_axis: str | None = None, devices=None,
-         policies: Sequence[str] | None = None) -> Plan:
+         policies: Sequence[str] | None = None,
+         bits: Sequence[int] | None = None) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
@@ -731,6 +745,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       site climbs to it only where the estimate keeps less recomputed than where the site
       is.
       InPlace-ABN is allowed by ``inplace_abn``, jmem.Spatial by ``mesh``/``devices``.
+    bits: the bit widths a quantized value may have, some of 8, 4, 2, 1 (one may be given
+      as an int; default: all): ``bits=(8, 4)`` keeps at least 4 bits everywhere. The
+      compress rungs are these widths; recompute_compressed recomputes from an input at
+      2 bits, or where 2 is not allowed the fewest allowed above 1 (1 bit where only 1
+      is). An error where the policies allowed quantize nothing.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -742,7 +761,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if max_compiles < 3:
     raise ValueError(f"max_compiles must be at least 3 (exact at two batch sizes, the plan), "
                      f"got {max_compiles}.")
-  ladder = _ladder(policies, approximate)
+  ladder = _ladder(policies, approximate, bits)
   if not isinstance(model, (nn.Module, nnx.Module)):
     raise TypeError(f"jmem.plan takes a flax.linen or flax.nnx Module, got "
                     f"{type(model).__name__}.")
@@ -793,7 +812,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   held = sum(s.residual_bytes for s in sites)
   share = held / max(held + outside, 1e-30)
   sites = _per_device(sites, layout.shards)
-  if policies is not None:
+  if policies is not None or bits is not None:
     notes.append("site policies searched: " + ", ".join(_rung_text(r) for r in ladder))
   quantizes = any(kind == "compress" for kind, _ in ladder)   # sensitivities order these
   notes += ["offload not searched (on CPU, where host and device memory are one, it saves "

@@ -555,13 +555,17 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
       (model, train_(model, *a, **k))) or trained[-1][1])
   code = cli.main(["plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "32",
                    "--budget", "4MiB", "--devices", "2", "--output-dir", str(out), "--json",
-                   "--verify-steps", "2"])
+                   "--verify-steps", "2", "--bits", "4,8"])
   written = json.loads((out / "plan.json").read_text())
   assert code == (0 if written["fits"] else 1)
   # --verify-steps: the planned model (approximate policies here) and exact, each trained
   # 2 steps on the embedded digits at 16x16, on one device; both accuracies in the output.
   printed = json.loads(capsys.readouterr().out)
   assert any(c["kind"] in ("compress", "recompute_compressed") for c in written["choices"])
+  # --bits 4,8: no value below 4 bits, recomputation from a 4-bit input.
+  assert all(c["bits"] in (None, 4, 8) for c in written["choices"]), written["choices"]
+  assert "site policies searched: save, compressed at 8 bits, compressed at 4 bits, " \
+      "recomputed from a 4-bit input" in written["notes"], written["notes"]
   verify = printed.pop("verify")
   assert printed == written and verify["steps"] == 2 and verify["image_size"] == 16
   assert sorted(verify["accuracy"]) == ["exact", "plan"], verify
@@ -583,12 +587,16 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
               ["--mesh", "2x4x4"],                 # 32 devices: the tests have 8
               ["--devices", "9"], ["--devices", "2", "--mesh", "2"],
               ["--policies", "save"], ["--policies", "compress", "--exact-only"],
+              ["--bits", "3"], ["--bits", "8,8"], ["--bits", "8", "--exact-only"],
               ["--verify-steps", "1", "--verify-image-size", "-4"]):
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
     err = capsys.readouterr().err   # refused before any trace or plan
     if "--exact-only" in bad:
-      assert "approximate=False keeps the gradients exact" in err
+      assert ("approximate=False keeps the gradients exact" in err or
+              "quantize nothing: allow compress" in err), err
+    if bad[0] == "--bits" and "--exact-only" not in bad:
+      assert "give some of the bit widths 8, 4, 2, 1, each once" in err, err
     if "-4" in bad:
       assert "--verify-image-size must be positive" in err
   # --verify-image-size: by default the plan's image size (224 by default) up to 32.
@@ -607,7 +615,7 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
                           input_values=1e5, forward_flops=1e8),
            plan_lib._Site("small", residual_bytes=2e6, values=5e5, input_bytes=2e5,
                           input_values=5e4, forward_flops=5e7)]
-  ladder = plan_lib._APPROXIMATE_LADDER
+  ladder = plan_lib._ladder(None, True)
 
   def first_to(bits, sensitivity):
     for state in plan_lib._upgrade_path(sites, ladder, sensitivity):
@@ -679,12 +687,32 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
                                                        for c in loose.choices})
 
 
+def test_bits_are_the_compression_rungs_and_the_recomputed_inputs():
+  """``bits=`` keeps quantized values to some widths: the compress rungs are those, and
+  recomputation is from a 2-bit input, or the fewest bits allowed above 1."""
+  # pylint: disable=protected-access
+  ladder = plan_lib._ladder
+  assert ladder(None, True, (4, 8)) == (("save", None), ("compress", 8), ("compress", 4),
+                                        ("recompute_compressed", 4))
+  assert ladder(None, True, (8, 4, 2)) == ladder(None, True)[:4] + ladder(None, True)[5:]
+  assert ladder(None, True, 1) == (("save", None), ("compress", 1),
+                                   ("recompute_compressed", 1))
+  assert ladder("recompute_compressed", True, (8, 1)) == (("save", None),
+                                                          ("recompute_compressed", 8))
+  for bad in ((), (3,), (2, 2), (True,)):
+    with pytest.raises(ValueError, match="bits takes the bit widths"):
+      ladder(None, True, bad)
+  for policies, approximate in ((None, False), ("recompute", True)):
+    with pytest.raises(ValueError, match="quantize nothing"):
+      ladder(policies, approximate, (8,))
+
+
 def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
   """After the walk, the bit reductions a budget does not need are undone, the one adding
   the most gradient variance first; save -> compress rungs (which add FLOPs) stay."""
   # pylint: disable=protected-access
   sites = [plan_lib._Site(p, residual_bytes=4.0, values=1.0) for p in "abc"]
-  ladder = plan_lib._APPROXIMATE_LADDER                 # 0 save, 1: 8 bits, 2: 4 bits
+  ladder = plan_lib._ladder(None, True)                 # 0 save, 1: 8 bits, 2: 4 bits
   sens = {"a": 1.0, "b": 10.0, "c": 100.0}
   kept = lambda state: sum(plan_lib._kept(s, ladder[r])[0] for s, r in zip(sites, state))
   budget = kept((2, 2, 1)) + 1e-9                        # room for one site at 8 bits
