@@ -653,7 +653,7 @@ def _split_dominant(model, optimizer, xs, ys, paths, sites, outside):
       break
     try:
       inner = _default_sites(model, x0, where=re.escape(big.path) + "/[^/]+")
-    except ValueError:                      # where= matched no module call: a leaf site
+    except surgery.NothingMatched:          # no module call inside: a leaf site
       break
     if len(inner) < 2:
       break

@@ -360,8 +360,10 @@ class ReluSequential(nn.Module):
     (jmem.SyncBN(where=nn.LayerNorm), "matched no module"),
 ])
 def test_errors_name_the_module(technique, match):
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises(ValueError, match=match) as raised:
     jmem.convert(ReluSequential(), technique).init(jax.random.key(0), X)
+  # Matching nothing has its own ValueError (the planner tells a leaf site by it).
+  assert isinstance(raised.value, surgery.NothingMatched) == ("matched no" in match)
 
 
 def test_identity_abn_on_any_batch_norm():

@@ -78,6 +78,7 @@ from flax import nnx
 from jmem.ops.actnn import levels as actnn_lib
 from jmem.ops.actnn import quantize as quantize_lib
 from jmem.surgery import _common
+from jmem.surgery._common import NothingMatched as NothingMatched
 from jmem.surgery._common import batch_mask as batch_mask
 from jmem.surgery._common import rngs as rngs
 from jmem._technique import BenchTechnique
@@ -116,8 +117,8 @@ def convert(model, *techniques: Technique | None):
 
   Raises:
     TypeError: ``model`` is not a Flax module, or a technique is not one.
-    ValueError: a technique matches nothing or meets a module it cannot handle (the message
-      names the module path and what to do).
+    ValueError: a technique matches nothing (`NothingMatched`, a ValueError) or meets a
+      module it cannot handle (the message names the module path and what to do).
   """
   resolved = []
   for t in techniques:

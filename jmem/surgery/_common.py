@@ -404,13 +404,17 @@ def unbound_axis_error(error: NameError, path: str) -> NameError:
       "global batch.")
 
 
+class NothingMatched(ValueError):
+  """A technique's ``where=`` (or its default sites) matched nothing in the model."""
+
+
 def check_all_matched(techniques, hits, seen_paths, what: str) -> None:
   """Raises for a technique that took no site (it would do nothing): ActNN L0 excepted."""
   for i, t in enumerate(techniques):
     if hits.get(i) or (isinstance(t, ActNN) and t.resolved_level().name == "L0"):
       continue
     where = "where=" + repr(t.where) if t.where is not None else "its default sites"
-    raise ValueError(
+    raise NothingMatched(
         f"{type(t).__name__}: {where} matched no {what} of this model, so it would do nothing. "
         f"Module paths: {', '.join(p or '<top>' for p in seen_paths[:12])}"
         f"{' ...' if len(seen_paths) > 12 else ''}. Give where= a module class or a regular "
