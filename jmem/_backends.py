@@ -26,10 +26,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import warnings
 from collections.abc import Callable, Sequence
 
 import jax
+
+from jmem import _warn
 
 __all__ = ["QUANTIZE_PACK", "UNPACK_DEQUANTIZE", "INPLACE_ABN", "BN_MOMENTS", "XLA",
            "Backend", "register", "ops", "implementations", "check_implementation", "get",
@@ -129,8 +130,7 @@ def _reason(implementation, op_names, config) -> str | None:
   return None
 
 
-def choose(implementation, op_names: Sequence[str], what: str, *, stacklevel: int = 3,
-           **config) -> str:
+def choose(implementation, op_names: Sequence[str], what: str, **config) -> str:
   """The implementation that runs a call of ``op_names`` with ``config``.
 
   ``implementation`` is validated (`check_implementation`). ``None`` is the automatic
@@ -144,13 +144,13 @@ def choose(implementation, op_names: Sequence[str], what: str, *, stacklevel: in
     if not targets_gpu():
       return XLA
     if _AUTOMATIC_XLA.get() is not None:
-      warnings.warn(f"{what}: {_AUTOMATIC_XLA.get()}; using the XLA path (name "
-                    "implementation='pallas' to run the kernels anyway).", stacklevel=stacklevel)
+      _warn.warn(f"{what}: {_AUTOMATIC_XLA.get()}; using the XLA path (name "
+                 "implementation='pallas' to run the kernels anyway).")
       return XLA
     name = _gpu_default(op_names)
     reason = _reason(name, op_names, config) if name != XLA else None
     if reason:
-      warnings.warn(f"{what}: {reason}; using the slower XLA path.", stacklevel=stacklevel)
+      _warn.warn(f"{what}: {reason}; using the slower XLA path.")
       return XLA
     return name
   reason = _reason(implementation, op_names, config)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jmem import _backends
+from jmem import _warn
 from jmem import _context as context
 from jmem._axes import AxisName, barrier, check_axis_name, varying_axes  # pylint: disable=unused-import
 from jmem._axes import axes_tuple as _axes_tuple
@@ -88,7 +89,7 @@ class LocalStatisticsWarning(UserWarning):
   """
 
 
-def warn_if_unsynchronised(x, axis_name: AxisName, op: str, *, stacklevel: int = 3) -> None:
+def warn_if_unsynchronised(x, axis_name: AxisName, op: str) -> None:
   """Warns (`LocalStatisticsWarning`) if ``x`` varies over manual axes ``axis_name`` omits.
 
   Only what JAX's types show is seen: under ``shard_map`` with ``check_vma=False``, under
@@ -97,14 +98,14 @@ def warn_if_unsynchronised(x, axis_name: AxisName, op: str, *, stacklevel: int =
   left_out = varying_axes(x) - set(_axes_tuple(axis_name))
   if left_out:
     every = tuple(sorted(varying_axes(x)))
-    warnings.warn(
+    _warn.warn(
         f"{op}: the input varies over the mesh axes {sorted(left_out)} of the enclosing "
         f"shard_map, but axis_name={axis_name!r} leaves them out, so the statistics are "
         f"those of each shard along them, not of the whole batch. Pass "
         f"axis_name={every[0] if len(every) == 1 else every!r} to synchronise over every "
         "axis the batch is split over; if per-shard (local) batch norm is intended, silence "
         "this with warnings.filterwarnings('ignore', category=jmem.parallel.sync_bn."
-        "LocalStatisticsWarning).", LocalStatisticsWarning, stacklevel=stacklevel)
+        "LocalStatisticsWarning).", LocalStatisticsWarning)
 
 
 def check_floating(x, op: str) -> None:

@@ -7,6 +7,7 @@ handle raises, naming the module path.
 """
 
 import functools
+import linecache
 
 import flax.linen as nn
 import jax
@@ -583,8 +584,11 @@ def test_detached_modules_are_no_block_sites(monkeypatch):
   variables = model.init(jax.random.key(0), x)
   remat = jmem.convert(model, jmem.Remat())
   with pytest.warns(UserWarning, match=r"ViTBlock is applied detached .*jmem calls it "
-                                       r"'<detached ViTBlock>'"):
+                                       r"'<detached ViTBlock>'") as caught:
     assert surgery.sites(remat, x) == {repr(jmem.Remat()): ["patchify"]}
+  # The warning names the model's line that first runs the block (its init), not flax's.
+  [where] = {(w.filename, w.lineno) for w in caught if "detached" in str(w.message)}
+  assert where[0] == tp.__file__ and "block.init(" in linecache.getline(*where), where
   loss = lambda m: lambda p: jnp.sum(m.apply({"params": p}, x) ** 2)
   want, got = (jax.grad(loss(m))(variables["params"]) for m in (model, remat))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)

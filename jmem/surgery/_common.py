@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import flax.linen as nn
 import jax
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmem import _warn
 from jmem._context import (  # pylint: disable=unused-import
     active_mask, batch_mask, context_key, current_rngs, data_key, mask_for, rngs)
 from jmem._bn_core import linen_has_bn_variables, nnx_has_bn_stats  # pylint: disable=unused-import
@@ -28,7 +28,7 @@ _WARNED: set = set()
 def warn_once(tag: str, message: str) -> None:
   if tag not in _WARNED:
     _WARNED.add(tag)
-    warnings.warn(message, stacklevel=4)
+    _warn.warn(message)
 
 
 def no_sbp_key_warning():

@@ -101,7 +101,7 @@ def resolve_implementation(implementation: str | None, *, bits: int, group_size:
   A named backend is validated against the registry; one that cannot take the
   configuration raises ValueError.
   """
-  return _backends.choose(implementation, OPS, "ActNN", stacklevel=4, bits=bits,
+  return _backends.choose(implementation, OPS, "ActNN", bits=bits,
                           group_size=group_size)
 
 

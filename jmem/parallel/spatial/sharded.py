@@ -28,14 +28,13 @@ gets gradients off by up to 0.13 that way, where jmem is exact
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jmem import _axes, _window
+from jmem import _axes, _warn, _window
 from jmem.parallel.spatial.halo import halo_conv, plan_split
 
 __all__ = ["SpatialFallbackWarning", "sharded_conv", "check_mesh"]
@@ -53,10 +52,10 @@ _WARNED: set = set()
 def _fallback(reason: str, where: str, gathered: str) -> None:
   if reason not in _WARNED:
     _WARNED.add(reason)
-    warnings.warn(f"jmem.Spatial: the convolution at {where or '<top>'!r} {reason}, so its "
-                  f"input is gathered over {gathered} (exact; more memory and "
-                  "communication). Later convolutions for the same reason are not reported.",
-                  SpatialFallbackWarning, stacklevel=4)
+    _warn.warn(f"jmem.Spatial: the convolution at {where or '<top>'!r} {reason}, so its "
+               f"input is gathered over {gathered} (exact; more memory and "
+               "communication). Later convolutions for the same reason are not reported.",
+               SpatialFallbackWarning)
 
 
 def check_mesh(mesh: Mesh, axes: Sequence[str | None], data_axis: str | None) -> None:
