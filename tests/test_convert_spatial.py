@@ -51,6 +51,8 @@ def _cost(step, *args):
     ("functional", tp.FunctionalCNN, P(None, "h", "w", None), (4, 32, 32, 3)),
     ("convnext", lambda: models.convnext("convnext-digits", 10), P("data", "h", "w", None),
      (4, 16, 16, 1)),
+    # Convolutions applied detached (Block(parent=None).apply) are sharded too.
+    ("detached", tp.DetachedConvCNN, P(None, "h", "w", None), (2, 16, 16, 3)),
 ])
 def test_linen_spatial_equals_one_device(name, make, spec, shape):
   mesh = _mesh((2, 2, 2), ("data", "h", "w")) if spec[0] else _mesh()
@@ -59,7 +61,11 @@ def test_linen_spatial_equals_one_device(name, make, spec, shape):
   model = make()
   kw = {"train": True, "rngs": {"dropout": jax.random.key(2)}} if name == "convnext" else {}
   variables = model.init(jax.random.key(1), x)
-  converted = jmem.convert(model, jmem.Spatial(mesh, axes=("h", "w"), data_axis=spec[0]))
+  spatial = jmem.Spatial(mesh, axes=("h", "w"), data_axis=spec[0])
+  converted = jmem.convert(model, spatial)
+  if name == "detached":
+    assert sorted(jmem.surgery.sites(converted, x)[repr(spatial)]) == [
+        "<detached Sequential>/layers_0", "<detached Sequential>/layers_2", "Conv_0"]
   xs = jax.device_put(x, NamedSharding(mesh, spec))
   (loss0, upd0), g0 = _linen_step(model, variables, y, **kw)(variables["params"], x)
   step = _linen_step(converted, variables, y, **kw)

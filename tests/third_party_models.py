@@ -86,6 +86,20 @@ class FunctionalCNN(nn.Module):
     return nn.Dense(self.num_classes)(jnp.mean(x, axis=(1, 2)))
 
 
+class DetachedConvCNN(nn.Module):
+  """A convolution, then a 3x3 + 5x5 convolution pair applied detached
+  (``Block(parent=None).apply``, its parameters held by the caller), a global mean."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    del train
+    x = nn.relu(nn.Conv(8, (3, 3))(x))
+    pair = nn.Sequential([nn.Conv(8, (3, 3)), nn.relu, nn.Conv(8, (5, 5), strides=(2, 2))],
+                         parent=None)
+    x = pair.apply(self.param("pair", lambda rng: pair.init(rng, x)), x)
+    return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
+
+
 class SequentialABNCNN(nn.Module):
   """BatchNorms followed by leaky_relu / elu in nn.Sequential (InPlace-ABN's pattern)."""
 
