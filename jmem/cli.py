@@ -46,29 +46,17 @@ def _mesh_shape(text: str) -> tuple[int, int, int]:
   return sizes + (1, 1) if len(sizes) == 1 else sizes
 
 
-def _policies(text: str) -> tuple[str, ...]:
-  """Comma-separated site policies of `jmem.planner.POLICY_KINDS`."""
-  from jmem.planner import POLICY_KINDS  # pylint: disable=g-import-not-at-top
-  kinds = tuple(k.strip() for k in text.split(","))
-  bad = [k for k in kinds if k not in POLICY_KINDS]
-  if bad:
-    raise argparse.ArgumentTypeError(
-        f"unknown site policies {bad}: give some of {', '.join(POLICY_KINDS)}, separated by "
-        f"commas (save is always allowed); got {text!r}")
-  return kinds
+def _comma_list(text: str) -> tuple[str, ...]:
+  """``a,b`` -> ``("a", "b")``; `jmem.planner.site_ladder` checks --policies and --bits."""
+  return tuple(t.strip() for t in text.split(","))
 
 
 def _bits(text: str) -> tuple[int, ...]:
-  """Comma-separated bit widths of quantized values, of 8, 4, 2, 1."""
   try:
-    widths = tuple(int(b) for b in text.split(","))
+    return tuple(int(b) for b in _comma_list(text))
   except ValueError:
-    widths = ()
-  if not widths or any(b not in (8, 4, 2, 1) for b in widths) or len(set(widths)) != len(widths):
     raise argparse.ArgumentTypeError(
-        f"give some of the bit widths 8, 4, 2, 1, each once, separated by commas (e.g. 8,4 "
-        f"keeps at least 4 bits); got {text!r}")
-  return widths
+        f"give bit widths as integers separated by commas, e.g. 8,4; got {text!r}") from None
 
 
 def _verify_size(args) -> int:
@@ -138,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("--dtype", default="float32", choices=bench.DTYPES)
   pl.add_argument("--exact-only", action="store_true",
                   help="accuracy-safe: no compression, the gradients stay exact")
-  pl.add_argument("--policies", type=_policies, default=None, metavar="KIND[,KIND]",
+  pl.add_argument("--policies", type=_comma_list, default=None, metavar="KIND[,KIND]",
                   help="the site policies allowed besides save: compress, recompute, "
                   "recompute_compressed (default: compress,recompute_compressed; with "
                   "--exact-only: recompute)")
@@ -263,6 +251,7 @@ def _plan(args) -> int:
   # Bad input fails before any work: a size, or a share of exact's bytes ("50%").
   budget = (args.budget if plan_lib.budget_share(args.budget) is not None
             else plan_lib.parse_bytes(args.budget))
+  plan_lib.site_ladder(args.policies, not args.exact_only, args.bits)   # kinds and bits
   if args.verify_image_size is not None and args.verify_image_size < 1:
     raise ValueError(f"--verify-image-size must be positive, got {args.verify_image_size}.")
   if args.batch_size < 1 or args.image_size < 1:

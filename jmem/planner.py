@@ -137,11 +137,11 @@ from jmem.parallel.data_parallel import data_parallel
 from jmem.techniques import register_technique
 
 __all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share", "step_cost",
-           "compile_step", "POLICY_KINDS"]
+           "compile_step", "POLICY_KINDS", "site_ladder"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-# A site's ladder (`_ladder`) has rungs (policy kind, bits); approximate policies first
+# A site's ladder (`site_ladder`) has rungs (policy kind, bits); approximate policies first
 # climb these bit widths (`plan(bits=...)` allows some of them).
 _COMPRESS_BITS = (8, 4, 2, 1)
 # The site policies `plan(policies=...)` may allow (``save`` is always allowed).
@@ -532,9 +532,11 @@ def _kept(site: _Site, rung) -> tuple[float, float]:
   raise ValueError(kind)
 
 
-def _ladder(policies, approximate: bool, bits=None) -> tuple:
-  """The rungs of every site's ladder for ``plan``'s ``policies``, ``approximate`` and
-  ``bits``."""
+def site_ladder(policies: Sequence[str] | str | None = None, approximate: bool = True,
+                bits: Sequence[int] | int | None = None) -> tuple:
+  """The rungs ``(policy kind, bits)`` of every site's ladder for `plan`'s ``policies``,
+  ``approximate`` and ``bits``, from ``("save", None)`` up; raises ValueError for a
+  combination `plan` refuses."""
   if policies is None:
     kinds = ("compress", "recompute_compressed") if approximate else ("recompute",)
   else:
@@ -761,7 +763,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if max_compiles < 3:
     raise ValueError(f"max_compiles must be at least 3 (exact at two batch sizes, the plan), "
                      f"got {max_compiles}.")
-  ladder = _ladder(policies, approximate, bits)
+  ladder = site_ladder(policies, approximate, bits)
   if not isinstance(model, (nn.Module, nnx.Module)):
     raise TypeError(f"jmem.plan takes a flax.linen or flax.nnx Module, got "
                     f"{type(model).__name__}.")

@@ -588,6 +588,7 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
               ["--devices", "9"], ["--devices", "2", "--mesh", "2"],
               ["--policies", "save"], ["--policies", "compress", "--exact-only"],
               ["--bits", "3"], ["--bits", "8,8"], ["--bits", "8", "--exact-only"],
+              ["--bits", "eight"],
               ["--verify-steps", "1", "--verify-image-size", "-4"]):
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
@@ -596,7 +597,10 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
       assert ("approximate=False keeps the gradients exact" in err or
               "quantize nothing: allow compress" in err), err
     if bad[0] == "--bits" and "--exact-only" not in bad:
-      assert "give some of the bit widths 8, 4, 2, 1, each once" in err, err
+      assert ("integers separated by commas" if bad[1] == "eight" else
+              "bits takes the bit widths a quantized value may have") in err, err
+    if bad == ["--policies", "save"]:
+      assert "policies takes site policies of" in err, err
     if "-4" in bad:
       assert "--verify-image-size must be positive" in err
   # --verify-image-size: by default the plan's image size (224 by default) up to 32.
@@ -615,7 +619,7 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
                           input_values=1e5, forward_flops=1e8),
            plan_lib._Site("small", residual_bytes=2e6, values=5e5, input_bytes=2e5,
                           input_values=5e4, forward_flops=5e7)]
-  ladder = plan_lib._ladder(None, True)
+  ladder = plan_lib.site_ladder(None, True)
 
   def first_to(bits, sensitivity):
     for state in plan_lib._upgrade_path(sites, ladder, sensitivity):
@@ -691,7 +695,7 @@ def test_bits_are_the_compression_rungs_and_the_recomputed_inputs():
   """``bits=`` keeps quantized values to some widths: the compress rungs are those, and
   recomputation is from a 2-bit input, or the fewest bits allowed above 1."""
   # pylint: disable=protected-access
-  ladder = plan_lib._ladder
+  ladder = plan_lib.site_ladder
   assert ladder(None, True, (4, 8)) == (("save", None), ("compress", 8), ("compress", 4),
                                         ("recompute_compressed", 4))
   assert ladder(None, True, (8, 4, 2)) == ladder(None, True)[:4] + ladder(None, True)[5:]
@@ -712,7 +716,7 @@ def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
   the most gradient variance first; save -> compress rungs (which add FLOPs) stay."""
   # pylint: disable=protected-access
   sites = [plan_lib._Site(p, residual_bytes=4.0, values=1.0) for p in "abc"]
-  ladder = plan_lib._ladder(None, True)                 # 0 save, 1: 8 bits, 2: 4 bits
+  ladder = plan_lib.site_ladder(None, True)                 # 0 save, 1: 8 bits, 2: 4 bits
   sens = {"a": 1.0, "b": 10.0, "c": 100.0}
   kept = lambda state: sum(plan_lib._kept(s, ladder[r])[0] for s, r in zip(sites, state))
   budget = kept((2, 2, 1)) + 1e-9                        # room for one site at 8 bits
