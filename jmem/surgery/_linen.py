@@ -93,6 +93,7 @@ class _Trace:
   seen: list = dataclasses.field(default_factory=list)       # paths of the calls, in order
   calls: list = dataclasses.field(default_factory=list)      # paths of the calls running
   roots: list = dataclasses.field(default_factory=list)      # (path, id) of detached roots
+  covering: list = dataclasses.field(default_factory=list)   # technique indices, per site in
 
   # ------------------------------------------------------------------ classification
   def _bn_techniques(self):
@@ -220,9 +221,14 @@ class _Trace:
       self._hit_all([f for f in found if site is None or f not in site[0]], path,
                     record=False)
       if site is not None:
-        if not mod.is_initializing():
-          return self._call_block(mod, path, *site, args, kwargs)
-        self._hit_all(site[0], path, record=False)   # init: the forward pass, nothing to save
+        self.covering.append({i for i, _, _ in site[0]})
+        try:
+          if not mod.is_initializing():
+            return self._call_block(mod, path, *site, args, kwargs)
+          self._hit_all(site[0], path, record=False)   # init: the forward pass, nothing to save
+          return self._layer(mod, path, next_fun, args, kwargs)
+        finally:
+          self.covering.pop()
     return self._layer(mod, path, next_fun, args, kwargs)
 
   def detached_path(self, mod) -> str:
@@ -246,7 +252,10 @@ class _Trace:
     convolutions as anywhere else (where=None or a class), at its `detached_path`."""
     root = self._new_root(mod)
     path = self.detached_path(mod)
-    if root and any(not isinstance(t, (SyncBN, InPlaceABN, Spatial)) for t in self.techniques):
+    # Block techniques that take an enclosing site cover the detached module there.
+    covered = set().union(*self.covering)
+    if root and any(not isinstance(t, (SyncBN, InPlaceABN, Spatial)) and i not in covered
+                    for i, t in enumerate(self.techniques)):
       what = c.describe(mod)
       fix = ("Make it a submodule (self.block = Block(...) in setup, or Block(name=...)(x)) "
              "for jmem.convert to reach it.")
