@@ -11,19 +11,20 @@ from __future__ import annotations
 import sys
 import warnings
 
-_LIBRARIES = frozenset({"jmem", "flax", "jax", "jaxlib", "optax", "orbax", "chex",
-                        "contextlib", "functools"})
+_LIBRARIES = frozenset({"jmem", "pallas_kernels", "flax", "jax", "jaxlib", "optax", "orbax",
+                        "chex", "contextlib", "functools"})
 
 
 def user_stacklevel() -> int:
   """`warnings.warn`'s ``stacklevel``, for a warn called in the caller of this function,
-  of the innermost frame outside `_LIBRARIES` (1, the caller, where there is none)."""
+  of the innermost frame outside `_LIBRARIES` (where there is none: 2, the line that
+  called the caller)."""
   frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
   while frame is not None:
     if frame.f_globals.get("__name__", "").split(".")[0] not in _LIBRARIES:
       return level
     frame, level = frame.f_back, level + 1
-  return 1
+  return 2
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:

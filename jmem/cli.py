@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
       "plan", help="per-site memory policies that fit a model's train step into a budget",
       description="Chooses a jmem.Policy per block site (save, compress at 8/4/2/1 bits, "
       "recompute from a 2-bit input; --exact-only: save or recompute; --policies: some of "
-      "them) so that the compiled "
+      "them; --bits: some of the bit widths) so that the compiled "
       "train step fits --budget at --batch-size with the fewest extra FLOPs (jmem.plan).")
   pl.add_argument("--model", default="resnet50", help=f"one of: {', '.join(models.MODEL_NAMES)}")
   pl.add_argument("--image-size", type=int, default=224)
@@ -131,7 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                   "recompute_compressed (default: compress,recompute_compressed; with "
                   "--exact-only: recompute)")
   pl.add_argument("--bits", type=_bits, default=None, metavar="B[,B]",
-                  help="the bit widths a compressed value may have (default: 8,4,2,1; "
+                  help="the bit widths a compressed value may have (default: 8,4,2,1; not with "
+                  "--exact-only; "
                   "8,4 keeps at least 4 bits; recomputation is from a 2-bit input, or the "
                   "fewest bits allowed above 1)")
   pl.add_argument("--no-inplace-abn", action="store_true",

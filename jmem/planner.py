@@ -543,25 +543,21 @@ def site_ladder(policies: Sequence[str] | str | None = None, approximate: bool =
     kinds = (policies,) if isinstance(policies, str) else tuple(policies)
   bad = [k for k in kinds if k not in POLICY_KINDS]
   if not kinds or bad:
-    raise ValueError(f"policies takes site policies of {list(POLICY_KINDS)} (save is always "
-                     f"allowed), at least one; got {list(kinds)!r}.")
+    raise ValueError(f"policies= (--policies) takes site policies of {list(POLICY_KINDS)} "
+                     f"(save is always allowed), at least one; got {list(kinds)!r}.")
   quantized = [k for k in kinds if k != "recompute"]
   if not approximate and quantized:
     raise ValueError(f"approximate=False keeps the gradients exact, but policies allows "
                      f"{quantized}, which quantize: allow only 'recompute', or drop "
                      "approximate=False (--exact-only).")
-  widths = _COMPRESS_BITS
-  if bits is not None:
-    widths = (bits,) if isinstance(bits, numbers.Integral) else tuple(bits)
-    if (not widths or any(isinstance(b, bool) or b not in _COMPRESS_BITS for b in widths)
-        or len(set(widths)) != len(widths)):
-      raise ValueError(f"bits takes the bit widths a quantized value may have, some of "
-                       f"{list(_COMPRESS_BITS)}, each once; got {bits!r}.")
-    if not quantized:
-      raise ValueError(f"bits={bits!r} sets the widths of quantized values, but the policies "
-                       f"allowed ({', '.join(kinds)}) quantize nothing: allow compress or "
-                       "recompute_compressed, or drop bits.")
-    widths = tuple(sorted(widths, reverse=True))
+  widths = _COMPRESS_BITS if bits is None else _bit_widths(bits)
+  if bits is not None and not quantized:
+    raise ValueError(
+        "bits= (--bits) sets the widths of quantized values, but "
+        + ("approximate=False (--exact-only) quantizes nothing: drop bits or approximate=False."
+           if not approximate else
+           f"the policies allowed ({', '.join(kinds)}) quantize nothing: allow compress or "
+           "recompute_compressed, or drop bits."))
   ladder = [("save", None)]
   if "compress" in kinds:
     ladder += [("compress", b) for b in widths]
@@ -570,6 +566,22 @@ def site_ladder(policies: Sequence[str] | str | None = None, approximate: bool =
   elif "recompute" in kinds:
     ladder.append(("recompute", None))
   return tuple(ladder)
+
+
+def _bit_widths(bits) -> tuple[int, ...]:
+  """``bits`` (an int or ints, of `_COMPRESS_BITS`, each once) as Python ints, most first."""
+  items = [bits] if isinstance(bits, numbers.Number) or np.ndim(bits) == 0 else list(bits)
+  widths = []
+  for b in items:
+    if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Integral):
+      widths = None
+      break
+    widths.append(int(b))
+  if not widths or any(b not in _COMPRESS_BITS for b in widths) or \
+      len(set(widths)) != len(widths):
+    raise ValueError(f"bits= (--bits) takes the bit widths a quantized value may have, some "
+                     f"of {list(_COMPRESS_BITS)} (integers), each once; got {bits!r}.")
+  return tuple(sorted(widths, reverse=True))
 
 
 def _rung_text(rung) -> str:
@@ -688,7 +700,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
          mesh=None, spatial_axes: tuple | None = ("h", "w"),
          data_axis: str | None = None, devices=None,
          policies: Sequence[str] | None = None,
-         bits: Sequence[int] | None = None) -> Plan:
+         bits: Sequence[int] | int | None = None) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
@@ -739,8 +751,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       with the fewest collectives; those compiles are in ``Plan.compiles`` and not counted
       against ``max_compiles``). ``Plan.mesh`` is the mesh it made.
     policies: the site policies the walk may use besides ``save``, of `POLICY_KINDS`:
-      ``"compress"`` (at 8, 4, 2 and 1 bits), ``"recompute"``, ``"recompute_compressed"``
-      (from a 2-bit input); one kind may be given as a string. Default: compress and
+      ``"compress"`` (at 8, 4, 2 and 1 bits; ``bits=`` narrows them), ``"recompute"``,
+      ``"recompute_compressed"`` (from a 2-bit input; see ``bits``); one kind may be given as a string. Default: compress and
       recompute_compressed (with ``approximate=False``: recompute). Plain recompute goes
       on the ladder only where recompute_compressed is not allowed (recomputing from a
       2-bit input keeps less for the same recomputation); above the compression rungs a

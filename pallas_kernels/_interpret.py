@@ -1,12 +1,12 @@
 """Choosing Pallas interpret mode, shared by the kernels."""
 
 import contextlib
-import warnings
 
 import jax
 
 # Whether the kernels target a GPU lives below every op, in jmem._backends (its automatic
 # choice reads it); the kernels share it from there.
+from jmem import _warn
 from jmem._backends import _FORCE_COMPILED, compiled_kernels
 
 
@@ -30,7 +30,7 @@ def lowering_for_gpu(device_kind: str = "NVIDIA H100 80GB HBM3"):
     yield
 
 
-def resolve_interpret(interpret: bool | None, what: str, *, stacklevel: int = 4) -> bool:
+def resolve_interpret(interpret: bool | None, what: str) -> bool:
   """``interpret`` as given, or (``None``) True exactly when the backend is not a GPU.
 
   The automatic choice warns: the interpreter is far slower than the XLA path, and a slower
@@ -39,7 +39,6 @@ def resolve_interpret(interpret: bool | None, what: str, *, stacklevel: int = 4)
   if interpret is None:
     interpret = jax.default_backend() != "gpu" and not _FORCE_COMPILED.get()
     if interpret:
-      warnings.warn(f"{what} on a non-GPU backend runs the Pallas kernels in interpret mode, "
-                    "which is much slower than implementation='xla' (the default).",
-                    stacklevel=stacklevel)
+      _warn.warn(f"{what} on a non-GPU backend runs the Pallas kernels in interpret mode, "
+                 "which is much slower than implementation='xla' (the default).")
   return bool(interpret)

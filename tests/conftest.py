@@ -1,4 +1,5 @@
-"""Test set-up: 8 simulated CPU devices. Runs before jax is imported."""
+"""Test set-up: 8 simulated CPU devices, LLVM code generation at -O0, one compilation cache
+for the run. Runs before jax is imported."""
 
 import os
 import shutil

@@ -629,11 +629,13 @@ def test_detached_modules_are_no_block_sites(monkeypatch):
   assert surgery.sites(jmem.convert(net, named), X) == {repr(named): ["bn"]}
   with pytest.warns(UserWarning, match="_Encoder is applied detached"):
     assert surgery.sites(jmem.convert(net, jmem.Remat()), X) == {repr(jmem.Remat()): ["bn", "conv"]}
-  # Inside a block site, the site's technique covers a detached module: no warning.
+  # Inside a block site, the site's technique covers a detached module: no warning (with
+  # another block technique elsewhere too).
+  head = jmem.Policy("compress", bits=8, where="Dense_0")
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    inside = jmem.convert(_DetachedInsideABlock(), jmem.Remat())
-    assert surgery.sites(inside, X) == {repr(jmem.Remat()): ["block"]}
+    inside = jmem.convert(_DetachedInsideABlock(), jmem.Remat(), head)
+    assert surgery.sites(inside, X) == {repr(jmem.Remat()): ["block"], repr(head): ["Dense_0"]}
     v = inside.init(jax.random.key(0), X)
     jax.grad(lambda p: jnp.sum(inside.apply({"params": p}, X)))(v["params"])
   assert not [w for w in caught if "detached" in str(w.message)], [str(w.message) for w in caught]

@@ -105,7 +105,7 @@ def test_exact_only_plans_keep_the_gradients_exact():
   assert {c.kind for c in packed.choices} <= {"save", "compress"}
   assert "site policies searched: save, compressed at 8 bits, compressed at 4 bits, " \
       "compressed at 2 bits, compressed at 1 bit" in packed.notes, packed.notes
-  for bad, match in ((("save",), "policies takes site policies of"),
+  for bad, match in ((("save",), r"policies= \(--policies\) takes site policies of"),
                      ((), "at least one"), (("compress",), "approximate=False keeps")):
     with pytest.raises(ValueError, match=match):
       plan_lib.plan(model, (x, y), budget, policies=bad, approximate=bad != ("compress",))
@@ -595,12 +595,12 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err   # refused before any trace or plan
     if "--exact-only" in bad:
       assert ("approximate=False keeps the gradients exact" in err or
-              "quantize nothing: allow compress" in err), err
+              "approximate=False (--exact-only) quantizes nothing: drop bits" in err), err
     if bad[0] == "--bits" and "--exact-only" not in bad:
       assert ("integers separated by commas" if bad[1] == "eight" else
-              "bits takes the bit widths a quantized value may have") in err, err
+              "bits= (--bits) takes the bit widths a quantized value may have") in err, err
     if bad == ["--policies", "save"]:
-      assert "policies takes site policies of" in err, err
+      assert "policies= (--policies) takes site policies of" in err, err
     if "-4" in bad:
       assert "--verify-image-size must be positive" in err
   # --verify-image-size: by default the plan's image size (224 by default) up to 32.
@@ -694,20 +694,26 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
 def test_bits_are_the_compression_rungs_and_the_recomputed_inputs():
   """``bits=`` keeps quantized values to some widths: the compress rungs are those, and
   recomputation is from a 2-bit input, or the fewest bits allowed above 1."""
-  # pylint: disable=protected-access
   ladder = plan_lib.site_ladder
   assert ladder(None, True, (4, 8)) == (("save", None), ("compress", 8), ("compress", 4),
                                         ("recompute_compressed", 4))
+  # NumPy integers are taken as Python ints (Policy takes no other).
+  for given in (np.array([8, 4]), (np.int64(4), 8)):
+    rungs = ladder(None, True, given)
+    assert rungs == ladder(None, True, (4, 8)) and all(
+        type(b) is int for _, b in rungs[1:]), rungs  # pylint: disable=unidiomatic-typecheck
   assert ladder(None, True, (8, 4, 2)) == ladder(None, True)[:4] + ladder(None, True)[5:]
   assert ladder(None, True, 1) == (("save", None), ("compress", 1),
                                    ("recompute_compressed", 1))
   assert ladder("recompute_compressed", True, (8, 1)) == (("save", None),
                                                           ("recompute_compressed", 8))
-  for bad in ((), (3,), (2, 2), (True,)):
-    with pytest.raises(ValueError, match="bits takes the bit widths"):
+  for bad in ((), (3,), (2, 2), (True,), (np.True_,), (8.0, 4.0), 8.0, "8"):
+    with pytest.raises(ValueError, match=r"bits= \(--bits\) takes the bit widths"):
       ladder(None, True, bad)
-  for policies, approximate in ((None, False), ("recompute", True)):
-    with pytest.raises(ValueError, match="quantize nothing"):
+  for policies, approximate, match in (
+      (None, False, r"approximate=False \(--exact-only\) quantizes nothing: drop bits"),
+      ("recompute", True, r"the policies allowed \(recompute\) quantize nothing")):
+    with pytest.raises(ValueError, match=match):
       ladder(policies, approximate, (8,))
 
 

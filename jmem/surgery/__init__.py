@@ -97,7 +97,7 @@ from jmem.techniques import technique as technique
 __all__ = ["convert", "Technique", "TECHNIQUE_TYPES", "Remat", "ActNN", "Policy", "SyncBN",
            "InPlaceABN", "SBP", "Spatial", "technique", "technique_names", "batch_mask", "rngs",
            "sites", "inplace_abn_sites", "inplace_abn_params", "sensitivities", "calibrate",
-           "convert_nnx"]
+           "convert_nnx", "NothingMatched"]
 
 
 # What `convert` takes (tests/test_pairs.py holds every pair of them to a test).

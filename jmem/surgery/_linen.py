@@ -93,7 +93,7 @@ class _Trace:
   seen: list = dataclasses.field(default_factory=list)       # paths of the calls, in order
   calls: list = dataclasses.field(default_factory=list)      # paths of the calls running
   roots: list = dataclasses.field(default_factory=list)      # (path, id) of detached roots
-  covering: list = dataclasses.field(default_factory=list)   # technique indices, per site in
+  covering: list = dataclasses.field(default_factory=list)   # block sites the call is in
 
   # ------------------------------------------------------------------ classification
   def _bn_techniques(self):
@@ -221,7 +221,7 @@ class _Trace:
       self._hit_all([f for f in found if site is None or f not in site[0]], path,
                     record=False)
       if site is not None:
-        self.covering.append({i for i, _, _ in site[0]})
+        self.covering.append(path)
         try:
           if not mod.is_initializing():
             return self._call_block(mod, path, *site, args, kwargs)
@@ -248,14 +248,15 @@ class _Trace:
   def _call_detached(self, mod, method, next_fun, args, kwargs):
     """A module call outside the model's variables (`_detached_root`, or under one). Its
     layers are no block sites (Remat, ActNN, Policy, SBP: their sites are the model's
-    blocks), with a warning; BatchNorm and Spatial techniques take its BatchNorms and
+    blocks), with a warning (none inside a block site: its transform covers them);
+    BatchNorm and Spatial techniques take its BatchNorms and
     convolutions as anywhere else (where=None or a class), at its `detached_path`."""
     root = self._new_root(mod)
     path = self.detached_path(mod)
-    # Block techniques that take an enclosing site cover the detached module there.
-    covered = set().union(*self.covering)
-    if root and any(not isinstance(t, (SyncBN, InPlaceABN, Spatial)) and i not in covered
-                    for i, t in enumerate(self.techniques)):
+    # Inside a block site the module runs under the site's transform (recomputed or
+    # compressed with the rest of the block): nothing to warn about.
+    if root and not self.covering and any(
+        not isinstance(t, (SyncBN, InPlaceABN, Spatial)) for t in self.techniques):
       what = c.describe(mod)
       fix = ("Make it a submodule (self.block = Block(...) in setup, or Block(name=...)(x)) "
              "for jmem.convert to reach it.")

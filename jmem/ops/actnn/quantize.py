@@ -691,8 +691,7 @@ def _interpret_once(implementation: str, interpret: bool | None) -> bool | None:
   if implementation == _backends.XLA or interpret is not None:
     return interpret
   from pallas_kernels import resolve_interpret  # pylint: disable=g-import-not-at-top
-  return resolve_interpret(None, f"ActNN compress(implementation={implementation!r})",
-                           stacklevel=3)
+  return resolve_interpret(None, f"ActNN compress(implementation={implementation!r})")
 
 
 def fake_quantize(x: jax.Array, levels: jax.Array, seed: jax.Array, *,
