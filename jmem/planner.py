@@ -752,8 +752,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       against ``max_compiles``). ``Plan.mesh`` is the mesh it made.
     policies: the site policies the walk may use besides ``save``, of `POLICY_KINDS`:
       ``"compress"`` (at 8, 4, 2 and 1 bits; ``bits=`` narrows them), ``"recompute"``,
-      ``"recompute_compressed"`` (from a 2-bit input; see ``bits``); one kind may be given as a string. Default: compress and
-      recompute_compressed (with ``approximate=False``: recompute). Plain recompute goes
+      ``"recompute_compressed"`` (from a 2-bit input; see ``bits``); one kind may be given
+      as a string. Default: compress and recompute_compressed (with
+      ``approximate=False``: recompute). Plain recompute goes
       on the ladder only where recompute_compressed is not allowed (recomputing from a
       2-bit input keeps less for the same recomputation); above the compression rungs a
       site climbs to it only where the estimate keeps less recomputed than where the site
