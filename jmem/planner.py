@@ -971,19 +971,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   index = choose(0) if exact_bytes > budget_bytes else 0
   index = min(index, stop) if stop is not None else index
 
-  def top_of(state, smaller=False):
-    """Every site that saves anything on the top rung moved there. ``smaller`` (the try
-    after the walk's end missed, which must keep less): where the top is plain recompute
-    above compression rungs (``policies=``), only where the estimate keeps less there than
-    where the site is (a recomputed input keeps more than a block at 1 bit)."""
-    def up(s_, r):
-      top = _kept(s_, ladder[-1])[0]
-      return top < s_.residual_bytes and (not smaller or ladder[-1][0] != "recompute" or
-                                          top < _kept(s_, ladder[r])[0])
-    return tuple(len(ladder) - 1 if up(s_, r) else r for s_, r in zip(sites, state))
-
-  def cheaper_top(state):                     # the estimate puts top_of(state) at fewer FLOPs
-    top = top_of(state)
+  def cheaper_top(state):                     # the estimate puts the top at fewer FLOPs
+    top = _top_of(sites, ladder, state)
     return top != state and predicted(top)[1] < predicted(state)[1]
 
   misses, hi = [0], None
@@ -1003,7 +992,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   state = walk[index]
   device_bytes, flops = costs[state] if index else (exact_bytes, exact_flops)
   cut = index > 0 and device_bytes > budget_bytes and index < len(walk) - 1
-  top = top_of(state, smaller=index == len(walk) - 1 and device_bytes > budget_bytes)
+  top = _top_of(sites, ladder, state,
+                smaller=index == len(walk) - 1 and device_bytes > budget_bytes)
   walk_note = None                            # what the walk's plan is; dropped for InPlace-ABN
   no_top = None                               # said only if the plan misses
   on_top = False                              # the plan is every site on the top rung
@@ -1354,6 +1344,19 @@ def _inplace_abn(model, x, allowed: bool, max_compiles: int):
     return None, ("InPlace-ABN not applicable: no BatchNorm followed by leaky_relu or elu in "
                   "a Sequential (what jmem.InPlaceABN converts)")
   return surgery.InPlaceABN(where="|".join(re.escape(p) for p in paths)), None
+
+
+def _top_of(sites, ladder, state, smaller: bool = False) -> tuple:
+  """``state`` (a rung per site) with every site that saves anything on the top rung moved
+  there. ``smaller`` (the try after the walk's end missed, which must keep less): where the
+  top is plain recompute above compression rungs (``policies=``), only where the estimate
+  keeps less there than where the site is (a recomputed input keeps more than a block at
+  1 bit)."""
+  def up(site, r):
+    top = _kept(site, ladder[-1])[0]
+    return top < site.residual_bytes and (not smaller or ladder[-1][0] != "recompute" or
+                                          top < _kept(site, ladder[r])[0])
+  return tuple(len(ladder) - 1 if up(s, r) else r for s, r in zip(sites, state))
 
 
 def _next_point(walk, misses, hi, estimate, compiled, budget, stop=None) -> int | None:

@@ -717,6 +717,26 @@ def test_bits_are_the_compression_rungs_and_the_recomputed_inputs():
       ladder(policies, approximate, (8,))
 
 
+def test_the_top_rung_try_moves_only_sites_it_shrinks():
+  """The one compile off the walk moves every site that saves anything to the top rung;
+  after the walk's end missed (``smaller``), a plain recomputation above compression rungs
+  only where it keeps less than the site's rung (a recomputed input can keep more than a
+  block at 1 bit)."""
+  # pylint: disable=protected-access
+  sites = [plan_lib._Site("a", residual_bytes=100.0, values=25.0, input_bytes=50.0),
+           plan_lib._Site("b", residual_bytes=100.0, values=25.0, input_bytes=2.0),
+           plan_lib._Site("c", residual_bytes=0.0, input_bytes=2.0)]    # saves nothing
+  ladder = plan_lib.site_ladder(("compress", "recompute"), True)
+  one_bit, top = ladder.index(("compress", 1)), len(ladder) - 1
+  assert ladder[top] == ("recompute", None)
+  state = (one_bit, one_bit, 0)
+  assert plan_lib._top_of(sites, ladder, state) == (top, top, 0)
+  assert plan_lib._top_of(sites, ladder, state, smaller=True) == (one_bit, top, 0)
+  # From a 2-bit input the top keeps less than any rung below it: smaller changes nothing.
+  ladder = plan_lib.site_ladder()
+  assert plan_lib._top_of(sites, ladder, state, smaller=True) == (len(ladder) - 1,) * 2 + (0,)
+
+
 def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
   """After the walk, the bit reductions a budget does not need are undone, the one adding
   the most gradient variance first; save -> compress rungs (which add FLOPs) stay."""
