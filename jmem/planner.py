@@ -570,7 +570,12 @@ def site_ladder(policies: Sequence[str] | str | None = None, approximate: bool =
 
 def _bit_widths(bits) -> tuple[int, ...]:
   """``bits`` (an int or ints, of `_COMPRESS_BITS`, each once) as Python ints, most first."""
-  items = [bits] if isinstance(bits, numbers.Number) or np.ndim(bits) == 0 else list(bits)
+  scalar = isinstance(bits, (numbers.Number, str, bytes)) or (
+      isinstance(bits, np.ndarray) and bits.ndim == 0)
+  try:
+    items = [bits] if scalar else list(bits)
+  except TypeError:
+    items = [None]
   widths = []
   for b in items:
     if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Integral):
@@ -754,11 +759,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       ``"compress"`` (at 8, 4, 2 and 1 bits; ``bits=`` narrows them), ``"recompute"``,
       ``"recompute_compressed"`` (from a 2-bit input; see ``bits``); one kind may be given
       as a string. Default: compress and recompute_compressed (with
-      ``approximate=False``: recompute). Plain recompute goes
-      on the ladder only where recompute_compressed is not allowed (recomputing from a
-      2-bit input keeps less for the same recomputation); above the compression rungs a
-      site climbs to it only where the estimate keeps less recomputed than where the site
-      is.
+      ``approximate=False``: recompute). Plain recompute goes on the ladder only where
+      recompute_compressed is not allowed (recomputing from a 2-bit input keeps less for
+      the same recomputation); above the compression rungs a site climbs to it only where
+      the estimate keeps less recomputed than where the site is.
       InPlace-ABN is allowed by ``inplace_abn``, jmem.Spatial by ``mesh``/``devices``.
     bits: the bit widths a quantized value may have, some of 8, 4, 2, 1 (one may be given
       as an int; default: all): ``bits=(8, 4)`` keeps at least 4 bits everywhere. The
@@ -1348,14 +1352,15 @@ def _inplace_abn(model, x, allowed: bool, max_compiles: int):
 
 def _top_of(sites, ladder, state, smaller: bool = False) -> tuple:
   """``state`` (a rung per site) with every site that saves anything on the top rung moved
-  there. ``smaller`` (the try after the walk's end missed, which must keep less): where the
-  top is plain recompute above compression rungs (``policies=``), only where the estimate
-  keeps less there than where the site is (a recomputed input keeps more than a block at
-  1 bit)."""
+  there. ``smaller`` (the try after the walk's end missed, which must keep less): only
+  where the estimate keeps less there than where the site is (a recomputed input can keep
+  more than a block at 1 bit), unless the top recomputes from a 2-bit input, which may
+  compile smaller than the estimate says (the default ladder's top)."""
   def up(site, r):
     top = _kept(site, ladder[-1])[0]
-    return top < site.residual_bytes and (not smaller or ladder[-1][0] != "recompute" or
-                                          top < _kept(site, ladder[r])[0])
+    return top < site.residual_bytes and (
+        not smaller or ladder[-1] == ("recompute_compressed", 2) or
+        top < _kept(site, ladder[r])[0])
   return tuple(len(ladder) - 1 if up(s, r) else r for s, r in zip(sites, state))
 
 
