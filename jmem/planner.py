@@ -570,18 +570,14 @@ def site_ladder(policies: Sequence[str] | str | None = None, approximate: bool =
 
 def _bit_widths(bits) -> tuple[int, ...]:
   """``bits`` (an int or ints, of `_COMPRESS_BITS`, each once) as Python ints, most first."""
-  scalar = isinstance(bits, (numbers.Number, str, bytes)) or (
-      isinstance(bits, np.ndarray) and bits.ndim == 0)
+  scalar = isinstance(bits, (numbers.Number, str, bytes, np.ndarray)) and np.ndim(bits) == 0
   try:
     items = [bits] if scalar else list(bits)
   except TypeError:
-    items = [None]
-  widths = []
-  for b in items:
-    if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Integral):
-      widths = None
-      break
-    widths.append(int(b))
+    items = []
+  integral = all(isinstance(b, numbers.Integral) and not isinstance(b, (bool, np.bool_))
+                 for b in items)
+  widths = [int(b) for b in items] if integral else []
   if not widths or any(b not in _COMPRESS_BITS for b in widths) or \
       len(set(widths)) != len(widths):
     raise ValueError(f"bits= (--bits) takes the bit widths a quantized value may have, some "

@@ -231,12 +231,12 @@ class _Trace:
           self.covering.pop()
     return self._layer(mod, path, next_fun, args, kwargs)
 
-  def detached_path(self, mod) -> str:
+  def detached_path(self, mod, root: bool) -> str:
     """The path jmem gives a call outside the model's variables: ``<detached Class>`` where
     its root is applied (after the path of the call that applies it), then the path inside
     it. A where= regex naming the model's modules does not match it (a broad one, ``.*``,
-    does), a class in where= does."""
-    if self._new_root(mod):
+    does), a class in where= does. ``root``: `_new_root`."""
+    if root:
       base = self.calls[-1] if self.calls else ""
       return (base + "/" if base else "") + f"<detached {type(mod).__name__}>"
     return "/".join([self.roots[-1][0], *mod.scope.path])
@@ -252,7 +252,7 @@ class _Trace:
     BatchNorm and Spatial techniques take its BatchNorms and
     convolutions as anywhere else (where=None or a class), at its `detached_path`."""
     root = self._new_root(mod)
-    path = self.detached_path(mod)
+    path = self.detached_path(mod, root)
     # Inside a block site the module runs under the site's transform (recomputed or
     # compressed with the rest of the block): nothing to warn about.
     if root and not self.covering and any(
