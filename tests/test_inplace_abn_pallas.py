@@ -1,6 +1,8 @@
 """InPlace-ABN Pallas kernels: tiles, offsets, sync and masking in interpret mode (the shared
 forward + VJP body and the CUDA lowering of every backend are in test_backends.py)."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,8 +96,12 @@ def test_kernels_mask_every_access():
 
 def test_interpret_on_cpu_warns_and_mask_is_refused():
   x, g, b, _ = bn_data((8, 4))
-  with pytest.warns(UserWarning, match="interpret mode"):
+  with pytest.warns(UserWarning, match="interpret mode") as caught:
+    line = inspect.currentframe().f_lineno + 1
     iabn.inplace_abn(x, g, b, implementation="pallas")
+  # The warning names the caller's line, not a frame inside jmem, the kernels or JAX.
+  assert {(w.filename, w.lineno) for w in caught if "interpret" in str(w.message)} == {
+      (__file__, line)}
   with pytest.raises(ValueError, match="mask"):
     iabn.inplace_abn(x, g, b, implementation="pallas", mask=jnp.ones((8, 1), bool))
   with pytest.raises(ValueError, match="powers of two"):

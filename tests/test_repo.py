@@ -59,6 +59,9 @@ def test_imports_point_down():
   """Kernels and the low shared modules import only low modules; a technique package
   imports no other technique and nothing above the techniques; only its glue
   (``technique.py``, ``modules.py``) imports the training loop."""
+  private = {f"jmem.{p.stem}" for p in (ROOT / "jmem").glob("_*.py") if p.stem != "__init__"}
+  assert private == LOW, ("every private module jmem/_*.py is a low module: add it to LOW "
+                          "(or make it public)", private ^ LOW)
   for path in (ROOT / "pallas_kernels").glob("*.py"):
     got = {m for m in _jmem_imports(path) if m != "jmem"}
     assert got <= LOW, (path.name, got - LOW)
