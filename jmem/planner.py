@@ -54,8 +54,8 @@ peak). Each site gets a `jmem.Policy`. How:
    that the line through the last two compiled misses (compiled against predicted bytes,
    its slope clamped to [0.1, 1]) puts within the budget (none: the walk's end); once a
    point fits, to the first between the last miss and it that the line through those two
-   puts within (regula falsi), so a plan found past a short estimate comes back towards
-   the fewest bit reductions and FLOPs, keeping a compile for the tries below where one
+   puts within (regula falsi; none: the point halfway), so a plan found past a short
+   estimate comes back towards the fewest bit reductions and FLOPs, keeping a compile for the tries below where one
    of them will run; at most ``max_compiles`` compiles. A step from compression into
    recomputation first compiles the last point before it (the recomputation's estimate
    is the least sure). Where the walk's end misses and a compile is left, one more tries
@@ -1367,7 +1367,9 @@ def _next_point(walk, misses, hi, estimate, compiled, budget, stop=None) -> int 
   ``stop``: a point a step from before it goes no further than (None: the walk's end).
 
   Compiled bytes are taken as linear in the estimate: between the last miss and ``hi``
-  (regula falsi; None where the line puts no point between them within the budget), else
+  (regula falsi; where the line puts no point between them within the budget, the point
+  halfway: the line is a guess, and a compile the bound leaves is better spent on a point
+  that may fit with fewer reductions than left unused; None where they are adjacent), else
   through the last two misses, the slope clamped to [0.1, 1] (1: the estimate's savings
   taken as they are; under 0.1 a miss could send the walk to its end), going to ``stop``
   or the walk's end where the line puts no point before it within the budget."""
@@ -1382,7 +1384,7 @@ def _next_point(walk, misses, hi, estimate, compiled, budget, stop=None) -> int 
   for i in range(lo + 1, end):
     if compiled(lo) - k * (estimate(lo) - estimate(i)) <= budget:
       return i
-  return None if hi is not None else end
+  return (lo + hi) // 2 if hi is not None else end
 
 
 def _compiled_slope(a, b, low: float = 0.1, high: float = math.inf) -> float:

@@ -770,7 +770,7 @@ def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reduc
   """The next walk point: where a line through the last two compiled misses (compiled
   against predicted bytes) meets the budget, its slope clamped to [0.1, 1], but not into
   recomputation before the last point without it missed; once a point fits, where the
-  line between the last miss and it does (regula falsi)."""
+  line between the last miss and it does (regula falsi), or halfway where it meets none."""
   # pylint: disable=protected-access
   walk = list(range(11))
   estimate = lambda i: 100.0 - 10 * i                    # predicted bytes, 10 per point
@@ -793,7 +793,9 @@ def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reduc
   assert step([0, 2, 4], None, 80.0, {**truth, 4: 88.0}) == 6    # 0 -> 4's 0.3: 7
   # A fit at 10 (60) after a miss at 2 (96): the line between says 4 (87) is within 90.
   assert step([0, 2], 10, 90.0, {**truth, 10: 60.0}) == 4
-  assert step([0, 2], 10, 50.0, {**truth, 10: 49.0}) is None    # none between within it
+  # None between within it by the line: the point halfway, a compile that may find one.
+  assert step([0, 2], 10, 50.0, {**truth, 10: 49.0}) == 6
+  assert step([0, 2, 6], 10, 50.0, {**truth, 6: 70.0, 10: 49.0}) == 8
   assert step([0, 2], 10, 60.0, {**truth, 10: 0.0}) == 5         # slope 1.2, not clamped
   assert step([0, 2, 4], 10, 80.0, {**truth, 4: 88.0, 10: 60.0}) == 6   # a miss after a fit
   assert step([0, 2], 3, 90.0) is None                   # nothing between a miss and a fit
