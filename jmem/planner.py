@@ -1081,30 +1081,17 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                    "per-site policies is not searched)")
   notes += [walk_note] if walk_note else []
   if sens is not None and index > 0 and device_bytes <= budget_bytes:
-    # Once the walk's plan fits: one try with the bit reductions it does not need undone.
-    # The estimate, anchored at the plan and scaled by the compiled slope from the last
-    # miss: taken as it is, it undid too few (ResNet-20 at 25%, where a compile saved half
-    # of the estimate's bytes or less, kept the most sensitive site, the stem, at 4 bits).
-    lo, at_plan = misses[-1], predicted(state)[0]
-    slope = _compiled_slope(
-        (predicted(walk[lo])[0], costs[walk[lo]][0] if lo else exact_bytes),
-        (at_plan, device_bytes))
-    loose = _relax(state, sites, ladder, sens,
-                   lambda s_: device_bytes + slope * (predicted(s_)[0] - at_plan)
-                   <= budget_bytes)
-    if loose != state and loose not in costs and compiles - searched >= max_compiles:
-      notes.append("no compile left to try undoing the bit reductions the estimate does not "
-                   "need")
-    elif loose != state:
-      loose_bytes, loose_flops = cost(loose)
-      undone = sum(a != b for a, b in zip(loose, state))
-      if loose_bytes <= budget_bytes:
-        state, device_bytes, flops = loose, loose_bytes, loose_flops
-        notes.append(f"undoing {undone} bit reductions the estimate did not need fitted: the "
-                     "plan has them undone")
-      else:
-        notes.append(f"undoing {undone} bit reductions the estimate did not need missed the "
-                     f"budget by {_size(loose_bytes - budget_bytes)}: the plan keeps them")
+    # Once the walk's plan fits: tries with the bit reductions it does not need undone
+    # (`_undo_tries`). The estimate taken as it is undid too few (ResNet-20 at 25%, where a
+    # compile saved half of the estimate's bytes or less, kept the most sensitive site, the
+    # stem, at 4 bits): it is scaled by the compiled slope from the walk's last miss.
+    lo = misses[-1]
+    state, (device_bytes, flops), outcomes = _undo_tries(
+        state, (device_bytes, flops), (predicted(walk[lo])[0], costs[walk[lo]][0] if lo
+                                      else exact_bytes),
+        lambda s_: predicted(s_)[0], lambda s_, fits: _relax(s_, sites, ladder, sens, fits),
+        cost, lambda s_: s_ in costs or compiles - searched < max_compiles, budget_bytes)
+    notes += ["; then ".join(outcomes)] if outcomes else []
   if no_top and device_bytes > budget_bytes:
     notes.append(no_top)
   if cut and device_bytes > budget_bytes:
@@ -1411,6 +1398,46 @@ def _relax(state, sites, ladder, sensitivity, fits):
     if not fits(state):
       state[i] += 1
   return tuple(state)
+
+
+def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget):
+  """``(state, (bytes, FLOPs), notes)``: the fitting plan ``state`` (compiled at ``at``)
+  with the bit reductions it does not need undone, tried by compiling while compiles are
+  left. ``anchor``: ``(estimated, compiled)`` bytes of a step compiled before the plan (the
+  walk's last miss); ``estimate(s)``: predicted bytes; ``relax(s, fits)``: `_relax`;
+  ``cost(s)``: compiled ``(bytes, FLOPs)``; ``affordable(s)``: whether ``cost(s)`` is known
+  or a compile is left.
+
+  Each try is `_relax` with the estimate anchored at the plan and scaled by the compiled
+  slope between the plan and the last step compiled before it (`_compiled_slope`; at
+  least 0.1): the walk's last miss, then the try that missed, or the plan before the try
+  that fitted (a secant along the undoing: where undoing cost less than estimated, the
+  next try undoes more). A try that fits is the plan. Stops where a try repeats one,
+  undoes nothing, or no compile is left."""
+  device_bytes, flops = at
+  seen, notes = set(), []
+  while True:
+    here = (estimate(state), device_bytes)
+    slope = _compiled_slope(*sorted([anchor, here], reverse=True))
+    loose = relax(state, lambda s, k=slope: here[1] + k * (estimate(s) - here[0]) <= budget)
+    if loose == state or loose in seen:
+      break
+    seen.add(loose)
+    if not affordable(loose):
+      notes.append("no compile left to try undoing the bit reductions the estimate does not "
+                   "need")
+      break
+    loose_bytes, loose_flops = cost(loose)
+    undone = sum(a != b for a, b in zip(loose, state))
+    if loose_bytes <= budget:
+      anchor, state, device_bytes, flops = here, loose, loose_bytes, loose_flops
+      notes.append(f"undoing {undone} bit reductions the estimate did not need fitted: the "
+                   "plan has them undone")
+    else:
+      anchor = (estimate(loose), loose_bytes)
+      notes.append(f"undoing {undone} bit reductions the estimate did not need missed the "
+                   f"budget by {_size(loose_bytes - budget)}: the plan keeps them")
+  return state, (device_bytes, flops), notes
 
 
 def _measured_sensitivities(model, paths, batch, x, y) -> tuple[dict[str, float], int]:

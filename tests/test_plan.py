@@ -766,6 +766,42 @@ def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
   assert plan_lib._compiled_slope((2.0, 90.0), (2.0, 86.0)) == 1.0       # no estimated drop
 
 
+def test_undo_tries_follow_the_compiled_cost_of_undoing():
+  """While compiles are left, the undoing goes on: after a try that fits, by the slope of
+  what undoing cost compiled (a secant: cheaper than estimated, so more is undone); after
+  one that misses, by the slope to it (steeper, so less is undone)."""
+  # pylint: disable=protected-access
+  sites = [plan_lib._Site(p, residual_bytes=4.0, values=1.0) for p in "abc"]
+  ladder = plan_lib.site_ladder(None, True)                 # 0 save, 1: 8 bits, 2: 4 bits
+  sens = {"a": 1.0, "b": 10.0, "c": 100.0}
+  kept = lambda state: sum(plan_lib._kept(s, ladder[r])[0] for s, r in zip(sites, state))
+  relax = lambda state, fits: plan_lib._relax(state, sites, ladder, sens, fits)
+  plan, undo = (2, 2, 2), kept((2, 2, 1)) - kept((2, 2, 2))     # 0.5 estimated per site
+
+  def tries(true_slope, room, affordable=lambda s: True):
+    cost = lambda s: (100.0 + true_slope * (kept(s) - kept(plan)), 0.0)
+    anchor = (kept(plan) + 10.0, 110.0)                # the walk's last miss: slope 1
+    compiled = []
+    state, (device_bytes, _), notes = plan_lib._undo_tries(
+        plan, cost(plan), anchor, kept, relax, lambda s: compiled.append(s) or cost(s),
+        affordable, 100.0 + room)
+    return state, device_bytes, compiled, notes
+
+  # Undoing costs a fifth of the estimate: slope 1 leaves room for c alone (0.5 of 0.6);
+  # its compile costs 0.1, and at that slope a and b fit too (0.2 more).
+  state, device_bytes, compiled, notes = tries(0.2, 1.2 * undo)
+  assert compiled == [(2, 2, 1), (1, 1, 1)] and state == (1, 1, 1), (compiled, notes)
+  assert device_bytes == pytest.approx(100.0 + 0.6 * undo) and len(notes) == 2
+  # Undoing costs three times the estimate: all three (1.5 of 1.6) miss at 4.5; at the
+  # slope to that miss, c alone (1.5).
+  state, device_bytes, compiled, notes = tries(3.0, 3.2 * undo)
+  assert compiled == [(1, 1, 1), (2, 2, 1)] and state == (2, 2, 1), (compiled, notes)
+  assert "missed" in notes[0] and "fitted" in notes[1] and len(notes) == 2
+  # No compile left: the plan stays, and the note says why.
+  state, _, compiled, notes = tries(0.2, 1.2 * undo, affordable=lambda s: False)
+  assert (state, compiled) == (plan, []) and "no compile left" in notes[0]
+
+
 def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reductions():
   """The next walk point: where a line through the last two compiled misses (compiled
   against predicted bytes) meets the budget, its slope clamped to [0.1, 1], but not into
