@@ -63,12 +63,13 @@ peak). Each site gets a `jmem.Policy`. How:
    compile smaller recomputed from 2 bits); so does one where the walk's plan fits but the
    estimate puts the top rung at fewer FLOPs (a small CNN, whose quantizer outweighs its
    convolutions), taken if it fits at fewer compiled FLOPs. If nothing fits, the plan is
-   the smallest step compiled. With sensitivities, once a plan fits, one more compile
-   tries it with the bit reductions the prediction (the estimate through the plan's
+   the smallest step compiled. With sensitivities, once a plan fits, the compiles left
+   try it with the bit reductions the prediction (the estimate through the plan's
    compiled bytes, at the compiled slope from the last miss, at least 0.1 and not capped
    at 1) says the budget does not need undone (the one adding the most variance first):
    the walk lowers many small tolerant sites before a large sensitive one, and may not
-   have needed all of them. It is kept only if it fits. The largest batch at the budget is
+   have needed all of them. A try is kept only if it fits; the next is scaled by the
+   slope to the last try (`_undo_tries`). The largest batch at the budget is
    predicted by the line through the plan compiled at two batch sizes (one compile more).
 
 4. **InPlace-ABN alone.** Where the exact step does not fit and the model has BatchNorms
