@@ -50,27 +50,28 @@ peak). Each site gets a `jmem.Policy`. How:
    1.084x at 90%, where a site at 1 bit compiled to more FLOPs than recomputed from 2
    bits).
 3. **Confirmed by compiling.** The chosen plan's step is compiled at the batch: the
-   reported peak is XLA's. Where it does not fit, the walk goes on to the first point
-   that the line through the last two compiled misses (compiled against predicted bytes,
-   its slope clamped to [0.1, 1]) puts within the budget (none: the walk's end); once a
-   point fits, to the first between the last miss and it that the line through those two
-   puts within (regula falsi; none: the point halfway), so a plan found past a short
-   estimate comes back towards the fewest bit reductions and FLOPs, keeping a compile for the tries below where one
-   of them will run; at most ``max_compiles`` compiles. A step from compression into
-   recomputation first compiles the last point before it (the recomputation's estimate
-   is the least sure). Where the walk's end misses and a compile is left, one more tries
-   every site that saves anything on the top rung (a site the estimate keeps at 1 bit may
-   compile smaller recomputed from 2 bits); so does one where the walk's plan fits but the
-   estimate puts the top rung at fewer FLOPs (a small CNN, whose quantizer outweighs its
-   convolutions), taken if it fits at fewer compiled FLOPs. If nothing fits, the plan is
-   the smallest step compiled. With sensitivities, once a plan fits, the compiles left
-   try it with the bit reductions the prediction (the estimate through the plan's
-   compiled bytes, at the compiled slope from the last miss, at least 0.1 and not capped
-   at 1) says the budget does not need undone (the one adding the most variance first):
-   the walk lowers many small tolerant sites before a large sensitive one, and may not
-   have needed all of them. A try is kept only if it fits; the next is scaled by the
-   slope to the last try (`_undo_tries`). The largest batch at the budget is
-   predicted by the line through the plan compiled at two batch sizes (one compile more).
+   reported peak is XLA's. Where it does not fit, the walk goes on to the first point that
+   the line through the last two compiled misses (compiled against predicted bytes, its
+   slope clamped to [0.1, 1]) puts within the budget (none: the walk's end); once a point
+   fits, to the first between the last miss and it that the line through those two puts
+   within (regula falsi; none: the point halfway), so a plan found past a short estimate
+   comes back towards the fewest bit reductions and FLOPs, keeping a compile for the tries
+   below where one of them will run; at most ``max_compiles`` compiles. A step from
+   compression into recomputation first compiles the last point before it (the
+   recomputation's estimate is the least sure). Where the walk's end misses and a compile
+   is left, one more tries every site that saves anything on the top rung (a site the
+   estimate keeps at 1 bit may compile smaller recomputed from 2 bits); so does one where
+   the walk's plan fits but the estimate puts the top rung at fewer FLOPs (a small CNN,
+   whose quantizer outweighs its convolutions), taken if it fits at fewer compiled FLOPs.
+   If nothing fits, the plan is the smallest step compiled. With sensitivities, once a plan
+   fits, the compiles left try it with the bit reductions the prediction (the estimate
+   through the plan's compiled bytes, at the compiled slope from the last miss, at least
+   0.1 and not capped at 1) says the budget does not need undone (the one adding the most
+   variance first): the walk lowers many small tolerant sites before a large sensitive one,
+   and may not have needed all of them. A try is kept only if it fits; the next is scaled
+   by the slope between the plan and the step compiled before it (`_undo_tries`). The
+   largest batch at the budget is predicted by the line through the plan compiled at two
+   batch sizes (one compile more).
 
 4. **InPlace-ABN alone.** Where the exact step does not fit and the model has BatchNorms
    InPlace-ABN can take (followed by leaky_relu or elu in a Sequential,
@@ -1376,11 +1377,11 @@ def _next_point(walk, misses, hi, estimate, compiled, budget, stop=None) -> int 
 
 
 def _compiled_slope(a, b, low: float = 0.1, high: float = math.inf) -> float:
-  """Compiled bytes per estimated byte from ``(estimate, compiled)`` point ``a`` to ``b``
-  (a miss and a fit, or two misses), held within [``low``, ``high``]: by default at least
-  0.1 (a point saved nothing compiled); 1 where the estimate does not fall from ``a`` to
-  ``b``. Above 1 the compile saved more than the estimate, and undoing a reduction costs
-  more than estimated too."""
+  """Compiled bytes per estimated byte from ``(estimate, compiled)`` point ``a`` to ``b`` (a
+  miss and a fit, two misses, or two fitting plans of the undo tries), held within [``low``,
+  ``high``]: by default at least 0.1 (a point saved nothing compiled); 1 where the estimate
+  does not fall from ``a`` to ``b``. Above 1 the compile saved more than the estimate, and
+  undoing a reduction costs more than estimated too."""
   drop = a[0] - b[0]
   return min(max((a[1] - b[1]) / drop, low), high) if drop > 0 else 1.0
 
