@@ -908,6 +908,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                  "counted against max_compiles)")
     measured.append(("exact", int(exact_bytes), float(exact_flops)))
   searched = len(layouts) - 1                 # compiles that do not count against the bound
+  left = lambda: max_compiles - (compiles - searched)    # compiles the bound still allows
   notes += [layout.note] if layout.note else []
   base = layout.base
 
@@ -988,7 +989,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                         stop)
     # Once a point fits, bringing it back keeps a compile for the tries after the walk.
     keep = hi is not None and (sens is not None or cheaper_top(walk[hi]))
-    if index is None or compiles - searched >= max_compiles - keep:
+    if index is None or left() <= keep:
       break
   index = misses[-1] if hi is None else hi
   state = walk[index]
@@ -1005,7 +1006,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # site's packing; a recomputation's own working set), and a site the estimate kept at
     # 1 bit may compile smaller recomputed from 2 bits. One compile tries every site that
     # saves anything on the top rung.
-    if compiles - searched >= max_compiles:
+    if left() <= 0:
       no_top = (f"no compile left (max_compiles={max_compiles}) to try every site that saves "
                 "anything on the top rung after the walk's end missed: more compiles may find "
                 "a plan that fits")
@@ -1021,7 +1022,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                      f"{_size(top_bytes - budget_bytes)} too (the walk's end by "
                      f"{_size(end_bytes - budget_bytes)})")
   elif (index > 0 and device_bytes <= budget_bytes and cheaper_top(state) and
-        compiles - searched < max_compiles):
+        left() > 0):
     # The walk's plan fits, but the estimate says the top rung everywhere costs fewer
     # FLOPs: where a model's convolutions are small the quantizer's elementwise work
     # outweighs a recomputation (the 2 x 4-device CNN of plan_ladder_sweep.md: 1.208x
@@ -1092,7 +1093,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
         state, (device_bytes, flops), (predicted(walk[lo])[0], costs[walk[lo]][0] if lo
                                       else exact_bytes),
         lambda s_: predicted(s_)[0], lambda s_, fits: _relax(s_, sites, ladder, sens, fits),
-        cost, lambda s_: s_ in costs or compiles - searched < max_compiles, budget_bytes)
+        cost, lambda s_: s_ in costs or left() > 0, budget_bytes)
     notes += ["; then ".join(outcomes)] if outcomes else []
   if no_top and device_bytes > budget_bytes:
     notes.append(no_top)

@@ -746,14 +746,21 @@ def test_the_top_rung_try_moves_only_sites_it_shrinks():
   assert plan_lib._top_of(sites, ladder, (2, 2, 0)) == (top, top, 0)
 
 
+def _three_sites():
+  """Three equal sites of sensitivity 1, 10 and 100, the default ladder (0 save, 1: 8 bits,
+  2: 4 bits), and the estimated bytes a state keeps."""
+  # pylint: disable=protected-access
+  sites = [plan_lib._Site(p, residual_bytes=4.0, values=1.0) for p in "abc"]
+  ladder = plan_lib.site_ladder(None, True)
+  kept = lambda state: sum(plan_lib._kept(s, ladder[r])[0] for s, r in zip(sites, state))
+  return sites, ladder, {"a": 1.0, "b": 10.0, "c": 100.0}, kept
+
+
 def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
   """After the walk, the bit reductions a budget does not need are undone, the one adding
   the most gradient variance first; save -> compress rungs (which add FLOPs) stay."""
   # pylint: disable=protected-access
-  sites = [plan_lib._Site(p, residual_bytes=4.0, values=1.0) for p in "abc"]
-  ladder = plan_lib.site_ladder(None, True)                 # 0 save, 1: 8 bits, 2: 4 bits
-  sens = {"a": 1.0, "b": 10.0, "c": 100.0}
-  kept = lambda state: sum(plan_lib._kept(s, ladder[r])[0] for s, r in zip(sites, state))
+  sites, ladder, sens, kept = _three_sites()
   budget = kept((2, 2, 1)) + 1e-9                        # room for one site at 8 bits
   assert plan_lib._relax((2, 2, 2), sites, ladder, sens, lambda s: kept(s) <= budget) == \
       (2, 2, 1)                                          # c, the most sensitive, goes back
@@ -771,10 +778,7 @@ def test_undo_tries_follow_the_compiled_cost_of_undoing():
   what undoing cost compiled (a secant: cheaper than estimated, so more is undone); after
   one that misses, by the slope to it (steeper, so less is undone)."""
   # pylint: disable=protected-access
-  sites = [plan_lib._Site(p, residual_bytes=4.0, values=1.0) for p in "abc"]
-  ladder = plan_lib.site_ladder(None, True)                 # 0 save, 1: 8 bits, 2: 4 bits
-  sens = {"a": 1.0, "b": 10.0, "c": 100.0}
-  kept = lambda state: sum(plan_lib._kept(s, ladder[r])[0] for s, r in zip(sites, state))
+  sites, ladder, sens, kept = _three_sites()
   relax = lambda state, fits: plan_lib._relax(state, sites, ladder, sens, fits)
   plan, undo = (2, 2, 2), kept((2, 2, 1)) - kept((2, 2, 2))     # 0.5 estimated per site
 
