@@ -213,6 +213,10 @@ def test_peak_buffers_names_the_layer_and_the_pass():
   assert kinds.get("argument", 0) >= 256 * 64 * 4, kinds        # x is live
   mem = measure.compiled_memory(f, params, x)     # the heap at its peak fits the allocations
   assert report.total_bytes <= mem.temp_bytes + mem.argument_bytes + mem.output_bytes
+  # The report carries its own compile's figures: the same step's, so the same temp.
+  assert report.memory == mem
+  assert report.live_temp_bytes == report.total_bytes - kinds["argument"]
+  assert report.layout_bytes == mem.temp_bytes - report.live_temp_bytes
   # A tanh output saved for the backward (the tanh is the MLP's own code: top level), and
   # the backward's working set in a named layer.
   assert any(b.kind == "forward" and b.op == "tanh" and b.bytes == 256 * 512 * 4
