@@ -69,7 +69,13 @@ peak). Each site gets a `jmem.Policy`. How:
    0.1 and not capped at 1) says the budget does not need undone (the one adding the most
    variance first): the walk lowers many small tolerant sites before a large sensitive one,
    and may not have needed all of them. A try is kept only if it fits; the next is scaled
-   by the slope between the plan and the step compiled before it (`_undo_tries`). The
+   by the slope between the plan and the step compiled before it (`_undo_tries`). Where
+   the plan's compiled step names each site's packed codes (linen models), its heap layout
+   (`jmem.measure.heap_layout`, read from the same compile) predicts the tries instead: the
+   codes resized by the bits and the buffers placed again, which sees what the estimate
+   cannot (codes dead at the peak may cost nothing, or grow the heap's layout); such a try
+   leaves reductions of under 1% of the plan's added variance, and after one misses the
+   estimate's line takes over. The
    largest batch at the budget is predicted by the line through the plan compiled at two
    batch sizes (one compile more).
 
@@ -133,6 +139,7 @@ from jmem import measure
 from jmem import surgery
 from jmem import train as train_lib
 from jmem._technique import BenchTechnique
+from jmem.ops.actnn import quantize as actnn_quantize
 from jmem.ops.actnn import technique as actnn_technique
 from jmem.ops.policy import Policy
 from jmem.parallel.data_parallel import data_parallel
@@ -363,6 +370,13 @@ def compile_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None
   if already known. With ``mesh`` (a `jax.sharding.Mesh`), the batch is sharded over it by
   ``specs`` (x's and y's `PartitionSpec`) and the train state replicated, as
   `jmem.plan(mesh=...)` compiles it: its figures are then per device."""
+  step, args = _train_step(model, optimizer, x, y, abstract=abstract, mesh=mesh, specs=specs)
+  return step.lower(*args).compile()
+
+
+def _train_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None):
+  """``(step, args)``: `compile_step`'s jitted step and the abstract arguments it is
+  compiled for (the same arguments)."""
   fns = train_lib.model_fns(model)
   if abstract is None:
     abstract = train_lib.abstract_state(fns, optimizer, x)
@@ -375,8 +389,7 @@ def compile_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None
                                               sharding=NamedSharding(mesh, spec))
     x, y = on(x, specs[0]), on(y, specs[1])
     abstract = jax.tree.map(lambda a: on(a, P()), abstract)
-  step = train_lib.make_train_step(fns, optimizer, donate=True)
-  return step.lower(abstract, x, y).compile()
+  return train_lib.make_train_step(fns, optimizer, donate=True), (abstract, x, y)
 
 
 def step_cost(model, optimizer, x, y, *, abstract=None, mesh=None,
@@ -866,11 +879,12 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     notes.append("bit reductions ordered by bytes saved, not by gradient sensitivity: pass "
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
   compiles, measured = 0, []                  # measured: the steps compiled at the batch
+  heaps = {}          # state -> its compiled step's heap layout (with sensitivities: undoing)
 
-  def compiled(techniques, b, what=None, collectives=None, on=None):
+  def compiled(techniques, b, what=None, collectives=None, on=None, heap_of=None):
     """``(device bytes, FLOPs)`` of the step compiled on the `_Layout` ``on`` (default:
     ``layout``); ``collectives``: a list the compiled HLO's collective count is appended
-    to."""
+    to; ``heap_of``: a state to keep the compile's heap layout for (in ``heaps``)."""
     nonlocal compiles
     compiles += 1
     on = on or layout
@@ -880,8 +894,12 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     with (_backends.automatic_xla("jmem.plan compiles the step with its batch split over "
                                   "the data axis (XLA cannot split a Pallas call over it)")
           if on.xla else contextlib.nullcontext()):
-      step = compile_step(m, optimizer, spec(x, b), spec(y, b), abstract=abstract,
-                          mesh=on.mesh, specs=on.specs(x, y))
+      step, args = _train_step(m, optimizer, spec(x, b), spec(y, b), abstract=abstract,
+                               mesh=on.mesh, specs=on.specs(x, y))
+      heap = _heap_of(step, args, notes) if heap_of is not None else None
+      step = step.lower(*args).compile() if heap is None else heap.compiled
+    if heap is not None:
+      heaps[heap_of] = heap
     out = measure.device_bytes_and_flops(step)
     if collectives is not None:
       collectives.append(sum(measure.collective_counts(step.as_text()).values()))
@@ -955,7 +973,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   def cost(state, what="bit reductions undone"):
     if state not in costs:
       costs[state] = compiled(_policies(choices_of(state)), batch,
-                              f"walk point {walk.index(state)}" if state in walk else what)
+                              f"walk point {walk.index(state)}" if state in walk else what,
+                              heap_of=state if sens is not None else None)
     return costs[state]
 
   # The walk, searched by compiling: ``misses`` are the walk points compiled over the budget
@@ -1089,11 +1108,21 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # compile saved half of the estimate's bytes or less, kept the most sensitive site, the
     # stem, at 4 bits): it is scaled by the compiled slope from the walk's last miss.
     lo = misses[-1]
+    names = [site.path for site in sites]
+    undoable = any(r > 0 and ladder[r][0] == ladder[r - 1][0] == "compress" for r in state)
+    if undoable and state in heaps and not any(_site_of_codes(b, names) is not None
+                                               for b in heaps[state].buffers):
+      notes.append("no site's packed codes are named in the compiled step's heap layout (its "
+                   "names do not carry the sites' module paths, as with NNX modules): "
+                   "undoing bit reductions uses the per-site estimate alone")
     state, (device_bytes, flops), outcomes = _undo_tries(
         state, (device_bytes, flops), (predicted(walk[lo])[0], costs[walk[lo]][0] if lo
                                       else exact_bytes),
-        lambda s_: predicted(s_)[0], lambda s_, fits: _relax(s_, sites, ladder, sens, fits),
-        cost, lambda s_: s_ in costs or left() > 0, budget_bytes)
+        lambda s_: predicted(s_)[0],
+        lambda s_, fits, least=0.0: _relax(s_, sites, ladder, sens, fits, least),
+        cost, lambda s_: s_ in costs or left() > 0, budget_bytes,
+        lambda s_: _heap_prediction(heaps[s_], s_, costs[s_][0], names, ladder)
+        if s_ in heaps else None)
     notes += ["; then ".join(outcomes)] if outcomes else []
   if no_top and device_bytes > budget_bytes:
     notes.append(no_top)
@@ -1387,15 +1416,19 @@ def _compiled_slope(a, b, low: float = 0.1, high: float = math.inf) -> float:
   return min(max((a[1] - b[1]) / drop, low), high) if drop > 0 else 1.0
 
 
-def _relax(state, sites, ladder, sensitivity, fits):
+def _relax(state, sites, ladder, sensitivity, fits, least: float = 0.0):
   """``state`` with the bit reductions it does not need undone (one rung each), the one
   adding the most gradient variance first, while ``fits(state)`` holds. Only reductions
-  between compression rungs are undone: the estimated FLOPs do not change."""
+  between compression rungs are undone: the estimated FLOPs do not change. One whose
+  undoing takes off less than ``least`` of the variance ``state`` adds is left: in a try
+  that is compiled, it would risk the try's missing for next to nothing."""
   state = list(state)
   added = lambda i: (_variance(sensitivity[sites[i].path], ladder[state[i]]) -
                      _variance(sensitivity[sites[i].path], ladder[state[i] - 1]))
+  total = sum(_variance(sensitivity[st.path], ladder[r]) for st, r in zip(sites, state))
   lowered = [i for i, r in enumerate(state)
-             if r > 0 and ladder[r][0] == ladder[r - 1][0] == "compress"]
+             if r > 0 and ladder[r][0] == ladder[r - 1][0] == "compress" and
+             added(i) >= least * total]
   for i in sorted(lowered, key=added, reverse=True):
     state[i] -= 1
     if not fits(state):
@@ -1403,43 +1436,119 @@ def _relax(state, sites, ladder, sensitivity, fits):
   return tuple(state)
 
 
-def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget):
+# The least share of a plan's added gradient variance a try guided by the heap layout
+# undoes a reduction for (`_relax`'s ``least``): on ResNet-20 at 25% the layout predicted
+# seven of nine single undoings to the 0.01 MiB, but stage2_block2's (under 1% of the
+# variance) 0.46 MiB short, and a try with it and five others missed by 0.18 MiB.
+_LEAST_UNDONE = 0.01
+
+
+def _heap_of(step, args, notes):
+  """``step``'s heap layout compiled for ``args`` (`measure.heap_layout`, one compile that
+  also gives the step), or None with a note where the backend writes no buffer-assignment
+  dump (the undo tries then use the per-site estimate alone)."""
+  try:
+    return measure.heap_layout(step, *args)
+  except RuntimeError as e:
+    note = (f"the compiled steps' heap layouts could not be read ({e}): undoing bit "
+            "reductions uses the per-site estimate alone")
+    if note not in notes:
+      notes.append(note)
+    return None
+
+
+def _site_of_codes(buffer, paths) -> int | None:
+  """The index in ``paths`` of the site whose packed ActNN codes ``buffer`` (a
+  `measure.HeapBuffer`) holds: uint8, made by the quantizer (its name scope) in the forward
+  pass, inside the site's module path (a converted model runs it under ``model/``); None
+  for any other buffer."""
+  if (not buffer.shape.startswith("u8[") or "transpose(" in buffer.op_name or
+      not re.search(rf"\b{actnn_quantize.CODES_SCOPE}\b", buffer.op_name)):
+    return None
+  parts = measure._scope(buffer.op_name).split("/")  # pylint: disable=protected-access
+  for k in range(len(parts)):
+    site = _owner("/".join(parts[k:]), paths)
+    if site is not None:
+      return list(paths).index(site)
+  return None
+
+
+def _heap_prediction(heap, at, at_bytes, paths, ladder):
+  """``predict(state)``: the device bytes of ``state``'s step predicted from the heap layout
+  (`measure.HeapLayout`) of the compiled step of the state ``at`` (``at_bytes``): every
+  site's packed codes resized by its bits in ``state`` over those in ``at`` and the buffers
+  placed again (`HeapLayout.simulate`), the difference to the simulated ``at`` added to
+  ``at_bytes``. Unlike the per-site estimate it sees when the codes are live and where they
+  lie in the heap: codes dead at the peak can cost nothing, or grow the heap's layout
+  (benchmarks/results/plan_undo_peak.md). None where a site changes other than between two
+  compression rungs, or has no codes in the layout."""
+  owner = {b: _site_of_codes(b, paths) for b in heap.buffers}
+  covered = set(owner.values()) - {None}
+  base = heap.simulate()
+
+  def predict(state):
+    changed = [i for i, (r, r0) in enumerate(zip(state, at)) if r != r0]
+    if any(i not in covered or ladder[state[i]][0] != "compress" or
+           ladder[at[i]][0] != "compress" for i in changed):
+      return None
+    if not changed:
+      return at_bytes
+    scale = {i: ladder[state[i]][1] / ladder[at[i]][1] for i in changed}
+    return at_bytes + heap.simulate(
+        lambda b: round(b.bytes * scale.get(owner[b], 1.0))) - base
+  return predict
+
+
+def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
+                predict=None):
   """``(state, (bytes, FLOPs), notes)``: the fitting plan ``state`` (compiled at ``at``)
   with the bit reductions it does not need undone, tried by compiling while compiles are
   left. ``anchor``: ``(estimated, compiled)`` bytes of a step compiled before the plan (the
   walk's last miss); ``estimate(s)``: predicted bytes; ``relax(s, fits)``: `_relax`;
   ``cost(s)``: compiled ``(bytes, FLOPs)``; ``affordable(s)``: whether ``cost(s)`` is known
-  or a compile is left.
+  or a compile is left; ``predict(s)``: None, or for a compiled state ``s`` a function
+  that predicts a state's compiled bytes from ``s``'s heap layout (`_heap_prediction`;
+  None where it cannot).
 
   Each try is `_relax` with the estimate anchored at the plan and scaled by the compiled
   slope between the plan and the last step compiled before it (`_compiled_slope`; at
   least 0.1): the walk's last miss, then the try that missed, or the plan before the try
   that fitted (a secant along the undoing: where undoing cost less than estimated, the
-  next try undoes more). A try that fits is the plan. Stops where a try repeats one,
-  undoes nothing, or no compile is left."""
+  next try undoes more). Where the plan's heap layout predicts a state, that prediction
+  is taken instead, until a try it predicted misses: it sees what the estimate cannot,
+  which codes are live when, and how the heap is laid out (ResNet-20 at 25%: undoing the
+  stage-3 reductions compiled 0.04 MiB larger, predicted 0.04, estimated 7.8). A try that
+  fits is the plan. Stops where a try repeats one, undoes nothing, or no compile is left."""
   device_bytes, flops = at
-  seen, notes = set(), []
+  seen, notes, by_layout = set(), [], predict is not None
   while True:
     here = (estimate(state), device_bytes)
     slope = _compiled_slope(*sorted([anchor, here], reverse=True))
-    loose = relax(state, lambda s, k=slope: here[1] + k * (estimate(s) - here[0]) <= budget)
+    layout = predict(state) if by_layout else None
+
+    def guess(s, k=slope, here=here, layout=layout):
+      g = None if layout is None else layout(s)
+      return here[1] + k * (estimate(s) - here[0]) if g is None else g
+    loose = (relax(state, lambda s: guess(s) <= budget) if layout is None else
+             relax(state, lambda s: guess(s) <= budget, _LEAST_UNDONE))
     if loose == state or loose in seen:
       break
     seen.add(loose)
+    what = ("the estimate did not need" if layout is None or layout(loose) is None else
+            "the plan's heap layout predicted to fit")
     if not affordable(loose):
-      notes.append("no compile left to try undoing the bit reductions the estimate does not "
-                   "need")
+      notes.append(f"no compile left to try undoing the bit reductions {what}")
       break
     loose_bytes, loose_flops = cost(loose)
     undone = sum(a != b for a, b in zip(loose, state))
     if loose_bytes <= budget:
       anchor, state, device_bytes, flops = here, loose, loose_bytes, loose_flops
-      notes.append(f"undoing {undone} bit reductions the estimate did not need fitted: the "
-                   "plan has them undone")
+      notes.append(f"undoing {undone} bit reductions {what} fitted: the plan has them undone")
     else:
       anchor = (estimate(loose), loose_bytes)
-      notes.append(f"undoing {undone} bit reductions the estimate did not need missed the "
-                   f"budget by {_size(loose_bytes - budget)}: the plan keeps them")
+      by_layout = by_layout and layout is None      # a layout prediction missed: no more
+      notes.append(f"undoing {undone} bit reductions {what} missed the budget by "
+                   f"{_size(loose_bytes - budget)}: the plan keeps them")
   return state, (device_bytes, flops), notes
 
 

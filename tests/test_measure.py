@@ -227,6 +227,47 @@ def test_peak_buffers_names_the_layer_and_the_pass():
   assert report.table(3).count("\n") == 4
 
 
+def test_best_fit_takes_the_smallest_gap_among_the_buffers_live_at_once():
+  """The placement `HeapLayout.simulate` sizes: the largest first; a buffer shares the
+  addresses of one not live at the same time, and of two gaps takes the smaller."""
+  size = np.array([100, 50, 40, 30, 25, 24])
+  start, end = np.array([0, 0, 0, 0, 0, 5]), np.array([9, 2, 9, 2, 9, 9])
+  # At 5-9 only 0-100, 150-190 and 220-245 are taken: gaps of 50 (100-150) and 30
+  # (190-220). The last buffer takes the 30, where a first fit would take the 50.
+  assert measure._best_fit(size, start, end).tolist() == [0, 100, 150, 190, 220, 190]
+
+
+def test_heap_layout_reads_the_temp_allocation_and_places_it_again():
+  """An MLP's gradient: the buffers of the temp allocation with their live ranges and
+  names; placed again as they are they take XLA's temp bytes, and a resized one changes
+  the size."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for i in range(3):
+        x = jnp.tanh(nn.Dense(512, name=f"wide{i}")(x))
+      return nn.Dense(10)(x)
+
+  model, x = MLP(), jnp.ones((256, 64))
+  params = model.init(jax.random.key(0), x)
+  f = jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2))
+  heap = measure.heap_layout(f, params, x)
+  assert heap.memory == measure.compiled_memory(f, params, x)
+  assert heap.extent == heap.memory.temp_bytes == heap.simulate()
+  assert all(0 <= b.start <= b.end for b in heap.buffers)
+  # A tanh output saved for the backward: made forward, last read by a backward op.
+  saved = [b for b in heap.buffers if b.op_name.endswith("/tanh") and
+           "transpose(" not in b.op_name and "transpose(" in b.end_op_name]
+  assert saved and saved[0].bytes == 256 * 512 * 4, heap.buffers
+  twice = heap.simulate(lambda b: 2 * b.bytes if b in saved else b.bytes)
+  assert twice > heap.simulate() > heap.simulate(lambda b: 0 if b in saved else b.bytes)
+  assert heap.simulate(lambda b: 0) == 0
+  with pytest.raises(ValueError, match="0 bytes or more"):
+    heap.simulate(lambda b: -1)
+
+
 class _FakeCompiled:
   """What `fit_batch` reads of a compiled step, for a step whose memory is given."""
 

@@ -672,6 +672,9 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
   assert min(sens, key=sens.get) == min(bits, key=bits.get) == "bn_init", tight.table()
   assert bits["bn_init"] < bits[largest], tight.table()
   for p in (loose, tight):
+    # A linen model's compiled step names each site's packed codes: the heap layout guides
+    # the undoing.
+    assert not any("no site's packed codes" in n for n in p.notes), p.notes
     assert all(c.sensitivity is not None and c.sensitivity >= 0 for c in p.choices)
     assert any(c.sensitivity > 0 for c in p.choices)
     assert "gradient sensitivity C" in p.table() and p.fits
@@ -765,6 +768,10 @@ def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
   assert plan_lib._relax((2, 2, 2), sites, ladder, sens, lambda s: kept(s) <= budget) == \
       (2, 2, 1)                                          # c, the most sensitive, goes back
   assert plan_lib._relax((1, 1, 1), sites, ladder, sens, lambda s: True) == (1, 1, 1)
+  # ``least``: a reduction whose undoing takes off less than that share of the variance the
+  # state adds is left (a: 1 of 111).
+  assert plan_lib._relax((2, 2, 2), sites, ladder, sens, lambda s: True, 0.05) == (2, 1, 1)
+  assert plan_lib._relax((2, 2, 2), sites, ladder, sens, lambda s: True, 0.005) == (1, 1, 1)
   # The undo step's line runs through the plan at the compiled slope from the last miss:
   # a compile that saved half the estimate's bytes leaves room for twice the estimate.
   assert plan_lib._compiled_slope((10.0, 90.0), (2.0, 86.0)) == 0.5
@@ -804,6 +811,82 @@ def test_undo_tries_follow_the_compiled_cost_of_undoing():
   # No compile left: the plan stays, and the note says why.
   state, _, compiled, notes = tries(0.2, 1.2 * undo, affordable=lambda s: False)
   assert (state, compiled) == (plan, []) and "no compile left" in notes[0]
+
+
+def test_undo_tries_take_the_heap_layouts_prediction_until_it_misses():
+  """Where the plan's heap layout predicts a try, the prediction decides what is undone
+  (not the estimate's line), but not a reduction of under 1% of the variance; after a try
+  it predicted misses, the line does."""
+  # pylint: disable=protected-access
+  sites, ladder, sens, kept = _three_sites()
+  relax = lambda state, fits, least=0.0: plan_lib._relax(state, sites, ladder, sens, fits,
+                                                          least)
+  plan, undo = (2, 2, 2), kept((2, 2, 1)) - kept((2, 2, 2))     # 0.5 estimated per site
+  # Compiled: undoing c (the most sensitive) costs 5, b and a nothing (dead at the peak).
+  truth = lambda s: 100.0 + 5.0 * (s[2] < 2)
+
+  compiled = []                                      # the tries compiled, in order
+
+  def tries(layout):
+    compiled.clear()
+    state, (device_bytes, _), notes = plan_lib._undo_tries(
+        plan, (truth(plan), 0.0), (kept(plan) + 10.0, 110.0), kept, relax,
+        lambda s: compiled.append(s) or (truth(s), 0.0), lambda s: True,
+        100.0 + 1.2 * undo, lambda at: layout)
+    return state, device_bytes, list(compiled), notes
+
+  # The estimate's line would undo c alone (0.5 of 0.6), which compiles 5 over. The layout
+  # sees that c costs 5 and b nothing; a (0.9% of the variance) is left.
+  state, device_bytes, tried, notes = tries(truth)
+  assert tried == [(2, 1, 2)] and state == (2, 1, 2), (tried, notes)
+  assert device_bytes == 100.0 and "heap layout predicted to fit fitted" in notes[0]
+  # A layout that calls everything free: its try (b and c) misses, and it is not asked
+  # again; the line, at the slope to that miss (5 compiled for 1.0 estimated), undoes
+  # nothing more.
+  asked = []                                         # tries compiled when it is asked
+  state, device_bytes, tried, notes = tries(lambda s: asked.append(len(compiled)) or 100.0)
+  assert tried == [(2, 1, 1)] and state == plan and device_bytes == 100.0, (tried, notes)
+  assert asked and max(asked) == 0 and "heap layout predicted to fit missed" in notes[0]
+  # No layout for the plan (None): the line alone, as without one.
+  state, _, tried, _ = tries(None)
+  assert tried[0] == (2, 2, 1)
+
+
+def test_a_plan_says_where_the_heap_layout_names_no_sites_codes():
+  """NNX modules leave their paths out of the compiled step's names: the heap layout cannot
+  be told site by site, and the plan says the undoing uses the per-site estimate alone."""
+  model = tp.NNXCNN(rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  batch = (rng.normal(size=(4,) + X.shape[1:]).astype(np.float32),
+           rng.integers(0, 10, 4).astype(np.int32))
+  p = plan_lib.plan(model, (X, Y), "77%", max_batch=False, calibration_batch=batch)
+  assert p.fits and any(c.kind == "compress" and c.bits < 8 for c in p.choices), p.table()
+  assert any("no site's packed codes are named" in n for n in p.notes), p.notes
+
+
+def test_heap_prediction_resizes_the_codes_in_the_plans_heap_layout():
+  """`_heap_prediction`: the packed codes of each site changed between two compression
+  rungs, resized by the bits, and the heap placed again; codes dead at the same time share
+  addresses, so undoing both of two sites costs what undoing one does."""
+  # pylint: disable=protected-access
+  from jmem import measure  # pylint: disable=g-import-not-at-top
+  codes = lambda site: f"jit(step)/jvp(Converted.apply)/model/{site}/vmap(actnn_codes)/reduce_sum"
+  buf = lambda name, size, a, b, op, shape="u8[100]": measure.HeapBuffer(
+      name, size, 0, a, b, shape, op, "jit(step)/transpose(jvp(Converted.apply))/x")
+  heap = measure.HeapLayout((
+      buf("other", 320, 0, 9, "jit(step)/jvp(Converted.apply)/model/c/conv", "f32[80]"),
+      buf("codes_a", 128, 0, 5, codes("a")), buf("codes_b", 128, 6, 9, codes("b")),
+      buf("mask_a", 64, 0, 9, "jit(step)/jvp(Converted.apply)/model/a/reduce_sum")),
+      measure.CompiledMemory(0, 0, 0, 0, 0, 0))
+  assert [plan_lib._site_of_codes(b, ["a", "b", "c"]) for b in heap.buffers] == \
+      [None, 0, 1, None]
+  ladder = plan_lib.site_ladder(None, True)              # 0 save, 1 8-bit, 2 4-bit
+  predict = plan_lib._heap_prediction(heap, (2, 2, 2), 1000, ["a", "b", "c"], ladder)
+  assert predict((2, 2, 2)) == 1000
+  # 320 + 64 live throughout; a's codes (0-5) and b's (6-9) share 128 bytes above them.
+  assert predict((2, 1, 2)) == predict((1, 1, 2)) == 1000 + 2 * 128 - 128
+  assert predict((0, 2, 2)) is None                      # to save: not a bit change
+  assert predict((2, 2, 1)) is None                      # c has no codes in the layout
 
 
 def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reductions():

@@ -90,6 +90,9 @@ def check_config(bits: int, group_size: int) -> None:
 
 
 OPS = (_backends.QUANTIZE_PACK, _backends.UNPACK_DEQUANTIZE)   # what ActNN's kernels replace
+# The name scope of the quantize + pack: the packed codes' op_name in a compiled step holds
+# it (their bytes scale with the bits; `jmem.plan` resizes them in a step's heap layout).
+CODES_SCOPE = "actnn_codes"
 
 
 def resolve_implementation(implementation: str | None, *, bits: int, group_size: int) -> str:
@@ -222,9 +225,11 @@ def _quantize_seeded(x, seed, *, bits, group_size, implementation, interpret) ->
   rounds with ``hash_uniform(i, seed)``)."""
   grouped = _range_safe_groups(x, group_size, dtype=x.dtype)
   n, g = grouped.shape[:2]
-  codes, mn, scale = _backends.get(_backends.QUANTIZE_PACK, implementation)(
-      grouped.reshape(n * g, group_size), seed, bits=bits, interpret=interpret)
-  return Quantized(codes.reshape(n, -1), mn.reshape(n, g), scale.reshape(n, g))
+  with jax.named_scope(CODES_SCOPE):     # names the packed codes in the compiled step
+    codes, mn, scale = _backends.get(_backends.QUANTIZE_PACK, implementation)(
+        grouped.reshape(n * g, group_size), seed, bits=bits, interpret=interpret)
+    codes = codes.reshape(n, -1)
+  return Quantized(codes, mn.reshape(n, g), scale.reshape(n, g))
 
 
 def dequantize(qx: Quantized, shape: tuple[int, ...], dtype, *, bits: int = 2,
