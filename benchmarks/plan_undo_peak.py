@@ -1,11 +1,16 @@
 """Why undoing a bit reduction at a site whose residuals are not live at the peak can still
-cost bytes: ResNet-20 on the digits at 32x32, batch 128, planned at 25% of exact's device
-bytes with sensitivities (as in plan_sensitivity.py), then that plan with some sites put
-back to 8 bits. Each step is compiled once with XLA's buffer-assignment dump
-(`jmem.measure.peak_buffers`): its temp allocation, the bytes live at the peak (arguments
+cost bytes, and how well the compiled step's heap layout predicts it: ResNet-20 on the
+digits at 32x32, batch 128. The reference step: every block compressed at 4 bits and the
+stem at 8 (the plan `jmem.plan` made at 25% of exact's device bytes with sensitivities,
+as in plan_sensitivity.py, before its undo tries were predicted from the heap layout);
+then that step with some sites put back to 8 bits, and the plan `jmem.plan` makes now.
+Each step is compiled with XLA's buffer-assignment dump (`jmem.measure.peak_buffers`,
+`jmem.measure.heap_layout`): its temp allocation, the bytes live at the peak (arguments
 left out), what the heap's layout adds over them (`PeakReport.layout_bytes`), where the peak
-is (the site whose backward holds the most bytes there) and which sites have residuals live
-at it. Compile-only on CPU. Writes results/plan_undo_peak.{json,md}.
+is (the site whose backward holds the most bytes there), which sites have residuals live
+at it, the temp `HeapLayout.simulate` gives from the step's own dump and from the
+reference's (its codes resized), and the planner's per-site estimate. Compile-only on CPU.
+Writes results/plan_undo_peak.{json,md}.
 
   python benchmarks/plan_undo_peak.py
 """
@@ -33,11 +38,15 @@ def site_of(scope, paths):
 
 
 def account(model, choices, optimizer, x, y, paths):
-  """What the compiled step of ``model`` converted by ``choices`` holds at its peak."""
+  """What the compiled step of ``model`` converted by ``choices`` holds at its peak, and
+  its temp allocation laid out (`measure.heap_layout`)."""
   converted = jmem.convert(model, *planner._policies(choices))  # pylint: disable=protected-access
   fns = train.model_fns(converted)
   step = train.make_train_step(fns, optimizer, donate=True)
-  report = measure.peak_buffers(step, train.abstract_state(fns, optimizer, x), x, y)
+  args = (train.abstract_state(fns, optimizer, x), x, y)
+  report = measure.peak_buffers(step, *args)
+  heap = measure.heap_layout(step, *args)
+  assert heap.memory == report.memory and heap.extent == heap.memory.temp_bytes
   backward, residual = {}, {}
   for b in report.buffers:
     site = site_of(b.scope, paths)
@@ -45,7 +54,9 @@ def account(model, choices, optimizer, x, y, paths):
       backward[site] = backward.get(site, 0) + b.bytes
     elif site and b.kind == "forward":
       residual[site] = residual.get(site, 0) + b.bytes
-  return dict(device_bytes=report.memory.total_bytes, temp_bytes=report.memory.temp_bytes,
+  return heap, dict(
+      device_bytes=report.memory.total_bytes, temp_bytes=report.memory.temp_bytes,
+      simulated_temp_bytes=heap.simulate(),
               live_temp_bytes=report.live_temp_bytes, layout_bytes=report.layout_bytes,
               peak_in=max(backward, key=backward.get) if backward else None,
               residual_bytes_at_peak={p: residual.get(p, 0) for p in paths},
@@ -61,24 +72,46 @@ def main():
                       calibration_batch=(dataset.x_train[:16], dataset.y_train[:16]))
   paths = [c.path for c in plan.choices]
   optimizer = train.default_optimizer(1e-3, 100)     # the planner's default
-  lowered = [c.path for c in plan.choices if c.kind == "compress" and c.bits < 8]
-  stage = lambda *prefixes: [p for p in lowered if p.startswith(prefixes)]
-  variants = [("the plan", [])]
-  for label, sites in (("stage-3 sites at 8 bits", stage("stage3")),
-                       ("stage-2 and stage-3 sites at 8 bits", stage("stage2", "stage3")),
-                       ("stage2_block1 at 8 bits", stage("stage2_block1")),
-                       ("stage1_block1 at 8 bits", stage("stage1_block1"))):
-    if sites:
-      variants.append((label, sites))
-  rows = []
-  for label, sites in variants:
-    choices = tuple(dataclasses.replace(c, bits=8) if c.path in sites else c
+  reference = tuple(dataclasses.replace(c, kind="compress", bits=8 if c.path == "stem" else 4)
                     for c in plan.choices)
-    row = dict(variant=label, undone=sites, **account(model, choices, optimizer, x, y, paths))
+  blocks = lambda *prefixes: [p for p in paths if p.startswith(prefixes)]
+  variants = [("reference: blocks at 4 bits, the stem at 8", reference)]
+  for label, sites in (("stage-3 sites at 8 bits", blocks("stage3")),
+                       ("stage-2 and stage-3 sites at 8 bits", blocks("stage2", "stage3")),
+                       ("stage2_block1 at 8 bits", blocks("stage2_block1")),
+                       ("stage1_block1 at 8 bits", blocks("stage1_block1"))):
+    variants.append((label, tuple(dataclasses.replace(c, bits=8) if c.path in sites else c
+                                  for c in reference)))
+  variants.append((f"jmem.plan's plan now ({plan.compiles} compiles)", plan.choices))
+  # The planner's per-site estimate of an undo: the residual bytes kept more, wherever live.
+  # pylint: disable=protected-access
+  small = lambda a: jax.ShapeDtypeStruct((8,) + a.shape[1:], a.dtype)
+  estimated = {st.path: st for st in planner._estimate_sites(
+      model, optimizer, small(x), small(y), paths)[0]}
+  growth = lambda path, bits: BATCH * (planner._kept(estimated[path], ("compress", 8))[0] -
+                                       planner._kept(estimated[path], ("compress", bits))[0])
+  # pylint: enable=protected-access
+  # What the planner's undo tries predict a state by: `_heap_prediction` on the reference's
+  # heap layout, states as rungs of the default ladder.
+  ladder = planner.site_ladder(None, True)
+  rung = lambda choices: tuple(ladder.index(("compress", c.bits)) for c in choices)
+  predict = lambda heap, at, choices: planner._heap_prediction(  # pylint: disable=protected-access
+      heap, rung(at), heap.memory.temp_bytes, paths, ladder)(rung(choices))
+  rows, reference_heap = [], None
+  bits_of = lambda choices: {c.path: c.bits if c.kind == "compress" else None for c in choices}
+  for label, choices in variants:
+    heap, row = account(model, choices, optimizer, x, y, paths)
+    reference_heap = reference_heap or heap           # the first row is the reference
+    bits = bits_of(choices)
+    undone = [c.path for c in reference if bits[c.path] != c.bits]
+    row = dict(variant=label, undone=undone, **row,
+               estimated_growth_bytes=sum(growth(c.path, c.bits) for c in reference
+                                          if c.path in undone and bits[c.path] == 8),
+               predicted_temp_bytes=predict(reference_heap, reference, choices))
     rows.append(row)
     print({k: v for k, v in row.items() if k != "bits"}, flush=True)
   base = rows[0]
-  assert base["device_bytes"] == plan.device_bytes, (base["device_bytes"], plan.device_bytes)
+  assert rows[-1]["device_bytes"] == plan.device_bytes, (rows[-1], plan.device_bytes)
   lines = [
       "# Undoing bit reductions the peak does not hold",
       "",
@@ -87,9 +120,11 @@ def main():
       f"planner's AdamW step. The plan: `jmem.plan` at {SHARE} of exact's device bytes "
       f"({plan.budget_bytes / MIB:.2f} MiB) with sensitivities measured on 16 training "
       f"examples, {plan.compiles} compiles: "
-      + ", ".join(f"{c.path} {c.label}" for c in plan.choices) + ". Each row is that plan "
-      "with the sites named put back to 8 bits, compiled once with XLA's buffer-assignment "
-      "dump (`jmem.measure.peak_buffers`). Live at the peak: the bytes live at the peak of "
+      + ", ".join(f"{c.path} {c.label}" for c in plan.choices) + " (the last row). The "
+      "reference: every block at 4 bits and the stem at 8, the plan before the undo tries "
+      "were predicted from the heap layout; the rows between, the reference with the sites "
+      "named put back to 8 bits. Each step compiled with XLA's buffer-assignment dump "
+      "(`jmem.measure.peak_buffers`). Live at the peak: the bytes live at the peak of "
       "the schedule, arguments left out. Layout: the temp allocation less those "
       "(`PeakReport.layout_bytes`), what placing every buffer of the step in one heap adds. "
       "Peak in: the site whose backward holds the most bytes at the peak. Residuals: "
@@ -111,6 +146,27 @@ def main():
         f"{(r['live_temp_bytes'] - base['live_temp_bytes']) / MIB:+.2f} | "
         f"{r['layout_bytes'] / MIB:+.2f} | {r['peak_in']} | "
         f"{held or '-'} |")
+  lines += [
+      "",
+      "The temp allocation placed again (`jmem.measure.heap_layout`, `HeapLayout.simulate`: "
+      "best fit, the largest buffer first): from each step's own dump (how close the "
+      "simulation comes to XLA's placement), and predicted from the reference's dump alone, "
+      "the packed codes of the sites named resized to 8 bits (the reference's temp plus the "
+      "simulated difference): what `jmem.plan` now predicts an undo try by before compiling "
+      "it. The per-site estimate: the residual bytes the sites keep more at 8 bits (what "
+      "the planner scaled by a compiled slope before), wherever they are live.",
+      "",
+      "| variant | temp MiB (XLA) | simulated from its own dump | predicted from the reference's "
+      "| +temp (XLA) | +predicted | +per-site estimate (the planner's) |",
+      "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    lines.append(
+        f"| {r['variant']} | {r['temp_bytes'] / MIB:.2f} | "
+        f"{r['simulated_temp_bytes'] / MIB:.2f} | {r['predicted_temp_bytes'] / MIB:.2f} | "
+        f"{(r['temp_bytes'] - base['temp_bytes']) / MIB:+.2f} | "
+        f"{(r['predicted_temp_bytes'] - base['temp_bytes']) / MIB:+.2f} | "
+        f"{r['estimated_growth_bytes'] / MIB:+.2f} |")
   write_report("plan_undo_peak", dict(
       batch=BATCH, budget=SHARE, budget_bytes=plan.budget_bytes, compiles=plan.compiles,
       plan={c.path: c.label for c in plan.choices}, rows=rows), lines)
