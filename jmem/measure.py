@@ -8,6 +8,7 @@ are far too large to run on the machine doing the measuring: pass
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -39,6 +40,7 @@ __all__ = [
     "HeapBuffer",
     "HeapLayout",
     "heap_layout",
+    "DumpUnavailableError",
     "collective_counts",
     "time_steps",
     "COLLECTIVE_OPS",
@@ -550,19 +552,46 @@ def _hlo_definitions(hlo: str):
   return defs, users
 
 
+@contextlib.contextmanager
+def _no_persistent_cache():
+  """JAX's persistent compilation cache off for one compile: a compile it answers runs no
+  XLA pass and writes no dump (its key leaves the dump options out), so a step compiled
+  before, in this process or in an earlier one sharing the cache directory, would have
+  none. JAX decides once per process whether the cache is used; turning it off and on
+  again takes its (private) `reset_cache`, without which the cache stays as it is."""
+  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
+  reset = getattr(compilation_cache, "reset_cache", None)
+  if reset is None or not jax.config.jax_enable_compilation_cache:
+    yield
+    return
+  jax.config.update("jax_enable_compilation_cache", False)
+  reset()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+    reset()
+
+
+class DumpUnavailableError(RuntimeError):
+  """The backend wrote no buffer-assignment dump (or not the part needed) for a compile:
+  `peak_buffers` and `heap_layout` cannot read it. The compile itself succeeded."""
+
+
 def _dumped_compile(f, args, kwargs, who: str):
   """``(compiled, live-range text, buffer-assignment text)``: ``f`` compiled (as
   `compiled_memory` does) with XLA's buffer-assignment dump into a temporary directory."""
   if not hasattr(f, "lower"):
     f = jit(f)
-  with tempfile.TemporaryDirectory() as d:
+  with tempfile.TemporaryDirectory() as d, _no_persistent_cache():
     options = {**xla_compiler_options(), "xla_dump_to": d, "xla_dump_hlo_as_text": True}
     compiled = f.lower(*args, **kwargs).compile(compiler_options=options)
     ranges = sorted(glob.glob(os.path.join(d, "*after_optimizations-live-range.txt")))
     if not ranges:
-      raise RuntimeError(
+      raise DumpUnavailableError(
           f"XLA on {jax.default_backend()!r} wrote no live-range dump; {who} needs "
-          "the buffer-assignment dump of --xla_dump_to.")
+          "the buffer-assignment dump of --xla_dump_to (a compile answered from JAX's "
+          "persistent compilation cache writes none)")
     # The largest module is the step (small helper modules are dumped too).
     path = max(ranges, key=os.path.getsize)
     with open(path) as fh:
@@ -573,6 +602,7 @@ def _dumped_compile(f, args, kwargs, who: str):
       with open(assignment) as fh:
         placed = fh.read()
   return compiled, live, placed
+
 
 def peak_buffers(f: Callable[..., Any], *args, **kwargs) -> PeakReport:
   """What is live at the peak of ``f``'s compiled heap, buffer by buffer, with the layer and
@@ -585,12 +615,13 @@ def peak_buffers(f: Callable[..., Any], *args, **kwargs) -> PeakReport:
   allocation over the bytes live at the peak) comes from one compile.
 
   Raises:
-    RuntimeError: if the backend wrote no live-range dump.
+    DumpUnavailableError: (a RuntimeError) if the backend wrote no live-range dump.
   """
   compiled, text, _ = _dumped_compile(f, args, kwargs, "peak_buffers")
   m = re.search(r"Live ranges at (\d+) \(peak\):\n((?:    .*\n)*)", text)
   if m is None:
-    raise RuntimeError("No peak found in XLA's live-range dump.")
+    raise DumpUnavailableError(f"No peak found in XLA's live-range dump on "
+                               f"{jax.default_backend()!r}.")
   defs, users = _hlo_definitions(compiled.as_text())
   buffers = []
   for line in m.group(2).splitlines():
@@ -718,20 +749,24 @@ def heap_layout(f: Callable[..., Any], *args, **kwargs) -> HeapLayout:
   temporary directory and reads where each buffer of the temp allocation was placed and
   when it is live.
 
+  Only the temp allocation is read: a buffer XLA gives an allocation of its own (an output
+  that may live out of the function, a parameter) is not in it.
+
   Raises:
-    RuntimeError: if the backend wrote no live-range or buffer-assignment dump, or the
-      latter has no temp allocation.
+    DumpUnavailableError: (a RuntimeError) if the backend wrote no live-range or
+      buffer-assignment dump, or the latter has no temp allocation.
   """
   compiled, live, placed = _dumped_compile(f, args, kwargs, "heap_layout")
   temp = re.search(r"^allocation \d+: size \d+, preallocated-temp:\n((?: .*\n)*)", placed,
                    re.M)
   if temp is None:
-    raise RuntimeError(f"XLA on {jax.default_backend()!r} wrote no buffer assignment with a "
-                       "preallocated temp allocation; heap_layout needs one.")
+    raise DumpUnavailableError(
+        f"XLA on {jax.default_backend()!r} wrote no buffer assignment with a preallocated "
+        "temp allocation; heap_layout needs one.")
   sequence = re.search(r"InstructionSequence:\n((?:    .*\n)*)", live)
   ranges = live.split("BufferLiveRange:", 1)[-1].split("Live ranges at", 1)[0]
   if sequence is None or not ranges.strip():
-    raise RuntimeError("XLA's live-range dump has no schedule or no live ranges.")
+    raise DumpUnavailableError("XLA's live-range dump has no schedule or no live ranges.")
   schedule = [line.split(":", 1)[1] for line in sequence.group(1).split()]
   span = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in
           re.finditer(r"([\w.\-]+\{[\d,]*\}):(\d+)-(\d+)", ranges)}

@@ -880,12 +880,13 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
   compiles, measured = 0, []                  # measured: the steps compiled at the batch
   heaps = {}          # state -> its compiled step's heap layout (with sensitivities: undoing)
+  read_heaps = sens is not None               # (until a backend writes no dump)
 
   def compiled(techniques, b, what=None, collectives=None, on=None, heap_of=None):
     """``(device bytes, FLOPs)`` of the step compiled on the `_Layout` ``on`` (default:
     ``layout``); ``collectives``: a list the compiled HLO's collective count is appended
     to; ``heap_of``: a state to keep the compile's heap layout for (in ``heaps``)."""
-    nonlocal compiles
+    nonlocal compiles, read_heaps
     compiles += 1
     on = on or layout
     techniques = on.base + tuple(techniques)
@@ -896,7 +897,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
           if on.xla else contextlib.nullcontext()):
       step, args = _train_step(m, optimizer, spec(x, b), spec(y, b), abstract=abstract,
                                mesh=on.mesh, specs=on.specs(x, y))
-      heap = _heap_of(step, args, notes) if heap_of is not None else None
+      heap = _heap_of(step, args, notes) if heap_of is not None and read_heaps else None
+      read_heaps = read_heaps and (heap_of is None or heap is not None)
       step = step.lower(*args).compile() if heap is None else heap.compiled
     if heap is not None:
       heaps[heap_of] = heap
@@ -974,7 +976,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     if state not in costs:
       costs[state] = compiled(_policies(choices_of(state)), batch,
                               f"walk point {walk.index(state)}" if state in walk else what,
-                              heap_of=state if sens is not None else None)
+                              heap_of=state)
     return costs[state]
 
   # The walk, searched by compiling: ``misses`` are the walk points compiled over the budget
@@ -1109,7 +1111,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # stem, at 4 bits): it is scaled by the compiled slope from the walk's last miss.
     lo = misses[-1]
     names = [site.path for site in sites]
-    undoable = any(r > 0 and ladder[r][0] == ladder[r - 1][0] == "compress" for r in state)
+    undoable = any(_undoable(ladder, r) for r in state)
     if undoable and state in heaps and not any(_site_of_codes(b, names) is not None
                                                for b in heaps[state].buffers):
       notes.append("no site's packed codes are named in the compiled step's heap layout (its "
@@ -1416,6 +1418,12 @@ def _compiled_slope(a, b, low: float = 0.1, high: float = math.inf) -> float:
   return min(max((a[1] - b[1]) / drop, low), high) if drop > 0 else 1.0
 
 
+def _undoable(ladder, r) -> bool:
+  """Whether rung ``r`` is a bit reduction `_relax` can undo: compressed, one rung below
+  another compression."""
+  return r > 0 and ladder[r][0] == ladder[r - 1][0] == "compress"
+
+
 def _relax(state, sites, ladder, sensitivity, fits, least: float = 0.0):
   """``state`` with the bit reductions it does not need undone (one rung each), the one
   adding the most gradient variance first, while ``fits(state)`` holds. Only reductions
@@ -1426,8 +1434,7 @@ def _relax(state, sites, ladder, sensitivity, fits, least: float = 0.0):
   added = lambda i: (_variance(sensitivity[sites[i].path], ladder[state[i]]) -
                      _variance(sensitivity[sites[i].path], ladder[state[i] - 1]))
   total = sum(_variance(sensitivity[st.path], ladder[r]) for st, r in zip(sites, state))
-  lowered = [i for i, r in enumerate(state)
-             if r > 0 and ladder[r][0] == ladder[r - 1][0] == "compress" and
+  lowered = [i for i, r in enumerate(state) if _undoable(ladder, r) and
              added(i) >= least * total]
   for i in sorted(lowered, key=added, reverse=True):
     state[i] -= 1
@@ -1446,14 +1453,13 @@ _LEAST_UNDONE = 0.01
 def _heap_of(step, args, notes):
   """``step``'s heap layout compiled for ``args`` (`measure.heap_layout`, one compile that
   also gives the step), or None with a note where the backend writes no buffer-assignment
-  dump (the undo tries then use the per-site estimate alone)."""
+  dump (the undo tries then use the per-site estimate alone; the caller compiles the step
+  without the dump and asks no more)."""
   try:
     return measure.heap_layout(step, *args)
-  except RuntimeError as e:
-    note = (f"the compiled steps' heap layouts could not be read ({e}): undoing bit "
-            "reductions uses the per-site estimate alone")
-    if note not in notes:
-      notes.append(note)
+  except measure.DumpUnavailableError as e:
+    notes.append(f"the compiled steps' heap layouts could not be read ({e}): undoing bit "
+                 "reductions uses the per-site estimate alone")
     return None
 
 
@@ -1465,11 +1471,18 @@ def _site_of_codes(buffer, paths) -> int | None:
   if (not buffer.shape.startswith("u8[") or "transpose(" in buffer.op_name or
       not re.search(rf"\b{actnn_quantize.CODES_SCOPE}\b", buffer.op_name)):
     return None
-  parts = measure._scope(buffer.op_name).split("/")  # pylint: disable=protected-access
+  site = _site_of_scope(measure._scope(buffer.op_name), paths)  # pylint: disable=protected-access
+  return None if site is None else list(paths).index(site)
+
+
+def _site_of_scope(scope: str, paths: Sequence[str]) -> str | None:
+  """The site of ``paths`` a compiled instruction's module ``scope`` lies in: the first
+  path that a tail of the scope starts with (a converted model runs under ``model/``)."""
+  parts = scope.split("/")
   for k in range(len(parts)):
     site = _owner("/".join(parts[k:]), paths)
     if site is not None:
-      return list(paths).index(site)
+      return site
   return None
 
 
@@ -1480,10 +1493,13 @@ def _heap_prediction(heap, at, at_bytes, paths, ladder):
   placed again (`HeapLayout.simulate`), the difference to the simulated ``at`` added to
   ``at_bytes``. Unlike the per-site estimate it sees when the codes are live and where they
   lie in the heap: codes dead at the peak can cost nothing, or grow the heap's layout
-  (benchmarks/results/plan_undo_peak.md). None where a site changes other than between two
-  compression rungs, or has no codes in the layout."""
+  (benchmarks/results/plan_undo_peak.md). ``predict`` gives None where a site changes other
+  than between two compression rungs, or has no codes in the layout; `_heap_prediction`
+  gives None (no prediction at all) where no site has."""
   owner = {b: _site_of_codes(b, paths) for b in heap.buffers}
   covered = set(owner.values()) - {None}
+  if not covered:
+    return None
   base = heap.simulate()
 
   def predict(state):
@@ -1504,7 +1520,8 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
   """``(state, (bytes, FLOPs), notes)``: the fitting plan ``state`` (compiled at ``at``)
   with the bit reductions it does not need undone, tried by compiling while compiles are
   left. ``anchor``: ``(estimated, compiled)`` bytes of a step compiled before the plan (the
-  walk's last miss); ``estimate(s)``: predicted bytes; ``relax(s, fits)``: `_relax`;
+  walk's last miss); ``estimate(s)``: predicted bytes; ``relax(s, fits, least=0.0)``:
+  `_relax`;
   ``cost(s)``: compiled ``(bytes, FLOPs)``; ``affordable(s)``: whether ``cost(s)`` is known
   or a compile is left; ``predict(s)``: None, or for a compiled state ``s`` a function
   that predicts a state's compiled bytes from ``s``'s heap layout (`_heap_prediction`;
@@ -1534,8 +1551,8 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
     if loose == state or loose in seen:
       break
     seen.add(loose)
-    what = ("the estimate did not need" if layout is None or layout(loose) is None else
-            "the plan's heap layout predicted to fit")
+    guided = layout is not None and layout(loose) is not None    # the layout predicted it
+    what = "the plan's heap layout predicted to fit" if guided else "the estimate did not need"
     if not affordable(loose):
       notes.append(f"no compile left to try undoing the bit reductions {what}")
       break
@@ -1546,7 +1563,7 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
       notes.append(f"undoing {undone} bit reductions {what} fitted: the plan has them undone")
     else:
       anchor = (estimate(loose), loose_bytes)
-      by_layout = by_layout and layout is None      # a layout prediction missed: no more
+      by_layout = by_layout and not guided    # a try the layout predicted missed: no more
       notes.append(f"undoing {undone} bit reductions {what} missed the budget by "
                    f"{_size(loose_bytes - budget)}: the plan keeps them")
   return state, (device_bytes, flops), notes

@@ -657,8 +657,18 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
       slopes.append((miss, fit))
     return slope_of(miss, fit, *bounds)
   monkeypatch.setattr(plan_lib, "_compiled_slope", recorded)
+  covered, prediction = [], plan_lib._heap_prediction     # the heap layout's sites
+
+  def recorded_prediction(heap, at, at_bytes, paths, ladder):
+    covered.append({plan_lib._site_of_codes(b, paths) for b in heap.buffers} - {None})
+    return prediction(heap, at, at_bytes, paths, ladder)
+  monkeypatch.setattr(plan_lib, "_heap_prediction", recorded_prediction)
   tight = plan_lib.plan(model, (X, Y), "65%", max_batch=False, optimizer=optimizer,
                         sensitivities={c.path: c.sensitivity for c in loose.choices})
+  # The undo tries are predicted from the plan's heap layout: every site the plan
+  # compresses has its codes named there (a linen model's names carry its module paths).
+  compressed = {i for i, c in enumerate(tight.choices) if c.kind == "compress"}
+  assert covered and covered[0] == compressed, (covered, tight.table())
   # It runs through the walk's plan from the last compiled miss.
   [(miss, fit)] = slopes
   assert miss[0] > fit[0] and miss[1] > tight.budget_bytes >= fit[1], (miss, fit)
@@ -672,8 +682,6 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
   assert min(sens, key=sens.get) == min(bits, key=bits.get) == "bn_init", tight.table()
   assert bits["bn_init"] < bits[largest], tight.table()
   for p in (loose, tight):
-    # A linen model's compiled step names each site's packed codes: the heap layout guides
-    # the undoing.
     assert not any("no site's packed codes" in n for n in p.notes), p.notes
     assert all(c.sensitivity is not None and c.sensitivity >= 0 for c in p.choices)
     assert any(c.sensitivity > 0 for c in p.choices)
@@ -852,16 +860,42 @@ def test_undo_tries_take_the_heap_layouts_prediction_until_it_misses():
   assert tried[0] == (2, 2, 1)
 
 
-def test_a_plan_says_where_the_heap_layout_names_no_sites_codes():
+def test_a_plan_says_where_the_heap_layout_names_no_sites_codes(monkeypatch):
   """NNX modules leave their paths out of the compiled step's names: the heap layout cannot
   be told site by site, and the plan says the undoing uses the per-site estimate alone."""
   model = tp.NNXCNN(rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   batch = (rng.normal(size=(4,) + X.shape[1:]).astype(np.float32),
            rng.integers(0, 10, 4).astype(np.int32))
+  leasts, relax = [], plan_lib._relax
+  monkeypatch.setattr(plan_lib, "_relax", lambda *a, **k: leasts.append(
+      a[5] if len(a) > 5 else k.get("least", 0.0)) or relax(*a, **k))
   p = plan_lib.plan(model, (X, Y), "77%", max_batch=False, calibration_batch=batch)
   assert p.fits and any(c.kind == "compress" and c.bits < 8 for c in p.choices), p.table()
   assert any("no site's packed codes are named" in n for n in p.notes), p.notes
+  assert leasts and set(leasts) == {0.0}            # the estimate's tries, as without layouts
+
+
+def test_a_backend_without_dumps_plans_on_the_estimate_and_says_so(monkeypatch):
+  """Where the backend writes no buffer-assignment dump, the first walk compile finds out,
+  the plan says so, and no other compile asks again."""
+  from jmem import measure  # pylint: disable=g-import-not-at-top
+  asked = []
+
+  def no_dump(*args):
+    asked.append(args)
+    raise measure.DumpUnavailableError("no live-range dump here")
+  monkeypatch.setattr(measure, "heap_layout", no_dump)
+  model = models.create_model("resnet8", 10)
+  x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((64,), jnp.int32)
+  rng = np.random.default_rng(0)
+  batch = (rng.normal(size=(4, 16, 16, 1)).astype(np.float32),
+           rng.integers(0, 10, 4).astype(np.int32))
+  p = plan_lib.plan(model, (x, y), "40%", max_batch=False, calibration_batch=batch)
+  assert len(asked) == 1 and p.compiles > 3, (len(asked), p.compiles)
+  assert sum("heap layouts could not be read (no live-range dump here)" in n
+             for n in p.notes) == 1, p.notes
 
 
 def test_heap_prediction_resizes_the_codes_in_the_plans_heap_layout():
@@ -876,17 +910,23 @@ def test_heap_prediction_resizes_the_codes_in_the_plans_heap_layout():
   heap = measure.HeapLayout((
       buf("other", 320, 0, 9, "jit(step)/jvp(Converted.apply)/model/c/conv", "f32[80]"),
       buf("codes_a", 128, 0, 5, codes("a")), buf("codes_b", 128, 6, 9, codes("b")),
-      buf("mask_a", 64, 0, 9, "jit(step)/jvp(Converted.apply)/model/a/reduce_sum")),
+      buf("mask_a", 64, 0, 9, "jit(step)/jvp(Converted.apply)/model/a/reduce_sum"),
+      # The quantizer's group minima (float) and a backward buffer are not codes.
+      buf("minima_a", 64, 0, 9, codes("a").replace("reduce_sum", "reduce_min"), "f32[16]"),
+      buf("grad_a", 64, 7, 9, codes("a").replace("jvp(", "transpose(jvp("))),
       measure.CompiledMemory(0, 0, 0, 0, 0, 0))
   assert [plan_lib._site_of_codes(b, ["a", "b", "c"]) for b in heap.buffers] == \
-      [None, 0, 1, None]
+      [None, 0, 1, None, None, None]
   ladder = plan_lib.site_ladder(None, True)              # 0 save, 1 8-bit, 2 4-bit
   predict = plan_lib._heap_prediction(heap, (2, 2, 2), 1000, ["a", "b", "c"], ladder)
   assert predict((2, 2, 2)) == 1000
-  # 320 + 64 live throughout; a's codes (0-5) and b's (6-9) share 128 bytes above them.
+  # 320 + 64 + 64 live throughout, 64 from 7 on; a's codes (0-5) and b's (6-9) share 128
+  # bytes above them.
   assert predict((2, 1, 2)) == predict((1, 1, 2)) == 1000 + 2 * 128 - 128
   assert predict((0, 2, 2)) is None                      # to save: not a bit change
   assert predict((2, 2, 1)) is None                      # c has no codes in the layout
+  # A layout naming no site's codes predicts nothing (the undo tries use the estimate).
+  assert plan_lib._heap_prediction(heap, (2, 2, 2), 1000, ["x", "y", "z"], ladder) is None
 
 
 def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reductions():
