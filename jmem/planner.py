@@ -1444,9 +1444,10 @@ def _relax(state, sites, ladder, sensitivity, fits, least: float = 0.0):
 
 
 # The least share of a plan's added gradient variance a try guided by the heap layout
-# undoes a reduction for (`_relax`'s ``least``): on ResNet-20 at 25% the layout predicted
-# seven of nine single undoings to the 0.01 MiB, but stage2_block2's (under 1% of the
-# variance) 0.46 MiB short, and a try with it and five others missed by 0.18 MiB.
+# undoes a reduction for (`_relax`'s ``least``): on ResNet-20 at 25% the layout predicts
+# seven of nine blocks put back alone to the 0.01 MiB, but stage2_block2 (0.6% of the
+# variance) 0.46 MiB short (benchmarks/results/plan_undo_peak.md), and a try holding such
+# an undo risks its compile for next to nothing.
 _LEAST_UNDONE = 0.01
 
 
@@ -1521,11 +1522,10 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
   with the bit reductions it does not need undone, tried by compiling while compiles are
   left. ``anchor``: ``(estimated, compiled)`` bytes of a step compiled before the plan (the
   walk's last miss); ``estimate(s)``: predicted bytes; ``relax(s, fits, least=0.0)``:
-  `_relax`;
-  ``cost(s)``: compiled ``(bytes, FLOPs)``; ``affordable(s)``: whether ``cost(s)`` is known
-  or a compile is left; ``predict(s)``: None, or for a compiled state ``s`` a function
-  that predicts a state's compiled bytes from ``s``'s heap layout (`_heap_prediction`;
-  None where it cannot).
+  `_relax`; ``cost(s)``: compiled ``(bytes, FLOPs)``; ``affordable(s)``: whether
+  ``cost(s)`` is known or a compile is left; ``predict(s)``: None, or for a compiled state
+  ``s`` a function that predicts a state's compiled bytes from ``s``'s heap layout
+  (`_heap_prediction`; None where it cannot).
 
   Each try is `_relax` with the estimate anchored at the plan and scaled by the compiled
   slope between the plan and the last step compiled before it (`_compiled_slope`; at
