@@ -88,25 +88,27 @@ def main():
   # heap layout, states as rungs of the default ladder.
   ladder = planner.site_ladder(None, True)
   rung = lambda choices: tuple(ladder.index(("compress", c.bits)) for c in choices)
-  predict = lambda heap, at, choices: planner._heap_prediction(  # pylint: disable=protected-access
-      heap, rung(at), heap.memory.temp_bytes, paths, ladder)(rung(choices))
+  predict = None                                     # made from the reference's layout
   # The gradient variance a site adds at b bits (the planner's model, C / (2^b - 1)^2), and
   # the reference's: what share of it an undo takes off.
   sensitivity = {c.path: c.sensitivity for c in plan.choices}
-  variance = lambda path, b: sensitivity[path] / (2**b - 1) ** 2
+  variance = lambda path, b: planner._variance(  # pylint: disable=protected-access
+      sensitivity[path], ("compress", b))
   reference_variance = sum(variance(c.path, c.bits) for c in reference)
-  rows, reference_heap = [], None
+  rows = []
   bits_of = lambda choices: {c.path: c.bits if c.kind == "compress" else None for c in choices}
   for label, choices in variants:
     heap, row = account(model, choices, optimizer, x, y, paths)
-    reference_heap = reference_heap or heap           # the first row is the reference
+    if predict is None:                               # the first row is the reference
+      predict = planner._heap_prediction(  # pylint: disable=protected-access
+          heap, rung(reference), heap.memory.temp_bytes, paths, ladder)
     bits = bits_of(choices)
     undone = [c.path for c in reference if bits[c.path] != c.bits]
     row = dict(variant=label, undone=undone, **row, variance_share=sum(
                    variance(p, 4) - variance(p, 8) for p in undone) / reference_variance,
                estimated_growth_bytes=sum(growth(c.path, c.bits) for c in reference
                                           if c.path in undone and bits[c.path] == 8),
-               predicted_temp_bytes=predict(reference_heap, reference, choices))
+               predicted_temp_bytes=predict(rung(choices)))
     rows.append(row)
     print({k: v for k, v in row.items() if k != "bits"}, flush=True)
   base = rows[0]

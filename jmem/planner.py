@@ -75,9 +75,8 @@ peak). Each site gets a `jmem.Policy`. How:
    codes resized by the bits and the buffers placed again, which sees what the estimate
    cannot (codes dead at the peak may cost nothing, or grow the heap's layout); such a try
    leaves reductions of under 1% of the plan's added variance, and after one misses the
-   estimate's line takes over. The
-   largest batch at the budget is predicted by the line through the plan compiled at two
-   batch sizes (one compile more).
+   estimate's line takes over. The largest batch at the budget is predicted by the line
+   through the plan compiled at two batch sizes (one compile more).
 
 4. **InPlace-ABN alone.** Where the exact step does not fit and the model has BatchNorms
    InPlace-ABN can take (followed by leaky_relu or elu in a Sequential,
@@ -1111,9 +1110,15 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # stem, at 4 bits): it is scaled by the compiled slope from the walk's last miss.
     lo = misses[-1]
     names = [site.path for site in sites]
-    undoable = any(_undoable(ladder, r) for r in state)
-    if undoable and state in heaps and not any(_site_of_codes(b, names) is not None
-                                               for b in heaps[state].buffers):
+    layouts = {}                              # state -> its `_heap_prediction`, made once
+
+    def layout_of(s_):
+      if s_ not in layouts:
+        layouts[s_] = (_heap_prediction(heaps[s_], s_, costs[s_][0], names, ladder)
+                       if s_ in heaps else None)
+      return layouts[s_]
+    if (any(_undoable(ladder, r) for r in state) and state in heaps and
+        layout_of(state) is None):
       notes.append("no site's packed codes are named in the compiled step's heap layout (its "
                    "names do not carry the sites' module paths, as with NNX modules): "
                    "undoing bit reductions uses the per-site estimate alone")
@@ -1122,9 +1127,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                                       else exact_bytes),
         lambda s_: predicted(s_)[0],
         lambda s_, fits, least=0.0: _relax(s_, sites, ladder, sens, fits, least),
-        cost, lambda s_: s_ in costs or left() > 0, budget_bytes,
-        lambda s_: _heap_prediction(heaps[s_], s_, costs[s_][0], names, ladder)
-        if s_ in heaps else None)
+        cost, lambda s_: s_ in costs or left() > 0, budget_bytes, layout_of)
     notes += ["; then ".join(outcomes)] if outcomes else []
   if no_top and device_bytes > budget_bytes:
     notes.append(no_top)

@@ -192,9 +192,9 @@ def test_replicated_weights_under_shard_map_are_arguments_not_activations():
              for r in tiled.residuals)
 
 
-def test_peak_buffers_names_the_layer_and_the_pass():
-  """A four-layer MLP's gradient: at the peak, buffers of the forward pass (saved for the
-  backward), of the backward pass and the arguments, each with its layer's path."""
+def _mlp_gradient():
+  """``(f, params, x)``: the gradient of a four-layer MLP (three tanh layers of 512 wide,
+  named ``wide0``-``wide2``) at a batch of 256, its parameters and the batch."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   class MLP(nn.Module):
@@ -204,10 +204,15 @@ def test_peak_buffers_names_the_layer_and_the_pass():
         x = jnp.tanh(nn.Dense(512, name=f"wide{i}")(x))
       return nn.Dense(10)(x)
 
-  model = MLP()
-  x = jnp.ones((256, 64))
+  model, x = MLP(), jnp.ones((256, 64))
   params = model.init(jax.random.key(0), x)
-  f = jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2))
+  return jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2)), params, x
+
+
+def test_peak_buffers_names_the_layer_and_the_pass():
+  """A four-layer MLP's gradient: at the peak, buffers of the forward pass (saved for the
+  backward), of the backward pass and the arguments, each with its layer's path."""
+  f, params, x = _mlp_gradient()
   report = measure.peak_buffers(f, params, x)
   kinds = report.by("kind")
   assert kinds.get("argument", 0) >= 256 * 64 * 4, kinds        # x is live
@@ -259,18 +264,7 @@ def test_heap_layout_reads_the_temp_allocation_and_places_it_again():
   """An MLP's gradient: the buffers of the temp allocation with their live ranges and
   names; placed again as they are they take XLA's temp bytes, and a resized one changes
   the size."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-
-  class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      for i in range(3):
-        x = jnp.tanh(nn.Dense(512, name=f"wide{i}")(x))
-      return nn.Dense(10)(x)
-
-  model, x = MLP(), jnp.ones((256, 64))
-  params = model.init(jax.random.key(0), x)
-  f = jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2))
+  f, params, x = _mlp_gradient()
   heap = measure.heap_layout(f, params, x)
   assert heap.memory == measure.compiled_memory(f, params, x)
   assert heap.extent == heap.memory.temp_bytes
