@@ -1127,7 +1127,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                                       else exact_bytes),
         lambda s_: predicted(s_)[0],
         lambda s_, fits, least=0.0: _relax(s_, sites, ladder, sens, fits, least),
-        cost, lambda s_: s_ in costs or left() > 0, budget_bytes, layout_of)
+        cost, lambda s_: s_ in costs or left() > 0, budget_bytes, layout_of,
+        lambda s_: costs[s_][0] if s_ in costs else None)
     notes += ["; then ".join(outcomes)] if outcomes else []
   if no_top and device_bytes > budget_bytes:
     notes.append(no_top)
@@ -1450,7 +1451,8 @@ def _relax(state, sites, ladder, sensitivity, fits, least: float = 0.0):
 # undoes a reduction for (`_relax`'s ``least``): on ResNet-20 at 25% the layout predicts
 # seven of nine blocks put back alone to the 0.01 MiB, but stage2_block2 (0.6% of the
 # variance) 0.46 MiB short (benchmarks/results/plan_undo_peak.md), and a try holding such
-# an undo risks its compile for next to nothing.
+# an undo risks its compile for next to nothing. They get a try of their own at the end
+# (ResNet-50 224², 8 GiB, batch 256: four such reductions, nothing else predicted to fit).
 _LEAST_UNDONE = 0.01
 
 
@@ -1497,14 +1499,19 @@ def _heap_prediction(heap, at, at_bytes, paths, ladder):
   placed again (`HeapLayout.simulate`), the difference to the simulated ``at`` added to
   ``at_bytes``. Unlike the per-site estimate it sees when the codes are live and where they
   lie in the heap: codes dead at the peak can cost nothing, or grow the heap's layout
-  (benchmarks/results/plan_undo_peak.md). ``predict`` gives None where a site changes other
-  than between two compression rungs, or has no codes in the layout; `_heap_prediction`
-  gives None (no prediction at all) where no site has."""
+  (benchmarks/results/plan_undo_peak.md). A changed state's prediction adds how far the
+  simulation of ``at``'s own heap is from XLA's temp allocation: XLA's placement is not
+  one best fit, and the two part more on a larger heap (ResNet-20 32² at batch 128: 0.01
+  MiB of 70; ResNet-50 224² at batch 512: 171 MiB of 15464, where undoing stage2_block2
+  compiled 689 MiB larger and was predicted 300). ``predict`` gives None where a site
+  changes other than between two compression rungs, or has no codes in the layout;
+  `_heap_prediction` gives None (no prediction at all) where no site has."""
   owner = {b: _site_of_codes(b, paths) for b in heap.buffers}
   covered = set(owner.values()) - {None}
   if not covered:
     return None
   base = heap.simulate()
+  slack = abs(base - heap.memory.temp_bytes)     # the simulation's error on ``at`` itself
 
   def predict(state):
     changed = [i for i, (r, r0) in enumerate(zip(state, at)) if r != r0]
@@ -1515,12 +1522,12 @@ def _heap_prediction(heap, at, at_bytes, paths, ladder):
       return at_bytes
     scale = {i: ladder[state[i]][1] / ladder[at[i]][1] for i in changed}
     return at_bytes + heap.simulate(
-        lambda b: round(b.bytes * scale.get(owner[b], 1.0))) - base
+        lambda b: round(b.bytes * scale.get(owner[b], 1.0))) - base + slack
   return predict
 
 
 def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
-                predict=None):
+                predict=None, known=lambda s: None):
   """``(state, (bytes, FLOPs), notes)``: the fitting plan ``state`` (compiled at ``at``)
   with the bit reductions it does not need undone, tried by compiling while compiles are
   left. ``anchor``: ``(estimated, compiled)`` bytes of a step compiled before the plan (the
@@ -1528,7 +1535,8 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
   `_relax`; ``cost(s)``: compiled ``(bytes, FLOPs)``; ``affordable(s)``: whether
   ``cost(s)`` is known or a compile is left; ``predict(s)``: None, or for a compiled state
   ``s`` a function that predicts a state's compiled bytes from ``s``'s heap layout
-  (`_heap_prediction`; None where it cannot).
+  (`_heap_prediction`; None where it cannot); ``known(s)``: ``s``'s compiled bytes where a
+  compile gave them (a walk point), else None: no prediction overrides them.
 
   Each try is `_relax` with the estimate anchored at the plan and scaled by the compiled
   slope between the plan and the last step compiled before it (`_compiled_slope`; at
@@ -1537,8 +1545,10 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
   next try undoes more). Where the plan's heap layout predicts a state, that prediction
   is taken instead, until a try it predicted misses: it sees what the estimate cannot,
   which codes are live when, and how the heap is laid out (ResNet-20 at 25%: undoing the
-  stage-3 reductions compiled 0.04 MiB larger, predicted 0.04, estimated 7.8). A try that
-  fits is the plan. Stops where a try repeats one, undoes nothing, or no compile is left."""
+  stage-3 reductions compiled 0.04 MiB larger, predicted 0.04, estimated 7.8). Such a
+  try leaves the reductions of under `_LEAST_UNDONE` of the variance, and tries them on
+  their own once no other is predicted to fit. A try that fits is the plan. Stops where a
+  try repeats one, undoes nothing, or no compile is left."""
   device_bytes, flops = at
   seen, notes, by_layout = set(), [], predict is not None
   while True:
@@ -1547,15 +1557,24 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
     layout = predict(state) if by_layout else None
 
     def guess(s, k=slope, here=here, layout=layout):
-      g = None if layout is None else layout(s)
+      g = known(tuple(s))
+      g = layout(s) if g is None and layout is not None else g
       return here[1] + k * (estimate(s) - here[0]) if g is None else g
-    loose = (relax(state, lambda s: guess(s) <= budget) if layout is None else
-             relax(state, lambda s: guess(s) <= budget, _LEAST_UNDONE))
+    fits = lambda s, guess=guess: guess(s) <= budget
+    loose = relax(state, fits, _LEAST_UNDONE) if layout is not None else relax(state, fits)
+    small = layout is not None and loose == state
+    if small:
+      # The reductions of under 1% of the variance go in a try of their own, once no other
+      # is predicted to fit: it risks only a compile that would be left unused otherwise.
+      loose = relax(state, fits)
     if loose == state or loose in seen:
       break
     seen.add(loose)
     guided = layout is not None and layout(loose) is not None    # the layout predicted it
-    what = "the plan's heap layout predicted to fit" if guided else "the estimate did not need"
+    what = ("the plan's heap layout predicted to fit" if guided else
+            "the estimate did not need") + (
+                f" (each under {_LEAST_UNDONE:.0%} of the gradient variance the plan adds)"
+                if small else "")
     if not affordable(loose):
       notes.append(f"no compile left to try undoing the bit reductions {what}")
       break
