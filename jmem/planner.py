@@ -73,10 +73,13 @@ peak). Each site gets a `jmem.Policy`. How:
    the plan's compiled step names each site's packed codes (linen models), its heap layout
    (`jmem.measure.heap_layout`, read from the same compile) predicts the tries instead: the
    codes resized by the bits and the buffers placed again, which sees what the estimate
-   cannot (codes dead at the peak may cost nothing, or grow the heap's layout); such a try
-   leaves reductions of under 1% of the plan's added variance, and after one misses the
-   estimate's line takes over. The largest batch at the budget is predicted by the line
-   through the plan compiled at two batch sizes (one compile more).
+   cannot (codes dead at the peak may cost nothing, or grow the heap's layout; a
+   prediction adds the placement's own error on the plan's step); such a try leaves
+   reductions of under 1% of the plan's added variance and tries them alone once nothing
+   else is predicted to fit, and where nothing is or a try it predicted misses, the
+   estimate's line takes over. A step compiled before is judged by its compiled bytes.
+   The largest batch at the budget is predicted by the line through the plan compiled at
+   two batch sizes (one compile more).
 
 4. **InPlace-ABN alone.** Where the exact step does not fit and the model has BatchNorms
    InPlace-ABN can take (followed by leaky_relu or elu in a Sequential,
@@ -1451,8 +1454,9 @@ def _relax(state, sites, ladder, sensitivity, fits, least: float = 0.0):
 # undoes a reduction for (`_relax`'s ``least``): on ResNet-20 at 25% the layout predicts
 # seven of nine blocks put back alone to the 0.01 MiB, but stage2_block2 (0.6% of the
 # variance) 0.46 MiB short (benchmarks/results/plan_undo_peak.md), and a try holding such
-# an undo risks its compile for next to nothing. They get a try of their own at the end
-# (ResNet-50 224², 8 GiB, batch 256: four such reductions, nothing else predicted to fit).
+# an undo risks its compile for next to nothing. They get a try of their own where the
+# layout predicts no other undo to fit (ResNet-50 224², 8 GiB, batch 256: four such
+# reductions, and nothing else predicted to fit).
 _LEAST_UNDONE = 0.01
 
 
@@ -1536,7 +1540,8 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
   ``cost(s)`` is known or a compile is left; ``predict(s)``: None, or for a compiled state
   ``s`` a function that predicts a state's compiled bytes from ``s``'s heap layout
   (`_heap_prediction`; None where it cannot); ``known(s)``: ``s``'s compiled bytes where a
-  compile gave them (a walk point), else None: no prediction overrides them.
+  compile gave them (a walk point, the top rung, an earlier try), else None: neither the
+  layout nor the line overrides them.
 
   Each try is `_relax` with the estimate anchored at the plan and scaled by the compiled
   slope between the plan and the last step compiled before it (`_compiled_slope`; at
@@ -1547,8 +1552,10 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
   which codes are live when, and how the heap is laid out (ResNet-20 at 25%: undoing the
   stage-3 reductions compiled 0.04 MiB larger, predicted 0.04, estimated 7.8). Such a
   try leaves the reductions of under `_LEAST_UNDONE` of the variance, and tries them on
-  their own once no other is predicted to fit. A try that fits is the plan. Stops where a
-  try repeats one, undoes nothing, or no compile is left."""
+  their own once no other is predicted to fit; where none is, the line takes over (each
+  try is one compile the bound allows, and a try that misses changes no plan). A state
+  compiled before (``known``) is judged by its compiled bytes. A try that fits is the
+  plan. Stops where a try repeats one, undoes nothing, or no compile is left."""
   device_bytes, flops = at
   seen, notes, by_layout = set(), [], predict is not None
   while True:
@@ -1565,16 +1572,26 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
     small = layout is not None and loose == state
     if small:
       # The reductions of under 1% of the variance go in a try of their own, once no other
-      # is predicted to fit: it risks only a compile that would be left unused otherwise.
+      # is predicted to fit.
       loose = relax(state, fits)
+      if loose == state:
+        # The layout, with its slack, has no undo fit: the line is asked instead. Its tries
+        # spend compiles the bound would leave unused.
+        by_layout = False
+        notes.append("the plan's heap layout predicted no undo to fit: the estimate's "
+                     "line was asked instead")
+        continue
     if loose == state or loose in seen:
       break
     seen.add(loose)
-    guided = layout is not None and layout(loose) is not None    # the layout predicted it
-    what = ("the plan's heap layout predicted to fit" if guided else
-            "the estimate did not need") + (
-                f" (each under {_LEAST_UNDONE:.0%} of the gradient variance the plan adds)"
-                if small else "")
+    if known(loose) is not None:
+      guided, what = False, "compiled before within the budget"
+    else:
+      guided = layout is not None and layout(loose) is not None  # the layout predicted it
+      what = ("the plan's heap layout predicted to fit" if guided else
+              "the estimate did not need")
+    what += (f" (each under {_LEAST_UNDONE:.0%} of the gradient variance the plan adds)"
+             if small else "")
     if not affordable(loose):
       notes.append(f"no compile left to try undoing the bit reductions {what}")
       break

@@ -664,14 +664,21 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
     covered.append({plan_lib._site_of_codes(b, paths) for b in heap.buffers} - {None})
     return prediction(heap, at, at_bytes, paths, ladder)
   monkeypatch.setattr(plan_lib, "_heap_prediction", recorded_prediction)
+  known, undo_tries = [], plan_lib._undo_tries       # what the tries know compiled
+
+  def recorded_tries(*args):
+    known.append((args[9](args[0]), args[1][0]))     # the plan's compiled bytes, as known
+    return undo_tries(*args)
+  monkeypatch.setattr(plan_lib, "_undo_tries", recorded_tries)
   tight = plan_lib.plan(model, (X, Y), "65%", max_batch=False, optimizer=optimizer,
                         sensitivities={c.path: c.sensitivity for c in loose.choices})
+  assert len(known) == 1 and known[0][0] == known[0][1], known
   # The undo tries are predicted from the plan's heap layout: every site the plan
   # compresses has its codes named there (a linen model's names carry its module paths).
   compressed = {i for i, c in enumerate(tight.choices) if c.kind == "compress"}
   assert covered and covered[0] == compressed, (covered, tight.table())
   # It runs through the walk's plan from the last compiled miss.
-  [(miss, fit)] = slopes
+  (miss, fit) = slopes[0]                 # the first try's; the tries after it add theirs
   assert miss[0] > fit[0] and miss[1] > tight.budget_bytes >= fit[1], (miss, fit)
   assert fit[1] in [b for _, b, _ in tight.measured], tight.measured
   # The plan follows them: the stem's BatchNorm, the least sensitive, has the fewest bits,
@@ -825,7 +832,8 @@ def test_undo_tries_follow_the_compiled_cost_of_undoing():
 def test_undo_tries_take_the_heap_layouts_prediction_until_it_misses():
   """Where the plan's heap layout predicts a try, the prediction decides what is undone
   (not the estimate's line), a reduction of under 1% of the variance only in a try of its
-  own once no other is predicted to fit; after a try it predicted misses, the line does."""
+  own once no other is predicted to fit; after a try it predicted misses, or where it
+  predicts none to fit, the line does. A state compiled before is never tried again."""
   # pylint: disable=protected-access
   sites, ladder, sens, kept = _three_sites()
   relax = lambda state, fits, least=0.0: plan_lib._relax(state, sites, ladder, sens, fits,
@@ -845,22 +853,26 @@ def test_undo_tries_take_the_heap_layouts_prediction_until_it_misses():
     return state, device_bytes, list(compiled), notes
 
   # The estimate's line would undo c alone (0.5 of 0.6), which compiles 5 over. The layout
-  # sees that c costs 5 and b nothing; a (0.9% of the variance) is left out of that try,
-  # and tried alone after it.
+  # sees that c costs 5 and b nothing; a (under 1% of the variance) is left out of that
+  # try, and tried alone after it. Then the layout has no undo fit, and the line's try (c)
+  # spends the compile left, and misses.
   state, device_bytes, tried, notes = tries(truth)
-  assert tried == [(2, 1, 2), (1, 1, 2)] and state == (1, 1, 2), (tried, notes)
+  assert tried == [(2, 1, 2), (1, 1, 2), (1, 1, 1)] and state == (1, 1, 2), (tried, notes)
   assert device_bytes == 100.0 and "heap layout predicted to fit fitted" in notes[0]
   assert "fit (each under 1% of the gradient variance the plan adds) fitted" in notes[1]
+  assert "predicted no undo to fit: the estimate's line was asked instead" in notes[2]
+  assert "estimate did not need missed" in notes[3] and len(notes) == 4, notes
   # Where a costs 1 compiled, which the layout does not see, a's own try misses and the
   # plan keeps b's undo; the line, at the slope to that miss, undoes nothing more.
   state, device_bytes, tried, notes = tries(truth, lambda s: truth(s) + (s[0] < 2))
   assert tried == [(2, 1, 2), (1, 1, 2)] and state == (2, 1, 2), (tried, notes)
   assert device_bytes == 100.0 and "adds) missed the budget" in notes[1], notes
   # A state compiled before (a walk point) is known: no prediction overrides its bytes, so
-  # a's undo, known to miss, is not tried.
+  # a's undo, known to miss, is tried neither by the layout nor by the line after it.
   state, _, tried, notes = tries(truth, lambda s: truth(s) + (s[0] < 2),
                                  lambda s: 101.0 if s == (1, 1, 2) else None)
-  assert tried == [(2, 1, 2)] and state == (2, 1, 2) and len(notes) == 1, (tried, notes)
+  assert tried[0] == (2, 1, 2) and (1, 1, 2) not in tried and state == (2, 1, 2), tried
+  assert "line was asked instead" in notes[1], notes
   # A layout that calls everything free: its try (b and c) misses, and it is not asked
   # again; the line, at the slope to that miss (5 compiled for 1.0 estimated), undoes
   # nothing more.
