@@ -112,8 +112,11 @@ peak). Each site gets a `jmem.Policy`. How:
    of the splits within 2% of the fewest device bytes, the one with the fewest collectives
    (the halo sizes did not rank them).
 
-Not searched: ``offload`` (on CPU, one memory for host and device, it saves nothing, so
-only a GPU compile could measure it).
+Not searched: ``offload``. On CPU, one memory for host and device, it saves nothing, so
+only a GPU compile could measure it; on a GPU the walk's cost, FLOPs, counts none of its
+host transfers, and the one GPU measurement (an H100, ResNet-50 at batch 64:
+benchmarks/results/gpu_h100_first_figures.md) had ActNN L4's offload compile to 3.51 GiB
+against L3's 2.28 and step 1.76x slower. The plan's notes say which applies.
 """
 
 from __future__ import annotations
@@ -847,8 +850,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if policies is not None or bits is not None:
     notes.append("site policies searched: " + ", ".join(_rung_text(r) for r in ladder))
   quantizes = any(kind == "compress" for kind, _ in ladder)   # sensitivities order these
-  notes += ["offload not searched (on CPU, where host and device memory are one, it saves "
-            "nothing: only a GPU compile could measure it)"]
+  notes.append(_offload_note(layout.mesh))
   sens = None
   if sensitivities is not None and calibration_batch is not None:
     raise ValueError("give sensitivities or a calibration_batch to measure them on, not both.")
@@ -1528,6 +1530,17 @@ def _heap_prediction(heap, at, at_bytes, paths, ladder):
     return at_bytes + heap.simulate(
         lambda b: round(b.bytes * scale.get(owner[b], 1.0))) - base + slack
   return predict
+
+
+def _offload_note(mesh) -> str:
+  """Why the plan has no ``offload`` site, for the platform it compiles for."""
+  platform = (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend())
+  if platform == "cpu":
+    return ("offload not searched (on CPU, where host and device memory are one, it saves "
+            "nothing: only a GPU compile could measure it)")
+  return (f"offload not searched on {platform} either: the plan ranks by FLOPs, which count "
+          "none of offload's host transfers (the one GPU measurement, an H100, had ActNN L4's "
+          "offload compile larger and step 1.8x slower than L3 without it)")
 
 
 def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,

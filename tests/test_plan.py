@@ -1004,3 +1004,16 @@ def test_the_compiled_front_keeps_the_points_nothing_beats():
   points = [(1.0, 90.0), (1.02, 70.0), (1.02, 75.0), (1.05, 80.0), (1.08, 40.0), (1.0, 90.0)]
   assert plan_lib._pareto(points) == [(1.0, 90.0), (1.02, 70.0), (1.08, 40.0)]
   assert plan_lib._pareto([]) == []
+
+
+def test_the_offload_note_names_the_platform_the_plan_compiles_for():
+  """Offload is not searched, and the plan says why for its own platform: on CPU it saves
+  nothing; elsewhere the walk's cost (FLOPs) counts none of its host transfers."""
+  # pylint: disable=protected-access
+  cpu = plan_lib._offload_note(None)
+  assert jax.default_backend() == "cpu" and "on CPU" in cpu
+  mesh_of = lambda platform: type("M", (), {"devices": np.array(
+      [type("D", (), {"platform": platform})()])})()
+  gpu = plan_lib._offload_note(mesh_of("gpu"))
+  assert "on CPU" not in gpu and "on gpu" in gpu and "host transfers" in gpu
+  assert plan_lib._offload_note(mesh_of("cpu")) == cpu
