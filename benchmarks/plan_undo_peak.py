@@ -153,12 +153,14 @@ def main():
       "best fit, the largest buffer first): from each step's own dump (how close the "
       "simulation comes to XLA's placement), and predicted from the reference's dump alone, "
       "the packed codes of the sites named resized to 8 bits (the reference's temp plus the "
-      "simulated difference): what `jmem.plan` now predicts an undo try by before compiling "
-      "it. The per-site estimate: the residual bytes the sites keep more at 8 bits (what "
+      "simulated difference, plus, for a changed state, how far the simulation of the "
+      "reference's own dump is from XLA's: "
+      f"{abs(base['simulated_temp_bytes'] - base['temp_bytes']) / MIB:.2f} MiB): what "
+      "`jmem.plan` now predicts an undo try by before compiling it. The per-site estimate: the residual bytes the sites keep more at 8 bits (what "
       "the planner scaled by a compiled slope before), wherever they are live. Variance taken "
       "off: the share of the reference's added gradient variance (sum of C / (2^bits - 1)^2, "
       "C measured at 2 bits) the undo takes off; a try the layout guides leaves an undo under "
-      "1%.",
+      "1% to a try of its own, made where no other undo is predicted to fit.",
       "",
       "| variant | temp MiB (XLA) | simulated from its own dump | predicted from the reference's "
       "| +temp (XLA) | +predicted | +per-site estimate (the planner's) | variance taken off |",

@@ -1455,7 +1455,7 @@ def _relax(state, sites, ladder, sensitivity, fits, least: float = 0.0):
 # The least share of a plan's added gradient variance a try guided by the heap layout
 # undoes a reduction for (`_relax`'s ``least``): on ResNet-20 at 25% the layout predicts
 # seven of nine blocks put back alone to the 0.01 MiB, but stage2_block2 (0.6% of the
-# variance) 0.46 MiB short (benchmarks/results/plan_undo_peak.md), and a try holding such
+# variance) 0.45 MiB short (benchmarks/results/plan_undo_peak.md), and a try holding such
 # an undo risks its compile for next to nothing. They get a try of their own where the
 # layout predicts no other undo to fit (ResNet-50 224², 8 GiB, batch 256: four such
 # reductions, and nothing else predicted to fit).
