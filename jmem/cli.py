@@ -259,6 +259,9 @@ def _plan(args) -> int:
   plan_lib.site_ladder(args.policies, not args.exact_only, args.bits)   # kinds and bits
   if args.verify_image_size is not None and args.verify_image_size < 1:
     raise ValueError(f"--verify-image-size must be positive, got {args.verify_image_size}.")
+  if args.devices is not None and args.devices < 1:
+    raise ValueError(f"--devices must be at least 1 (on CPU that many are simulated), got "
+                     f"{args.devices}.")
   if args.verify_steps < 0:
     raise ValueError(f"--verify-steps must be 0 (no verification) or more, got "
                      f"{args.verify_steps}.")

@@ -604,7 +604,8 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
               ["--policies", "save"], ["--policies", "compress", "--exact-only"],
               ["--bits", "3"], ["--bits", "8,8"], ["--bits", "8", "--exact-only"],
               ["--bits", "eight"],
-              ["--verify-steps", "1", "--verify-image-size", "-4"], ["--verify-steps", "-1"]):
+              ["--verify-steps", "1", "--verify-image-size", "-4"], ["--verify-steps", "-1"],
+              ["--devices", "0"]):
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
     err = capsys.readouterr().err   # refused before any trace or plan
@@ -618,6 +619,8 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
       assert "policies= (--policies) takes site policies of" in err, err
     if "-4" in bad:
       assert "--verify-image-size must be positive" in err
+    if bad == ["--devices", "0"]:
+      assert "--devices must be at least 1 (on CPU that many are simulated), got 0" in err, err
     if bad == ["--verify-steps", "-1"]:
       assert "--verify-steps must be 0 (no verification) or more, got -1" in err, err
   # --verify-image-size: by default the plan's image size (224 by default) up to 32.
