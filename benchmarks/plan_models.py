@@ -30,8 +30,15 @@ from jmem.models.segmentation import UNet  # noqa: E402
 from _common import RESULTS  # noqa: E402
 
 GIB = 2**30
-UNIFORM = {"compress 2-bit": dict(kind="compress", bits=2), "recompute": dict(kind="recompute"),
+UNIFORM = {"compress 8-bit": dict(kind="compress", bits=8),
+           "compress 4-bit": dict(kind="compress", bits=4),
+           "compress 2-bit": dict(kind="compress", bits=2), "recompute": dict(kind="recompute"),
            "recompute_compressed 2-bit": dict(kind="recompute_compressed", bits=2)}
+
+
+def _cheapest(uniform) -> str:
+  fit = {k: v["flops_ratio"] for k, v in uniform.items() if v["fits"]}
+  return f"{min(fit, key=fit.get)} ({min(fit.values()):.3f}x FLOPs)" if fit else "none"
 
 
 def main():
@@ -83,6 +90,7 @@ def main():
            "Uniform policies at the same batch: " + "; ".join(
                f"{k} {v['device_bytes'] / GIB:.2f} GiB ({'fits' if v['fits'] else 'over'}), "
                f"{v['flops_ratio']:.3f}x FLOPs" for k, v in uniform.items()),
+           f"Cheapest uniform policy that fits: {_cheapest(uniform)}.",
            f"Plan time {seconds:.0f} s on this machine.", ""]
   with open(os.path.join(RESULTS, "plan_models.json"), "w") as f:
     json.dump(rows, f, indent=1, default=str)

@@ -117,12 +117,14 @@ def _parser() -> argparse.ArgumentParser:
       "recompute from a 2-bit input; --exact-only: save or recompute; --policies: some of "
       "them; --bits: some of the bit widths) so that the compiled "
       "train step fits --budget at --batch-size with the fewest extra FLOPs (jmem.plan).")
-  pl.add_argument("--model", default="resnet50", help=f"one of: {', '.join(models.MODEL_NAMES)}")
-  pl.add_argument("--image-size", type=int, default=224)
+  pl.add_argument("--model", default="resnet50",
+                  help=f"one of: {', '.join(models.MODEL_NAMES)} (default: %(default)s)")
+  pl.add_argument("--image-size", type=int, default=224, help="(default: %(default)s)")
   pl.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
-  pl.add_argument("--batch-size", type=int, default=256)
+  pl.add_argument("--batch-size", type=int, default=256, help="(default: %(default)s)")
   pl.add_argument("--budget", default="16GiB",
-                  help="device memory, e.g. 16GiB, 800MiB, or a share of exact's: 50%%")
+                  help="device memory, e.g. 16GiB, 800MiB, or a share of exact's: 50%% "
+                  "(default: %(default)s)")
   pl.add_argument("--dtype", default="float32", choices=bench.DTYPES)
   pl.add_argument("--exact-only", action="store_true",
                   help="accuracy-safe: no compression, the gradients stay exact")
@@ -137,7 +139,9 @@ def _parser() -> argparse.ArgumentParser:
                   "fewest bits allowed above 1)")
   pl.add_argument("--no-inplace-abn", action="store_true",
                   help="do not try InPlace-ABN alone where the exact step does not fit")
-  pl.add_argument("--max-compiles", type=int, default=8)
+  pl.add_argument("--max-compiles", type=int, default=8,
+                  help="the most steps compiled before the largest batch's (default: "
+                  "%(default)s)")
   layout = pl.add_mutually_exclusive_group()
   layout.add_argument("--mesh", type=_mesh_shape, default=None, metavar="D|DxHxW",
                       help="plan for D x H x W devices: the batch split over D (data "
@@ -255,6 +259,12 @@ def _plan(args) -> int:
   plan_lib.site_ladder(args.policies, not args.exact_only, args.bits)   # kinds and bits
   if args.verify_image_size is not None and args.verify_image_size < 1:
     raise ValueError(f"--verify-image-size must be positive, got {args.verify_image_size}.")
+  if args.devices is not None and args.devices < 1:
+    raise ValueError(f"--devices must be at least 1 (on CPU that many are simulated), got "
+                     f"{args.devices}.")
+  if args.verify_steps < 0:
+    raise ValueError(f"--verify-steps must be 0 (no verification) or more, got "
+                     f"{args.verify_steps}.")
   if args.batch_size < 1 or args.image_size < 1:
     raise ValueError(f"--batch-size and --image-size must be positive, got "
                      f"{args.batch_size} and {args.image_size}.")
@@ -317,6 +327,8 @@ def _plan(args) -> int:
                                 ("plan", surgery.convert(base, *techniques)))}
     out["verify"] = dict(steps=args.verify_steps, image_size=size,
                          accuracy=accuracy)
+    with open(paths[0], "w") as f:           # plan.json, with what was verified
+      json.dump(out, f, indent=1)
   if args.json:
     json.dump(out, sys.stdout, indent=2)
     print()

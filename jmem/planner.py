@@ -245,8 +245,11 @@ class Plan:
       with a data axis, the global batch, a multiple of the axis's size.
     exact_max_batch: the same for the exact step (from its two compiles).
     compiles: the steps compiled.
-    front: the estimated (device bytes, FLOPs) of each point of the upgrade path, then,
-      where the plan is every site on the top rung (``off_walk``), that point's,
+    front: the (device bytes, FLOPs) of each point of the upgrade path as the walk's
+      compiles predict them (`_calibrated`: the compiled figures where a point was
+      compiled, between compiled points the estimate mapped through them; the estimate
+      alone can be far off, even below zero), then, where the plan is every site on the
+      top rung (``off_walk``), that point's compiled figures,
       for the Pareto plot; ``chosen``: the index in it of the point the plan is (or, where
       undoing unneeded bit reductions fitted, the plan started from: same FLOPs; 0 for
       InPlace-ABN alone).
@@ -321,14 +324,16 @@ class Plan:
   def table(self) -> str:
     sens = any(c.sensitivity is not None for c in self.choices)
     share = "" if self.devices == 1 else f", per device of {self.devices}"
-    lines = [f"| site | policy | saved MiB / example{share} | added MFLOPs / example{share} |" +
-             (" gradient sensitivity C |" if sens else ""),
+    lines = [f"| site | policy | saved MiB / example{share}, estimated | added MFLOPs / "
+             f"example{share}, estimated |" + (" gradient sensitivity C |" if sens else ""),
              "|---|---|---:|---:|" + ("---:|" if sens else "")]
     for c in self.choices:
       lines.append(f"| {c.path} | {c.label} | {c.saved_bytes / 2**20:.2f} | "
                    f"{c.added_flops / 1e6:.1f} |" + (f" {c.sensitivity:.3g} |" if sens else ""))
     if self.base:
       lines += ["", "Under every site: " + ", ".join(_short(t) for t in self.base) + "."]
+    lines += ["", "Per site: the trace's estimates (what the walk ranks by). The step's "
+              "figures below are compiled."]
     verdict = ("fits" if self.fits else
                f"does NOT fit: {_size(self.device_bytes - self.budget_bytes)} over; this is "
                "the smallest step compiled on its layout")
@@ -948,6 +953,12 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   slope = (exact_bytes - exact_small) / (batch - small)
   fixed = exact_bytes - slope * batch
   working = slope - sum(s.residual_bytes for s in sites)   # what no site holds
+  if fixed > budget_bytes:
+    notes.append(f"the exact step's line through batch {small} and {batch} puts "
+                 f"{_size(fixed)} at batch 0 (parameters, optimiser state, what does not "
+                 f"grow with the batch), over the budget of {_size(budget_bytes)}: the "
+                 "sites' policies change what grows with the batch, so no batch is likely "
+                 "to fit")
   walk = _upgrade_path(sites, ladder, sens if quantizes else None)
   abn = abn_cost = None
   if exact_bytes > budget_bytes:
@@ -1076,7 +1087,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     if smallest != state:
       walk_note = (f"nothing fits: the plan is the smallest of the steps compiled for the walk "
                    f"({name(smallest)}, {_size(tried[smallest][0])}); the walk ended at "
-                   f"{name(state)} ({_size(end_bytes)})")
+                   + ("its last point, every site on the highest rung that keeps less than "
+                      "the one below (a site none does stays saved), " if state == walk[-1]
+                      else "") + f"{name(state)} ({_size(end_bytes)})")
       state, device_bytes, flops = smallest, *tried[smallest]
       on_top = smallest not in walk               # else a walk point (index: the walk's end)
       index = index if on_top else walk.index(smallest)
@@ -1154,7 +1167,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       at_other, _ = compiled(under + _policies(choices), other)
       best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes,
                       multiple)
-  front = tuple(predicted(s_) for s_ in walk) + ((predicted(top),) if on_top else ())
+  front = _calibrated([predicted(s_) for s_ in walk],
+                      {i: costs[s_] for i, s_ in enumerate(walk) if s_ in costs} |
+                      {0: (exact_bytes, exact_flops)})
+  if on_top:
+    front += (costs[top] if top in costs else predicted(top),)
   index = len(front) - 1 if on_top else index
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
@@ -1538,9 +1555,9 @@ def _offload_note(mesh) -> str:
   if platform == "cpu":
     return ("offload not searched (on CPU, where host and device memory are one, it saves "
             "nothing: only a GPU compile could measure it)")
-  return (f"offload not searched on {platform} either: the plan ranks by FLOPs, which count "
-          "none of offload's host transfers (the one GPU measurement, an H100, had ActNN L4's "
-          "offload compile larger and step 1.8x slower than L3 without it)")
+  return (f"offload not searched ({platform}): the walk ranks by FLOPs, which count none of "
+          "offload's host transfers (the one GPU measurement, an H100, had ActNN L4's offload "
+          "compile larger and step 1.76x slower than L3 without it)")
 
 
 def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
@@ -1651,6 +1668,38 @@ def _largest(lo, hi, budget, multiple: int = 1) -> int:
   return max(0, int((budget - (bytes_lo - slope * b_lo)) // slope)) // multiple * multiple
 
 
+def _calibrated(estimated, compiled) -> tuple[tuple[float, float], ...]:
+  """The upgrade path's ``estimated`` (bytes, FLOPs) as its compiled points predict them.
+  ``compiled``: walk index -> compiled (bytes, FLOPs), index 0 (exact) among them. Bytes:
+  a compiled point's own; between two compiled points, linear in the estimate through
+  them; past the last, the line through the last two (the walk's line: its slope clamped
+  to [0.1, 1]; one compiled point: slope 1). FLOPs: the estimate plus the compiled-less-
+  estimated FLOPs of the compiled points, interpolated along the path (past the last,
+  the last's)."""
+  known = sorted(compiled)
+  out = []
+  for i, (e, f) in enumerate(estimated):
+    if i in compiled:
+      out.append(tuple(map(float, compiled[i])))
+      continue
+    lo = max(k for k in known if k < i)
+    hi = min((k for k in known if k > i), default=None)
+    (e0, f0), (c0, g0) = estimated[lo], compiled[lo]
+    if hi is not None:
+      (e1, f1), (c1, g1) = estimated[hi], compiled[hi]
+      t = (e - e0) / (e1 - e0) if e1 != e0 else (i - lo) / (hi - lo)
+      u = (i - lo) / (hi - lo)
+      out.append((c0 + t * (c1 - c0), f + (g0 - f0) + u * ((g1 - f1) - (g0 - f0))))
+      continue
+    prev = [k for k in known if k < lo]
+    slope = 1.0
+    if prev:
+      (ep, _), (cp, _) = estimated[prev[-1]], compiled[prev[-1]]
+      slope = _compiled_slope((ep, cp), (e0, c0), 0.1, 1.0)   # the walk's clamp
+    out.append((c0 + slope * (e - e0), f + (g0 - f0)))
+  return tuple(out)
+
+
 def _pareto(points):
   """The ``(FLOPs, bytes)`` points that no point of fewer or equal FLOPs matches in bytes
   (the fewest bytes at each FLOPs), by FLOPs."""
@@ -1662,9 +1711,9 @@ def _pareto(points):
 
 
 def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
-  """``<stem>.json``, ``<stem>.md`` and ``<stem>_front.png`` (estimated memory against
-  FLOPs along the upgrade path, the chosen point marked, every step compiled at the batch
-  and the plan's, and the front of the compiled ones)."""
+  """``<stem>.json``, ``<stem>.md`` and ``<stem>_front.png`` (memory against FLOPs along
+  the upgrade path as its compiles predict it, every step compiled at the batch, the plan
+  marked, and the front of the compiled ones)."""
   import os  # pylint: disable=g-import-not-at-top
   os.makedirs(output_dir, exist_ok=True)
   paths = [os.path.join(output_dir, f"{stem}.{ext}") for ext in ("json", "md")]
@@ -1684,8 +1733,7 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
   fig, ax = plt.subplots(figsize=(6, 4))
   walk = slice(0, len(fl) - 1 if plan_.off_walk else len(fl))   # the top-rung try is apart
   ax.plot(fl[walk], mem[walk], ".-", color="0.6",
-          label="upgrade path (estimated)")
-  ax.plot(fl[plan_.chosen], mem[plan_.chosen], "o", color="C0", label="chosen (estimated)")
+          label="upgrade path (predicted from the compiled points)")
   steps = [(f / max(plan_.exact_flops, 1), b / scale) for what, b, f in plan_.measured
            if what != "exact" and (b, f) != (plan_.device_bytes, plan_.flops)]
   if steps:
@@ -1698,7 +1746,7 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
           color="C1", label="chosen (compiled)")
   ax.plot(1.0, plan_.exact_device_bytes / scale, "s", color="k", label="exact (compiled)")
   ax.axhline(plan_.budget_bytes / scale, color="C3", ls="--", label="budget")
-  ax.set_ylim(bottom=0)              # a coarse estimate can run below zero at the far end
+  ax.set_ylim(bottom=0)
   ax.set_xlabel("step FLOPs / exact")
   ax.set_ylabel(f"device {unit} at batch {plan_.batch_size}")
   ax.legend(fontsize=8)

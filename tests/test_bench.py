@@ -259,6 +259,9 @@ def test_the_unet_is_registered_with_a_label_per_pixel(capsys, monkeypatch):
   assert "unet" in models.MODEL_NAMES and models.model_task("unet") == "segmentation"
   ds = bench.make_dataset("unet", 16)
   assert ds.num_classes == 11 and ds.y_train.shape == (len(ds.x_train), 16, 16)
+  # A side the poolings do not divide: the error names the sides, not a batch it was traced at.
+  with pytest.raises(ValueError, match="H and W divisible by 16 .4 poolings.; got H x W 30 x 32"):
+    models.UNet(11).init(jax.random.key(0), jnp.zeros((1, 30, 32, 1)))
   ink = ds.x_train[..., 0] > 1.0                    # a digit's label on its ink, else 10
   digit = data.digits(16).y_train[:, None, None]
   assert np.array_equal(ds.y_train, np.where(ink, digit, 10)) and 0.05 < ink.mean() < 0.5

@@ -69,6 +69,12 @@ def test_plans_fit_and_a_tighter_budget_never_needs_fewer_flops():
     assert p.measured[0] == ("exact", p.exact_device_bytes, p.exact_flops)
     assert ((p.device_bytes, p.flops) in [(b, f) for _, b, f in p.measured] and
             all(w.startswith("walk point") for w, _, _ in p.measured[1:])), p.measured
+    # The front is what the compiles say: each compiled walk point's own figures.
+    for w, b, f in p.measured[1:]:
+      assert p.front[int(w.split()[-1])] == (b, f), (w, p.front)
+    assert p.front[0] == (p.exact_device_bytes, p.exact_flops)
+    assert not any("no batch is likely to fit" in n for n in p.notes), p.notes
+    assert min(b for b, _ in p.front) > 0, p.front
   assert plans[1].flops >= plans[0].flops >= plans[0].exact_flops
   assert all(c.kind in ("save", "compress", "recompute_compressed") for c in plans[1].choices)
   # Every site climbs to 8 bits before one goes lower.
@@ -127,7 +133,9 @@ def test_where_nothing_fits_the_plan_is_the_smallest_step_compiled():
   assert all(w.startswith("walk point") for w, _, _ in p.measured[1:]), p.measured
   assert any(n.startswith("nothing fits: the plan is the smallest of the steps compiled "
                           f"for the walk (walk point {p.chosen}") and
-             f"the walk ended at walk point {len(p.front) - 1}" in n for n in p.notes), p.notes
+             "the walk ended at its last point, every site on the highest rung" in n and
+             n.endswith(f"walk point {len(p.front) - 1} ({plan_lib._size(walked[-1])})")
+             for n in p.notes), p.notes
   assert "the smallest step compiled on its layout" in p.table()
   step = plan_lib.compile_step(jmem.convert(model, *p.techniques),
                                train.default_optimizer(1e-3, 100), x, y)
@@ -482,6 +490,11 @@ def test_budgets_and_bad_input():
   assert fits.fits and not fits.techniques and any("block sites hold" in n for n in fits.notes)
   with pytest.raises(ValueError, match="one label"):
     plan_lib.plan(tp.FunctionalCNN(), (X, jax.ShapeDtypeStruct((8,), jnp.int32)), "50%")
+  # A budget under what does not grow with the batch: the plan says no batch is likely to.
+  tiny = plan_lib.plan(tp.FunctionalCNN(), (X, Y), 10_000, max_batch=False, max_compiles=3)
+  assert not tiny.fits and any(
+      n.startswith("the exact step's line through batch 32 and 64 puts") and
+      n.endswith("so no batch is likely to fit") for n in tiny.notes), tiny.notes
 
 
 def test_jmem_video_models_have_sites_and_a_dominant_site_is_split(monkeypatch):
@@ -567,7 +580,8 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
   assert all(c["bits"] in (None, 4, 8) for c in written["choices"]), written["choices"]
   assert "site policies searched: save, compressed at 8 bits, compressed at 4 bits, " \
       "recomputed from a 4-bit input" in written["notes"], written["notes"]
-  verify = printed.pop("verify")
+  verify = printed.pop("verify")                  # printed, and in plan.json too
+  assert written.pop("verify") == verify
   assert printed == written and verify["steps"] == 2 and verify["image_size"] == 16
   assert sorted(verify["accuracy"]) == ["exact", "plan"], verify
   assert all(0.0 < a <= 1.0 for a in verify["accuracy"].values()), verify
@@ -590,7 +604,8 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
               ["--policies", "save"], ["--policies", "compress", "--exact-only"],
               ["--bits", "3"], ["--bits", "8,8"], ["--bits", "8", "--exact-only"],
               ["--bits", "eight"],
-              ["--verify-steps", "1", "--verify-image-size", "-4"]):
+              ["--verify-steps", "1", "--verify-image-size", "-4"], ["--verify-steps", "-1"],
+              ["--devices", "0"]):
     with pytest.raises(SystemExit):
       cli.main(["plan", *bad, "--output-dir", str(out)])
     err = capsys.readouterr().err   # refused before any trace or plan
@@ -604,6 +619,10 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
       assert "policies= (--policies) takes site policies of" in err, err
     if "-4" in bad:
       assert "--verify-image-size must be positive" in err
+    if bad == ["--devices", "0"]:
+      assert "--devices must be at least 1 (on CPU that many are simulated), got 0" in err, err
+    if bad == ["--verify-steps", "-1"]:
+      assert "--verify-steps must be 0 (no verification) or more, got -1" in err, err
   # --verify-image-size: by default the plan's image size (224 by default) up to 32.
   # pylint: disable=protected-access
   size = lambda *flags: cli._verify_size(cli._parser().parse_args(["plan", *flags]))
@@ -1015,5 +1034,18 @@ def test_the_offload_note_names_the_platform_the_plan_compiles_for():
   mesh_of = lambda platform: type("M", (), {"devices": np.array(
       [type("D", (), {"platform": platform})()])})()
   gpu = plan_lib._offload_note(mesh_of("gpu"))
-  assert "on CPU" not in gpu and "on gpu" in gpu and "host transfers" in gpu
+  assert "on CPU" not in gpu and gpu.startswith("offload not searched (gpu)") and "host transfers" in gpu
   assert plan_lib._offload_note(mesh_of("cpu")) == cpu
+
+
+def test_the_front_is_the_estimate_through_the_compiled_points():
+  """Plan.front: compiled figures where a walk point was compiled; between two, bytes linear
+  in the estimate through them and FLOPs corrected by theirs, interpolated; past the last,
+  the line through the last two (slope within [0.1, 1]) and the last's FLOPs correction."""
+  # pylint: disable=protected-access
+  estimated = [(100.0, 1.0), (80.0, 2.0), (60.0, 3.0), (40.0, 4.0), (20.0, 5.0)]
+  front = plan_lib._calibrated(estimated, {0: (100, 1), 2: (80, 3.5)})
+  assert front == ((100.0, 1.0), (90.0, 2.25), (80.0, 3.5), (70.0, 4.5), (60.0, 5.5))
+  # One compiled point: slope 1 past it. A compile that saved more than estimated: slope 1.
+  assert plan_lib._calibrated(estimated[:2], {0: (100, 1)})[1] == (80.0, 2.0)
+  assert plan_lib._calibrated(estimated, {0: (100, 1), 1: (50, 2)})[2] == (30.0, 3.0)

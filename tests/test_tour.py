@@ -13,7 +13,7 @@ def test_the_quoted_accuracies_are_in_their_result_files():
   root = pathlib.Path(__file__).resolve().parents[1]
   for technique, (quote, source) in tour.QUOTED.items():
     text = (root / source).read_text()
-    for number in re.findall(r"\d+\.\d+%", quote):
+    for number in re.findall(r"\d+\.\d+(?:%|e-\d+)", quote):
       assert number in text, (technique, number, source)
 
 

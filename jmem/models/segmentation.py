@@ -66,9 +66,12 @@ class UNet(nn.Module):
   @nn.compact
   def __call__(self, x):
     factor = 2 ** (len(self.widths) - 1)
-    if x.ndim != 4 or x.shape[1] % factor or x.shape[2] % factor:
-      raise ValueError(f"UNet takes [B, H, W, C] images with H and W divisible by {factor} "
-                       f"({len(self.widths) - 1} poolings); got shape {x.shape}.")
+    if x.ndim != 4:
+      raise ValueError(f"UNet takes [B, H, W, C] images; got shape {x.shape}.")
+    if x.shape[1] % factor or x.shape[2] % factor:
+      raise ValueError(f"UNet takes images with H and W divisible by {factor} "
+                       f"({len(self.widths) - 1} poolings); got H x W {x.shape[1]} x "
+                       f"{x.shape[2]}.")
     stage_cls = UNetStage if self.block_transform is None else self.block_transform(UNetStage)
     stage = functools.partial(stage_cls, train=self.train, dtype=self.dtype, conv=self.conv,
                               norm=self.norm)
