@@ -68,12 +68,15 @@ def main():
                        flops_ratio=p.flops / p.exact_flops, noise=noise, seconds=seconds,
                        bits={c.path: c.label for c in p.choices},
                        sensitivity={c.path: c.sensitivity for c in p.choices},
-                       # each step compiled (label, bytes, FLOPs) and every point of the
-                       # walk as its compiles predict it (Plan.front; results written
-                       # before commit eb59812 hold the raw estimate, as "estimated")
+                       # each step compiled (label, bytes, FLOPs), the walk's estimate
+                       # (bytes, FLOPs) at every point, what steered the walk, and the walk
+                       # as its compiles predict it (Plan.front; not in results written
+                       # before this key was added)
                        measured=[list(m) for m in p.measured],
+                       estimated=[[float(b), float(f)] for b, f in p.estimates],
                        front=[[float(b), float(f)] for b, f in p.front]))
-      print({k: v for k, v in rows[-1].items() if k != "front"}, flush=True)
+      print({k: v for k, v in rows[-1].items() if k not in ("estimated", "front")},
+            flush=True)
   # GACT's own estimate (1-bit probes) on the same examples, and each site's gradient
   # variance at 4 bits (alone, 8 dithers, the same examples and initial weights) against
   # both predictions, C / 15^2.

@@ -140,8 +140,9 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("--no-inplace-abn", action="store_true",
                   help="do not try InPlace-ABN alone where the exact step does not fit")
   pl.add_argument("--max-compiles", type=int, default=8,
-                  help="the most steps compiled before the largest batch's (default: "
-                  "%(default)s)")
+                  help="the most steps compiled for the plan (not counting the largest "
+                  "batch's, nor, with --devices, the exact steps that choose the layout; "
+                  "default: %(default)s)")
   layout = pl.add_mutually_exclusive_group()
   layout.add_argument("--mesh", type=_mesh_shape, default=None, metavar="D|DxHxW",
                       help="plan for D x H x W devices: the batch split over D (data "
@@ -260,8 +261,7 @@ def _plan(args) -> int:
   if args.verify_image_size is not None and args.verify_image_size < 1:
     raise ValueError(f"--verify-image-size must be positive, got {args.verify_image_size}.")
   if args.devices is not None and args.devices < 1:
-    raise ValueError(f"--devices must be at least 1 (on CPU that many are simulated), got "
-                     f"{args.devices}.")
+    raise ValueError(f"--devices must be at least 1, got {args.devices}.")
   if args.verify_steps < 0:
     raise ValueError(f"--verify-steps must be 0 (no verification) or more, got "
                      f"{args.verify_steps}.")

@@ -115,8 +115,9 @@ peak). Each site gets a `jmem.Policy`. How:
 Not searched: ``offload``. On CPU, one memory for host and device, it saves nothing, so
 only a GPU compile could measure it; on a GPU the walk's cost, FLOPs, counts none of its
 host transfers, and the one GPU measurement (an H100, ResNet-50 at batch 64:
-benchmarks/results/gpu_h100_first_figures.md) had ActNN L4's offload compile to 3.51 GiB
-against L3's 2.28 and step 1.76x slower. The plan's notes say which applies.
+benchmarks/results/gpu_h100_first_figures.md) had ActNN L4's offload of the 2-bit codes
+compile to 3.51 GiB against L3's 2.28 and step in 69.4 ms against 39.4. The plan's notes
+say which applies.
 """
 
 from __future__ import annotations
@@ -247,9 +248,10 @@ class Plan:
     compiles: the steps compiled.
     front: the (device bytes, FLOPs) of each point of the upgrade path as the walk's
       compiles predict them (`_calibrated`: the compiled figures where a point was
-      compiled, between compiled points the estimate mapped through them; the estimate
-      alone can be far off, even below zero), then, where the plan is every site on the
-      top rung (``off_walk``), that point's compiled figures,
+      compiled, between compiled points the estimate mapped through them, past the last
+      the walk's line, no lower than the exact step's bytes at batch 0; where exact
+      alone was compiled, the estimate itself so floored), then, where the plan is every
+      site on the top rung (``off_walk``), that point's compiled figures,
       for the Pareto plot; ``chosen``: the index in it of the point the plan is (or, where
       undoing unneeded bit reductions fitted, the plan started from: same FLOPs; 0 for
       InPlace-ABN alone).
@@ -273,6 +275,8 @@ class Plan:
     off_walk: the plan is no point of the walk: every site that saves anything on the top
       rung, tried after the walk's end missed or where the estimate put it at fewer FLOPs
       than the walk's plan (``front``'s last point, after the walk's; ``chosen`` is it).
+    estimates: the trace's estimate at each point of ``front`` (what the walk ranks by,
+      before any compile corrects it: far off at times, even below zero bytes).
   """
 
   budget_bytes: int
@@ -295,6 +299,7 @@ class Plan:
   mesh: Any = None
   batch_specs: tuple | None = None
   off_walk: bool = False
+  estimates: tuple[tuple[float, float], ...] = ()
 
   @property
   def techniques(self) -> tuple:
@@ -953,12 +958,6 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   slope = (exact_bytes - exact_small) / (batch - small)
   fixed = exact_bytes - slope * batch
   working = slope - sum(s.residual_bytes for s in sites)   # what no site holds
-  if fixed > budget_bytes:
-    notes.append(f"the exact step's line through batch {small} and {batch} puts "
-                 f"{_size(fixed)} at batch 0 (parameters, optimiser state, what does not "
-                 f"grow with the batch), over the budget of {_size(budget_bytes)}: the "
-                 "sites' policies change what grows with the batch, so no batch is likely "
-                 "to fit")
   walk = _upgrade_path(sites, ladder, sens if quantizes else None)
   abn = abn_cost = None
   if exact_bytes > budget_bytes:
@@ -1167,16 +1166,23 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       at_other, _ = compiled(under + _policies(choices), other)
       best = _largest(*sorted([(batch, device_bytes), (other, at_other)]), budget_bytes,
                       multiple)
-  front = _calibrated([predicted(s_) for s_ in walk],
+  if not fits and fixed > budget_bytes:
+    notes.append(f"the exact step's line through batch {small} and {batch} puts "
+                 f"{_size(fixed)} at batch 0 (parameters, optimiser state and the rest of "
+                 f"what does not grow with the batch), over the budget of "
+                 f"{_size(budget_bytes)}: the sites' policies change what grows with the "
+                 "batch, so no batch is likely to fit")
+  estimates = tuple(predicted(s_) for s_ in walk) + ((predicted(top),) if on_top else ())
+  front = _calibrated(estimates[:len(walk)],
                       {i: costs[s_] for i, s_ in enumerate(walk) if s_ in costs} |
-                      {0: (exact_bytes, exact_flops)})
+                      {0: (exact_bytes, exact_flops)}, floor=max(fixed, 0.0))
   if on_top:
-    front += (costs[top] if top in costs else predicted(top),)
+    front += (tuple(map(float, costs[top])),)      # on_top: the top rung was compiled
   index = len(front) - 1 if on_top else index
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
               base + under, tuple(measured), layout.shards, layout.mesh,
-              layout.specs(x, y), on_top)
+              layout.specs(x, y), on_top, estimates)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1471,7 +1477,7 @@ def _relax(state, sites, ladder, sensitivity, fits, least: float = 0.0):
 
 # The least share of a plan's added gradient variance a try guided by the heap layout
 # undoes a reduction for (`_relax`'s ``least``): on ResNet-20 at 25% the layout predicts
-# seven of nine blocks put back alone to the 0.01 MiB, but stage2_block2 (0.6% of the
+# seven of nine blocks put back alone within 0.014 MiB, but stage2_block2 (0.6% of the
 # variance) 0.45 MiB short (benchmarks/results/plan_undo_peak.md), and a try holding such
 # an undo risks its compile for next to nothing. They get a try of their own where the
 # layout predicts no other undo to fit (ResNet-50 224², 8 GiB, batch 256: four such
@@ -1557,7 +1563,8 @@ def _offload_note(mesh) -> str:
             "nothing: only a GPU compile could measure it)")
   return (f"offload not searched ({platform}): the walk ranks by FLOPs, which count none of "
           "offload's host transfers (the one GPU measurement, an H100, had ActNN L4's offload "
-          "compile larger and step 1.76x slower than L3 without it)")
+          "of the 2-bit codes compile larger than L3, which keeps them, and step 1.76x as "
+          "long)")
 
 
 def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
@@ -1668,14 +1675,15 @@ def _largest(lo, hi, budget, multiple: int = 1) -> int:
   return max(0, int((budget - (bytes_lo - slope * b_lo)) // slope)) // multiple * multiple
 
 
-def _calibrated(estimated, compiled) -> tuple[tuple[float, float], ...]:
+def _calibrated(estimated, compiled, floor: float = 0.0) -> tuple[tuple[float, float], ...]:
   """The upgrade path's ``estimated`` (bytes, FLOPs) as its compiled points predict them.
   ``compiled``: walk index -> compiled (bytes, FLOPs), index 0 (exact) among them. Bytes:
   a compiled point's own; between two compiled points, linear in the estimate through
   them; past the last, the line through the last two (the walk's line: its slope clamped
-  to [0.1, 1]; one compiled point: slope 1). FLOPs: the estimate plus the compiled-less-
-  estimated FLOPs of the compiled points, interpolated along the path (past the last,
-  the last's)."""
+  to [0.1, 1]; exact alone: slope 1, the estimate itself), and no lower than ``floor``
+  (what does not grow with the batch: a step needs at least that). FLOPs: the estimate
+  plus the compiled-less-estimated FLOPs of the compiled points, interpolated along the
+  path (past the last, the last's)."""
   known = sorted(compiled)
   out = []
   for i, (e, f) in enumerate(estimated):
@@ -1696,7 +1704,7 @@ def _calibrated(estimated, compiled) -> tuple[tuple[float, float], ...]:
     if prev:
       (ep, _), (cp, _) = estimated[prev[-1]], compiled[prev[-1]]
       slope = _compiled_slope((ep, cp), (e0, c0), 0.1, 1.0)   # the walk's clamp
-    out.append((c0 + slope * (e - e0), f + (g0 - f0)))
+    out.append((max(c0 + slope * (e - e0), floor), f + (g0 - f0)))
   return tuple(out)
 
 
@@ -1746,7 +1754,7 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
           color="C1", label="chosen (compiled)")
   ax.plot(1.0, plan_.exact_device_bytes / scale, "s", color="k", label="exact (compiled)")
   ax.axhline(plan_.budget_bytes / scale, color="C3", ls="--", label="budget")
-  ax.set_ylim(bottom=0)
+  ax.set_ylim(bottom=0)              # the budget line and exact's bytes set the top
   ax.set_xlabel("step FLOPs / exact")
   ax.set_ylabel(f"device {unit} at batch {plan_.batch_size}")
   ax.legend(fontsize=8)
