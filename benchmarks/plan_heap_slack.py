@@ -12,7 +12,9 @@ and without the slack), and the per-site estimate. The defaults are the walk poi
 ResNet-50 plans of plan_resnet50.md stop at (16 GiB at batch 512, 8 GiB at 256) and an
 undo the plans tried there. Writes results/plan_heap_slack.{json,md}.
 
-  python benchmarks/plan_heap_slack.py [--cases 512:stage1_block2,stage2_block2,stage2_block4:stage2_block2;...]
+  python benchmarks/plan_heap_slack.py [--cases BATCH:SITE,SITE:SITE_UNDONE;...]
+
+e.g. --cases 512:stage1_block2,stage2_block2,stage2_block4:stage2_block2
 """
 
 import argparse
