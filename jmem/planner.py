@@ -114,10 +114,13 @@ peak). Each site gets a `jmem.Policy`. How:
 
 Not searched: ``offload``. On CPU, one memory for host and device, it saves nothing, so
 only a GPU compile could measure it; on a GPU the walk's cost, FLOPs, counts none of its
-host transfers, and the one GPU measurement (an H100, ResNet-50 at batch 64:
-benchmarks/results/gpu_h100_first_figures.md) had ActNN L4's offload of the 2-bit codes
-compile to 3.51 GiB against L3's 2.28 and step in 69.4 ms against 39.4. The plan's notes
-say which applies.
+host transfers, and where it was measured it lost on both figures: on an H100, ResNet-50
+224² at batch 64 (benchmarks/results/gpu_nvidia_h100_80gb_hbm3_run4.md), full-precision
+``Policy("offload")`` at every site compiled to 0.97x exact's temp bytes and stepped in
+11.5x exact's time (310.6 against 27.1 ms), where ``recompute-2bit`` compiled to 0.29x at
+1.21x; ActNN L4's offload of the 2-bit codes had compiled larger than L3, which keeps them
+(3.51 against 2.28 GiB), and stepped 1.76x as long (gpu_h100_first_figures.md). The plan's
+notes say which applies.
 """
 
 from __future__ import annotations
@@ -1562,9 +1565,10 @@ def _offload_note(mesh) -> str:
     return ("offload not searched (on CPU, where host and device memory are one, it saves "
             "nothing: only a GPU compile could measure it)")
   return (f"offload not searched ({platform}): the walk ranks by FLOPs, which count none of "
-          "offload's host transfers (the one GPU measurement, an H100, had ActNN L4's offload "
-          "of the 2-bit codes compile larger than L3, which keeps them, and step 1.76x as "
-          "long)")
+          "offload's host transfers, and where offload was measured (an H100, ResNet-50 224² "
+          "at batch 64) it lost on both figures: full precision at every site compiled to "
+          "0.97x exact's temp bytes and stepped 11.5x as long, where recompute-2bit compiled "
+          "to 0.29x at 1.21x)")
 
 
 def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
