@@ -575,6 +575,13 @@ def site_ladder(policies: Sequence[str] | str | None = None, approximate: bool =
   else:
     kinds = (policies,) if isinstance(policies, str) else tuple(policies)
   bad = [k for k in kinds if k not in POLICY_KINDS]
+  if "offload" in bad:
+    raise ValueError(
+        "policies= (--policies): the planner does not search 'offload' (the module docstring "
+        "says why: on CPU it saves nothing, and on an H100 full-precision offload at every "
+        "site of ResNet-50 kept 0.96x exact's peak at 11.5x the step time). Plan without it; "
+        "to offload sites yourself, add jmem.Policy('offload', where=...) to the plan's "
+        f"techniques. Searchable: {list(POLICY_KINDS)}.")
   if not kinds or bad:
     raise ValueError(f"policies= (--policies) takes site policies of {list(POLICY_KINDS)} "
                      f"(save is always allowed), at least one; got {list(kinds)!r}.")

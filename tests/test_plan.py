@@ -113,7 +113,8 @@ def test_exact_only_plans_keep_the_gradients_exact():
   assert "site policies searched: save, compressed at 8 bits, compressed at 4 bits, " \
       "compressed at 2 bits, compressed at 1 bit" in packed.notes, packed.notes
   for bad, match in ((("save",), r"policies= \(--policies\) takes site policies of"),
-                     ((), "at least one"), (("compress",), "approximate=False keeps")):
+                     ((), "at least one"), (("compress",), "approximate=False keeps"),
+                     (("compress", "offload"), "the planner does not search 'offload'")):
     with pytest.raises(ValueError, match=match):
       plan_lib.plan(model, (x, y), budget, policies=bad, approximate=bad != ("compress",))
 
@@ -601,7 +602,8 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
   for bad in (["--budget", "sixteen"], ["--mesh", "2y4"], ["--mesh", "0x2x4"], ["--mesh", "2x4"],
               ["--mesh", "2x4x4"],                 # 32 devices: the tests have 8
               ["--devices", "9"], ["--devices", "2", "--mesh", "2"],
-              ["--policies", "save"], ["--policies", "compress", "--exact-only"],
+              ["--policies", "save"], ["--policies", "offload"],
+              ["--policies", "compress", "--exact-only"],
               ["--bits", "3"], ["--bits", "8,8"], ["--bits", "8", "--exact-only"],
               ["--bits", "eight"],
               ["--verify-steps", "1", "--verify-image-size", "-4"], ["--verify-steps", "-1"],
@@ -617,6 +619,8 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
               "bits= (--bits) takes the bit widths a quantized value may have") in err, err
     if bad == ["--policies", "save"]:
       assert "policies= (--policies) takes site policies of" in err, err
+    if bad == ["--policies", "offload"]:
+      assert "does not search 'offload'" in err and "jmem.Policy('offload'" in err, err
     if "-4" in bad:
       assert "--verify-image-size must be positive" in err
     if bad == ["--devices", "0"]:
