@@ -8,8 +8,9 @@ GROUP is one of gpu.py's GROUPS or QUICK_GROUPS (``resnet8-f32 8`` checks it on 
 JAX_PLATFORMS=cpu). The technique is compiled in this process while exact compiles in a second
 one; both fill the persistent cache named by JMEM_GPU_BENCH_CACHE (set it), from which
 ``gpu.worker_measure`` loads them: peak_bytes_in_use of each (the technique first, as its
-compiled peak is the smaller), then step times interleaved with exact (20 repeats). Writes the
-compile's memory figures, the measurements and the JAX version and device to OUT.json.
+compiled peak is the smaller), then step times interleaved with exact (20 repeats). Writes both
+compiles' memory figures, the measurements and the JAX version and device to OUT.json (run 5's
+JSON predates exact's compile being kept there: its log has it).
 """
 import json
 import os
@@ -34,13 +35,15 @@ code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import gpu; "
         f"g = dict(gpu.GROUPS, **gpu.QUICK_GROUPS)[{name!r}]; "
         "print('exact', json.dumps(gpu.worker_compile(dict(group=g, technique='exact', "
         f"batches=[{batch}]))), flush=True)")
-p = subprocess.Popen([sys.executable, "-c", code])
+p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 log(f"compiling {technique} (exact in a second process)")
 res = {"technique": technique, "compile": gpu.worker_compile(
     dict(group=groups[name], technique=technique, batches=[batch]))}
 log(f"compiled: {json.dumps(res)}")
-p.wait()
-log("exact compiled; measuring")
+printed = p.communicate()[0]
+exact = [ln for ln in printed.splitlines() if ln.startswith("exact ")]
+res["compile_exact"] = json.loads(exact[-1][len("exact "):]) if exact else None
+log(f"exact compiled: {json.dumps(res['compile_exact'])}; measuring")
 res["measure"] = gpu.worker_measure(dict(group=groups[name], batch=batch, seconds=1e4,
                                          repeats=20, order=[technique, "exact"]))
 log(json.dumps(res["measure"]))

@@ -118,9 +118,9 @@ host transfers, and where it was measured it lost on both figures: on an H100, R
 224² at batch 64 (benchmarks/results/gpu_nvidia_h100_80gb_hbm3_run4.md), full-precision
 ``Policy("offload")`` at every site compiled to 0.97x exact's temp bytes and stepped in
 11.5x exact's time (310.6 against 27.1 ms), where ``recompute-2bit`` compiled to 0.29x at
-1.21x; ActNN L4's offload of the 2-bit codes had compiled larger than L3, which keeps them
-(3.51 against 2.28 GiB), and stepped 1.76x as long (gpu_h100_first_figures.md). The plan's
-notes say which applies.
+1.21x; in an earlier run (gpu_h100_first_figures.md, run 3: unmasked kernels, a non-finite
+loss) ActNN L4's offload of the 2-bit codes had compiled larger than L3, which keeps them
+(3.51 against 2.28 GiB), and stepped 1.76x as long. The plan's notes say which applies.
 """
 
 from __future__ import annotations

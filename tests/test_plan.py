@@ -1043,6 +1043,39 @@ def test_the_offload_note_names_the_platform_the_plan_compiles_for():
   assert "on CPU" in plan_lib._offload_note(mesh_of("cpu"))
 
 
+def test_offload_by_hand_beside_a_plans_policies():
+  """What the refusal of policies=('offload',) advises: jmem.Policy('offload', where=...)
+  beside a plan's techniques converts on a site the plan leaves at save, and its step's
+  gradients match those of the plan's techniques alone (offload at full precision is exact);
+  on a site the plan already has, the two policies are refused."""
+  model = tp.FunctionalCNN()
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 16, 16, 1)), jnp.float32)
+  y = jnp.arange(4) % 10
+  base = jmem.convert(model, jmem.Remat())          # the model's sites, for their paths
+  paths = sorted(p for ps in jmem.surgery.sites(base, x, train=True).values() for p in ps)
+  assert len(paths) >= 2, paths
+  choice = plan_lib.SiteChoice(paths[0], "compress", 8, 0.0, 0.0, None)
+  planned = (choice.technique(),)                   # as Plan.techniques gives it
+  by_hand = planned + (jmem.Policy("offload", where=re.escape(paths[1])),)
+  grads = []
+  for techniques in (planned, by_hand):
+    fns = train.model_fns(jmem.convert(model, *techniques))
+    params, model_state = fns.init(jax.random.key(0), x)
+
+    def loss(params, fns=fns, model_state=model_state):
+      logits, _ = fns.apply(params, model_state, x, train=True, rng=jax.random.key(1))
+      return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+    grads.append(jax.grad(loss)(params))
+  for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  sites = jmem.surgery.sites(jmem.convert(model, *by_hand), x, train=True)
+  assert sorted(p for ps in sites.values() for p in ps) == paths[:2], sites
+  with pytest.raises(ValueError, match=re.escape(paths[0])):
+    jmem.surgery.sites(jmem.convert(model, *planned, jmem.Policy("offload",
+                                                                  where=re.escape(paths[0]))),
+                       x, train=True)
+
+
 def test_the_front_is_the_estimate_through_the_compiled_points():
   """Plan.front: compiled figures where a walk point was compiled; between two, bytes linear
   in the estimate through them and FLOPs corrected by theirs, interpolated; past the last,
