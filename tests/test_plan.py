@@ -1066,6 +1066,7 @@ def test_offload_by_hand_beside_a_plans_policies():
       logits, _ = fns.apply(params, model_state, x, train=True, rng=jax.random.key(1))
       return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
     grads.append(jax.grad(loss)(params))
+  assert jax.tree.structure(grads[0]) == jax.tree.structure(grads[1])
   for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   sites = jmem.surgery.sites(jmem.convert(model, *by_hand), x, train=True)
