@@ -208,12 +208,13 @@ def worker_plan(spec: dict) -> dict:
 def _compile(group, technique, batch):
   t0 = time.perf_counter()
   step, abstract, x_spec, y_spec, make_state, make_batch = _build(group, technique, batch)
-  compiled = step.lower(abstract, x_spec, y_spec).compile()
+  lowered = step.lower(abstract, x_spec, y_spec)
+  compiled = lowered.compile()
   seconds = time.perf_counter() - t0
-  return compiled, seconds, make_state, make_batch
+  return compiled, seconds, make_state, make_batch, lowered
 
 
-def _memory(compiled) -> dict:
+def _memory(compiled, lowered=None) -> dict:
   m = compiled.memory_analysis()
   out = dict(temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes),
              output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes))
@@ -225,6 +226,14 @@ def _memory(compiled) -> dict:
     out["flops"] = float(cost.get("flops", 0.0))
   except Exception:  # pylint: disable=broad-except
     out["flops"] = None
+  # The compiled module's count omits library calls on a GPU (cuDNN convolutions, cuBLAS
+  # matrix products: jmem.measure.step_flops); the lowered module's has them.
+  try:
+    cost = lowered.cost_analysis() if lowered is not None else None
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out["flops_lowered"] = None if cost is None else float(cost.get("flops", 0.0))
+  except Exception:  # pylint: disable=broad-except
+    out["flops_lowered"] = None
   return out
 
 
@@ -232,8 +241,8 @@ def worker_compile(spec: dict) -> dict:
   """Compiles one technique at the given batch sizes; memory figures per batch."""
   res = {}
   for batch in spec["batches"]:
-    compiled, seconds, *_ = _compile(spec["group"], spec["technique"], batch)
-    res[str(batch)] = dict(_memory(compiled), compile_s=seconds)
+    compiled, seconds, _, _, lowered = _compile(spec["group"], spec["technique"], batch)
+    res[str(batch)] = dict(_memory(compiled, lowered), compile_s=seconds)
   return res
 
 
@@ -271,7 +280,7 @@ def worker_measure(spec: dict) -> dict:
         continue
     done += 1
     try:
-      compiled, seconds, make_state, make_batch = _compile(group, technique, batch)
+      compiled, seconds, make_state, make_batch, _ = _compile(group, technique, batch)
       row["load_or_compile_s"] = seconds
       state, (x, y) = make_state(), make_batch()
       before, _ = _peak()
@@ -308,7 +317,7 @@ def worker_confirm(spec: dict) -> dict:
   for label, batch in (("at_prediction", spec["batch"]), ("above", spec["above"])):
     row = out.setdefault(label, {"batch": batch})
     try:
-      compiled, _, make_state, make_batch = _compile(spec["group"], spec["technique"], batch)
+      compiled, _, make_state, make_batch, _ = _compile(spec["group"], spec["technique"], batch)
       state, (x, y) = make_state(), make_batch()
       for _ in range(2):
         state, metrics = compiled(state, x, y)
@@ -941,6 +950,10 @@ def _write(results: dict, args) -> None:
                  f"{1e3 * k['time_s']:.3f} | {k['bytes'] / 1e9:.3f} | "
                  f"{k['bandwidth'] / 1e9:.0f} | {k['fraction_of_copy']:.2f} | {nom} | "
                  f"{'-' if met is None else ('yes' if met else '**no**')} |")
+  if results["groups"]:
+    lines += ["", "GFLOP in the step tables: XLA's cost analysis of the lowered step; in "
+              "parentheses the compiled step's, which on a GPU counts library calls (cuDNN "
+              "convolutions, cuBLAS matrix products) as nothing (`jmem.measure.step_flops`)."]
   for gname, gr in results["groups"].items():
     g = gr["config"]
     lines += ["", f"## {gname}: {g['model']}, batch {g['batch']}, {g['image']}²"
@@ -948,8 +961,8 @@ def _write(results: dict, args) -> None:
               + (f", {g['overrides']}" if g["overrides"] else ""), "",
               "| technique | step (ms) | step / exact | loss finite | peak in use (GiB) | "
               "peak / exact | own peak | compiled total (GiB) | temp (GiB) | temp / exact | "
-              "GFLOP | MiB / example | predicted max batch | max batch / exact | max batch "
-              "confirmed |",
+              "GFLOP lowered (compiled) | MiB / example | predicted max batch | "
+              "max batch / exact | max batch confirmed |",
               "|---|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for t, row in gr["rows"].items():
       if row.get("skipped"):
@@ -970,7 +983,9 @@ def _write(results: dict, args) -> None:
         step = row["not_measured"]
       if "error" in run:
         step = f"error: {run['error'][:100]}"
-      flops = "-" if c.get("flops") is None else f"{c['flops'] / 1e9:.0f}"
+      flops = "-" if c.get("flops") is None else f"({c['flops'] / 1e9:.3g})"
+      if c.get("flops_lowered") is not None:
+        flops = f"{c['flops_lowered'] / 1e9:.3g} {flops}"
       lines.append(
           f"| {t} | {step} | {_x(vs.get('step_time'))} | {run.get('loss_finite', '-')} | "
           f"{_gib(run.get('peak_bytes_in_use'))} | {_x(vs.get('peak_bytes_in_use'))} | "

@@ -193,8 +193,9 @@ def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0)) -> measu
   step = train_lib.make_train_step(fns, optimizer, donate=True)
 
   def compile_at(b):
-    return step.lower(abstract, jax.ShapeDtypeStruct((b,) + x_spec.shape[1:], x_spec.dtype),
-                      jax.ShapeDtypeStruct((b,) + y_spec.shape[1:], y_spec.dtype)).compile()
+    lowered = step.lower(abstract, jax.ShapeDtypeStruct((b,) + x_spec.shape[1:], x_spec.dtype),
+                         jax.ShapeDtypeStruct((b,) + y_spec.shape[1:], y_spec.dtype))
+    return lowered.compile(), lowered
   b = x_spec.shape[0]
   return measure.fit_batch(compile_at, (b, 2 * b), [int(g * measure.GIB) for g in budgets_gib])
 

@@ -413,9 +413,10 @@ def _train_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None)
 def step_cost(model, optimizer, x, y, *, abstract=None, mesh=None,
               specs=None) -> tuple[int, float]:
   """``(device bytes, FLOPs)`` of `compile_step` (the same arguments): per device with
-  ``mesh``."""
-  return measure.device_bytes_and_flops(
-      compile_step(model, optimizer, x, y, abstract=abstract, mesh=mesh, specs=specs))
+  ``mesh``; FLOPs by `jmem.measure.step_flops` (off the CPU, the lowered module's)."""
+  step, args = _train_step(model, optimizer, x, y, abstract=abstract, mesh=mesh, specs=specs)
+  lowered = step.lower(*args)
+  return measure.device_bytes_and_flops(lowered.compile(), lowered)
 
 
 def _size(n: float) -> str:
@@ -923,10 +924,14 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                                mesh=on.mesh, specs=on.specs(x, y))
       heap = _heap_of(step, args, notes) if heap_of is not None and read_heaps else None
       read_heaps = read_heaps and (heap_of is None or heap is not None)
-      step = step.lower(*args).compile() if heap is None else heap.compiled
+      lowered = step.lower(*args) if heap is None else None
+      compiled = lowered.compile() if heap is None else heap.compiled
+      if lowered is None and measure.platform_of(compiled) != "cpu":
+        lowered = step.lower(*args)          # off the CPU, FLOPs are the lowered module's
+      step = compiled
     if heap is not None:
       heaps[heap_of] = heap
-    out = measure.device_bytes_and_flops(step)
+    out = measure.device_bytes_and_flops(step, lowered)
     if collectives is not None:
       collectives.append(sum(measure.collective_counts(step.as_text()).values()))
     if what is not None and b == batch:

@@ -4,6 +4,7 @@ ResNet-50 figures are benchmarks/plan_resnet50.py's)."""
 import dataclasses
 import json
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -1075,6 +1076,35 @@ def test_offload_by_hand_beside_a_plans_policies():
     jmem.surgery.sites(jmem.convert(model, *planned, jmem.Policy("offload",
                                                                   where=re.escape(paths[0]))),
                        x, train=True)
+
+
+def test_off_the_cpu_the_planner_counts_the_lowered_steps_flops(monkeypatch):
+  """On a GPU the compiled step's FLOPs leave out cuDNN and cuBLAS calls, so off the CPU
+  every step the planner compiles (heap-layout compiles included) and `step_cost` hand
+  `jmem.measure.step_flops` the lowered step: with the platform said to be a GPU, no step
+  falls back to the compiled count (which warns), and the FLOPs are the lowered step's."""
+  monkeypatch.setattr(jmem.measure, "_devices_of", lambda compiled: ("gpu", 1))
+  monkeypatch.setattr(jmem.measure, "_WARNED_FLOPS", set())
+  layouts, heap_layout = [], jmem.measure.heap_layout
+  monkeypatch.setattr(jmem.measure, "heap_layout",
+                      lambda *a: layouts.append(1) or heap_layout(*a))
+  model = models.create_model("resnet8", 10)
+  x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((64,), jnp.int32)
+  rng = np.random.default_rng(0)
+  batch = (rng.normal(size=(4, 16, 16, 1)).astype(np.float32),
+           rng.integers(0, 10, 4).astype(np.int32))
+  optimizer = train.default_optimizer(1e-3, 10)
+  step, args = plan_lib._train_step(model, optimizer, x, y)  # pylint: disable=protected-access
+  lowered = jmem.measure._flops_of(step.lower(*args))  # pylint: disable=protected-access
+  compiled = jmem.measure._flops_of(step.lower(*args).compile())  # pylint: disable=protected-access
+  assert lowered != compiled                # so the figure below says which was taken
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*counts library calls")
+    assert plan_lib.step_cost(model, optimizer, x, y)[1] == lowered
+    p = plan_lib.plan(model, (x, y), "40%", max_batch=False, calibration_batch=batch)
+  assert p.exact_flops == lowered and len(p.measured) >= 2, p.measured
+  assert layouts, "no step was compiled with its heap layout: that path went untested"
 
 
 def test_the_front_is_the_estimate_through_the_compiled_points():
