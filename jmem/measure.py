@@ -432,9 +432,10 @@ def step_flops(compiled, lowered=None) -> float:
   cuBLAS) that its cost analysis of the compiled module counts as nothing: jmem's ResNet-50
   224² train step compiled on an H100 had 0.27 GFLOP per example
   (benchmarks/results/gpu_nvidia_h100_80gb_hbm3_run4.json, exact at batch 32 and 64), where
-  XLA:CPU counts 23.9 (benchmarks/results/plan_resnet50.json, exact at batch 256). The lowered module still holds them as convolution and dot ops; on CPU
-  its count is within 2% of the compiled one's for jmem's steps, and the module lowered for
-  CUDA counts what the one lowered for CPU does (tests/test_measure.py). The lowered module
+  XLA:CPU counts 23.9 (benchmarks/results/plan_resnet50.json, exact at batch 256). The
+  lowered module still holds them as convolution and dot ops; on CPU its count is within 2%
+  of the compiled one's for jmem's steps, and the module lowered for CUDA counts what the
+  one lowered for CPU does (tests/test_measure.py). The lowered module
   is the whole program: on several devices its count is divided by their number, for one
   device's share (replicated work, e.g. the optimiser update under data parallelism, is then
   under-counted: ResNet-8 with its batch split 8 ways on CPU, 2.1% below the compiled
