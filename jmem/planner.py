@@ -242,7 +242,8 @@ class Plan:
     device_bytes: the planned step's compiled device bytes at ``batch_size`` (arguments,
       outputs and temp: parameters, optimiser state, the batch, activations).
     exact_device_bytes: the same for the unconverted model.
-    flops, exact_flops: XLA's cost analysis of both steps.
+    flops, exact_flops: XLA's cost analysis of both steps (`jmem.measure.step_flops`: off
+      the CPU, of the lowered steps, whose count has the convolutions).
     fits: ``device_bytes <= budget_bytes``.
     max_batch: the largest batch of the planned step within the budget, predicted by the
       line through it compiled at two batch sizes (one more compile; None if not asked);
