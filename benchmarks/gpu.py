@@ -226,14 +226,10 @@ def _memory(compiled, lowered=None) -> dict:
     out["flops"] = float(cost.get("flops", 0.0))
   except Exception:  # pylint: disable=broad-except
     out["flops"] = None
-  # The compiled module's count omits library calls on a GPU (cuDNN convolutions, cuBLAS
-  # matrix products: jmem.measure.step_flops); the lowered module's has them.
-  try:
-    cost = lowered.cost_analysis() if lowered is not None else None
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    out["flops_lowered"] = None if cost is None else float(cost.get("flops", 0.0))
-  except Exception:  # pylint: disable=broad-except
-    out["flops_lowered"] = None
+  # The compiled module's count omits library calls on a GPU (cuDNN convolutions:
+  # jmem.measure.step_flops); the lowered module's has them (one device: not divided).
+  from jmem import measure  # pylint: disable=g-import-not-at-top
+  out["flops_lowered"] = None if lowered is None else measure.lowered_flops(lowered)
   return out
 
 
@@ -953,7 +949,8 @@ def _write(results: dict, args) -> None:
   if results["groups"]:
     lines += ["", "GFLOP in the step tables: XLA's cost analysis of the lowered step; in "
               "parentheses the compiled step's, which on a GPU counts library calls (cuDNN "
-              "convolutions, cuBLAS matrix products) as nothing (`jmem.measure.step_flops`)."]
+              "convolutions, likely cuBLAS matrix products) as nothing "
+              "(`jmem.measure.step_flops`)."]
   for gname, gr in results["groups"].items():
     g = gr["config"]
     lines += ["", f"## {gname}: {g['model']}, batch {g['batch']}, {g['image']}²"

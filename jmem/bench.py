@@ -215,7 +215,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   costs), per_example_temp_bytes, fixed_bytes, max_batch (``{"16GiB": n, ...}``, each
   seen to fit by a compile: a lower bound), over_budget (the smallest batch seen not to),
   max_batch_ratio (exact's per-example temp bytes over the
-  technique's: the max-batch multiplier), flops and flops_ratio (XLA's cost analysis of
+  technique's: the max-batch multiplier), flops and flops_ratio (`jmem.measure.step_flops` of
   the step), collectives (op -> count in the compiled step, those it has).
   """
   config.validate()

@@ -34,7 +34,8 @@ __all__ = [
     "saved_residuals",
     "compiled_memory",
     "BatchFit",
-    "fit_batch", "device_bytes_and_flops", "step_flops", "platform_of", "module_path",
+    "fit_batch", "device_bytes_and_flops", "step_flops", "lowered_flops", "platform_of",
+    "module_path",
     "PeakBuffer",
     "PeakReport",
     "peak_buffers",
@@ -428,43 +429,78 @@ def step_flops(compiled, lowered=None) -> float:
   module's on CPU; off the CPU, the lowered (unoptimised) module's, ``lowered`` being the
   ``jax.stages.Lowered`` that ``compiled`` came from.
 
-  On a GPU, XLA compiles convolutions and most matrix products into library calls (cuDNN,
-  cuBLAS) that its cost analysis of the compiled module counts as nothing: jmem's ResNet-50
-  224² train step compiled on an H100 had 0.27 GFLOP per example
+  On a GPU, XLA compiles convolutions (and likely matrix products) into library calls
+  (cuDNN, cuBLAS) that its cost analysis of the compiled module counts as nothing: jmem's
+  ResNet-50 224² train step compiled on an H100 had 0.27 GFLOP per example
   (benchmarks/results/gpu_nvidia_h100_80gb_hbm3_run4.json, exact at batch 32 and 64), where
   XLA:CPU counts 23.9 (benchmarks/results/plan_resnet50.json, exact at batch 256). The
-  lowered module still holds them as convolution and dot ops; on CPU its count is within 2%
-  of the compiled one's for jmem's steps, and the module lowered for CUDA counts what the
-  one lowered for CPU does (tests/test_measure.py). The lowered module
-  is the whole program: on several devices its count is divided by their number, for one
-  device's share (replicated work, e.g. the optimiser update under data parallelism, is then
-  under-counted: ResNet-8 with its batch split 8 ways on CPU, 2.1% below the compiled
-  per-device count). Work that a Pallas kernel does on the GPU (a custom call there) is
-  counted in neither. Off the CPU without ``lowered``, the compiled count is returned with a
-  warning (once per platform).
+  lowered module still holds them as convolution and dot ops. Its cost analysis is XLA's
+  for the CPU client (``Lowered.cost_analysis`` has none under a PJRT plugin such as JAX's
+  CUDA one); on CPU its count is within 2% of the compiled one's for jmem's steps, and the
+  module lowered for CUDA counts what the one lowered for CPU does (tests/test_measure.py).
+  This path has not yet run on a GPU.
+
+  The lowered module is the whole program where XLA partitions it (GSPMD): on several
+  devices its count is then divided by their number (replicated work, e.g. the optimiser
+  update under data parallelism, is under-counted: ResNet-8 with its batch split 8 ways on
+  CPU, 2.1% below the compiled per-device count). Under ``jax.shard_map`` (`jmem.Spatial`)
+  the body is lowered at one shard's shapes and the count is taken as it is (ResNet-8 over a
+  2 x 4 mesh on CPU: 12% above the compiled per-device count). Work that a Pallas kernel
+  does on the GPU (a custom call there) is counted in neither. Off the CPU without a count
+  of ``lowered``, the compiled one is returned with a warning (once per platform).
   """
   platform, devices = _devices_of(compiled)
-  if platform != "cpu":
-    flops = None if lowered is None else _flops_of(lowered)
-    if flops is not None:
-      return flops / devices
-    if platform not in _WARNED_FLOPS:
-      _WARNED_FLOPS.add(platform)
-      why = ("no lowered module was given (lowered=)" if lowered is None else
-             "the lowered module has no cost analysis on this backend")
-      warnings.warn(
-          f"FLOPs of a step compiled for {platform!r} from the compiled module's cost analysis,"
-          " which counts library calls (cuDNN convolutions, cuBLAS matrix products) as "
-          f"nothing: {why}.", stacklevel=2)
+  if platform == "cpu":
+    return _flops_of(compiled) or 0.0
+  flops = None if lowered is None else lowered_flops(lowered)
+  if flops is not None:
+    return flops if devices == 1 or _is_shard_mapped(lowered) else flops / devices
+  if platform not in _WARNED_FLOPS:
+    _WARNED_FLOPS.add(platform)
+    why = ("no lowered module was given (lowered=)" if lowered is None else
+           "the lowered module could not be counted")
+    warnings.warn(
+        f"FLOPs of a step compiled for {platform!r} from the compiled module's cost analysis, "
+        f"which counts library calls (cuDNN convolutions, likely cuBLAS matrix products) as "
+        f"nothing: {why}.", stacklevel=2)
   return _flops_of(compiled) or 0.0
 
 
 def _flops_of(stage) -> float | None:
   """XLA's FLOPs of a ``jax.stages.Compiled`` or ``Lowered`` (None where it gives none)."""
   cost = stage.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  flops = (cost or {}).get("flops")
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  flops = (cost or {}).get("flops") if isinstance(cost, Mapping) or cost is None else None
   return None if flops is None else float(flops)
+
+
+def lowered_flops(lowered) -> float | None:
+  """FLOPs of a lowered step's unoptimised module by the CPU client's cost analysis (JAX's
+  private ``hlo_module_cost_analysis``, the function ``Lowered.cost_analysis`` calls with the
+  step's own client, which a PJRT plugin lacks); where that cannot be reached, the step's
+  own ``Lowered.cost_analysis``; None where neither counts."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
+    cost = _jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"),
+                                         lowered.compiler_ir("hlo").as_hlo_module())
+    if cost.get("flops") is not None:
+      return float(cost["flops"])
+  except Exception:  # pylint: disable=broad-except
+    pass
+  try:
+    return _flops_of(lowered)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _is_shard_mapped(lowered) -> bool:
+  """Whether a lowered step has ``jax.shard_map`` regions (bodies at one shard's shapes)."""
+  try:
+    text = lowered.as_text()
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return "manual_computation" in text or "SPMDFullToShardShape" in text
 
 
 def _memory_of(compiled) -> CompiledMemory:
@@ -902,8 +938,8 @@ class BatchFit:
     per_example_temp_bytes: temp bytes one more example costs (activations, working set).
     fixed_bytes: the intercept: parameters, optimiser state, gradients and other buffers
       that do not grow with the batch.
-    flops: XLA's cost analysis of the step at ``batch_sizes[0]`` (0.0 where the backend
-      gives none).
+    flops: `step_flops` of the step at ``batch_sizes[0]`` (XLA's cost analysis; off the CPU
+      of the lowered step where ``compile_at`` gives it; 0.0 where the backend gives none).
     max_batch: budget in bytes -> the largest batch whose compiled step was seen to fit:
       the line's guess where it fits, else the best of a bracketed search (0: none fits;
       None: memory did not grow with the batch and nothing seen went over). A lower bound:
