@@ -677,13 +677,15 @@ class DumpUnavailableError(RuntimeError):
 
 
 def _dumped_compile(f, args, kwargs, who: str):
-  """``(compiled, live-range text, buffer-assignment text)``: ``f`` compiled (as
-  `compiled_memory` does) with XLA's buffer-assignment dump into a temporary directory."""
+  """``(compiled, live-range text, buffer-assignment text, lowered)``: ``f`` compiled (as
+  `compiled_memory` does) with XLA's buffer-assignment dump into a temporary directory, and
+  the ``jax.stages.Lowered`` it was compiled from."""
   if not hasattr(f, "lower"):
     f = jit(f)
   with tempfile.TemporaryDirectory() as d, _no_persistent_cache():
     options = {**xla_compiler_options(), "xla_dump_to": d, "xla_dump_hlo_as_text": True}
-    compiled = f.lower(*args, **kwargs).compile(compiler_options=options)
+    lowered = f.lower(*args, **kwargs)
+    compiled = lowered.compile(compiler_options=options)
     ranges = sorted(glob.glob(os.path.join(d, "*after_optimizations-live-range.txt")))
     if not ranges:
       raise DumpUnavailableError(
@@ -699,7 +701,7 @@ def _dumped_compile(f, args, kwargs, who: str):
     if os.path.exists(assignment):
       with open(assignment) as fh:
         placed = fh.read()
-  return compiled, live, placed
+  return compiled, live, placed, lowered
 
 
 def peak_buffers(f: Callable[..., Any], *args, **kwargs) -> PeakReport:
@@ -715,7 +717,7 @@ def peak_buffers(f: Callable[..., Any], *args, **kwargs) -> PeakReport:
   Raises:
     DumpUnavailableError: (a RuntimeError) if the backend wrote no live-range dump.
   """
-  compiled, text, _ = _dumped_compile(f, args, kwargs, "peak_buffers")
+  compiled, text, _, _ = _dumped_compile(f, args, kwargs, "peak_buffers")
   m = re.search(r"Live ranges at (\d+) \(peak\):\n((?:    .*\n)*)", text)
   if m is None:
     raise DumpUnavailableError(f"No peak found in XLA's live-range dump on "
@@ -777,7 +779,8 @@ class HeapLayout:
   """The temp allocation of a compiled function, buffer by buffer, with each buffer's live
   range over the schedule, read from XLA's buffer-assignment dump; ``memory``: the same
   compile's `CompiledMemory`; ``compiled``: that compiled function (its cost analysis,
-  say), so one compile gives both.
+  say), so one compile gives both; ``lowered``: the ``jax.stages.Lowered`` it came from
+  (`step_flops` counts it off the CPU).
 
   `simulate` places the buffers again, resized, to predict what the temp allocation of a
   step whose buffers change size (a residual stored at 8 bits instead of 4) would be,
@@ -788,6 +791,7 @@ class HeapLayout:
   buffers: tuple[HeapBuffer, ...]
   memory: CompiledMemory
   compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+  lowered: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def extent(self) -> int:
@@ -854,7 +858,7 @@ def heap_layout(f: Callable[..., Any], *args, **kwargs) -> HeapLayout:
     DumpUnavailableError: (a RuntimeError) if the backend wrote no live-range or
       buffer-assignment dump, or the latter has no temp allocation.
   """
-  compiled, live, placed = _dumped_compile(f, args, kwargs, "heap_layout")
+  compiled, live, placed, lowered = _dumped_compile(f, args, kwargs, "heap_layout")
   temp = re.search(r"^allocation \d+: size \d+, preallocated-temp:\n((?: .*\n)*)", placed,
                    re.M)
   if temp is None:
@@ -888,7 +892,7 @@ def heap_layout(f: Callable[..., Any], *args, **kwargs) -> HeapLayout:
       reader = defs.get(schedule[min(b, len(schedule) - 1)], ("", "", ""))[2]
       buffers.append(HeapBuffer(name, size, offset, a, b, shape, op_name, reader))
   return HeapLayout(tuple(sorted(buffers, key=lambda b: (b.start, b.offset))),
-                    _memory_of(compiled), compiled)
+                    _memory_of(compiled), compiled, lowered)
 
 
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "collective-permute", "all-to-all",

@@ -389,8 +389,14 @@ def compile_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None
   if already known. With ``mesh`` (a `jax.sharding.Mesh`), the batch is sharded over it by
   ``specs`` (x's and y's `PartitionSpec`) and the train state replicated, as
   `jmem.plan(mesh=...)` compiles it: its figures are then per device."""
-  step, args = _train_step(model, optimizer, x, y, abstract=abstract, mesh=mesh, specs=specs)
-  return step.lower(*args).compile()
+  return _lowered_step(model, optimizer, x, y, abstract=abstract, mesh=mesh,
+                       specs=specs).compile()
+
+
+def _lowered_step(model, optimizer, x, y, **kwargs):
+  """`compile_step`'s step lowered (the ``jax.stages.Lowered`` it compiles)."""
+  step, args = _train_step(model, optimizer, x, y, **kwargs)
+  return step.lower(*args)
 
 
 def _train_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None):
@@ -415,8 +421,7 @@ def step_cost(model, optimizer, x, y, *, abstract=None, mesh=None,
               specs=None) -> tuple[int, float]:
   """``(device bytes, FLOPs)`` of `compile_step` (the same arguments): per device with
   ``mesh``; FLOPs by `jmem.measure.step_flops` (off the CPU, the lowered module's)."""
-  step, args = _train_step(model, optimizer, x, y, abstract=abstract, mesh=mesh, specs=specs)
-  lowered = step.lower(*args)
+  lowered = _lowered_step(model, optimizer, x, y, abstract=abstract, mesh=mesh, specs=specs)
   return measure.device_bytes_and_flops(lowered.compile(), lowered)
 
 
@@ -925,11 +930,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                                mesh=on.mesh, specs=on.specs(x, y))
       heap = _heap_of(step, args, notes) if heap_of is not None and read_heaps else None
       read_heaps = read_heaps and (heap_of is None or heap is not None)
-      lowered = step.lower(*args) if heap is None else None
-      compiled = lowered.compile() if heap is None else heap.compiled
-      if lowered is None and measure.platform_of(compiled) != "cpu":
-        lowered = step.lower(*args)          # off the CPU, FLOPs are the lowered module's
-      step = compiled
+      lowered = step.lower(*args) if heap is None else heap.lowered
+      step = lowered.compile() if heap is None else heap.compiled
     if heap is not None:
       heaps[heap_of] = heap
     out = measure.device_bytes_and_flops(step, lowered)

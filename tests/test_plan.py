@@ -925,6 +925,17 @@ def test_a_plan_says_where_the_heap_layout_names_no_sites_codes(monkeypatch):
   assert leasts and set(leasts) == {0.0}            # the estimate's tries, as without layouts
 
 
+def _resnet8_at_64_with_calibration():
+  """jmem's ResNet-8 at 16², a batch of 64 (shapes), and 4 calibration examples."""
+  model = models.create_model("resnet8", 10)
+  x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((64,), jnp.int32)
+  rng = np.random.default_rng(0)
+  batch = (rng.normal(size=(4, 16, 16, 1)).astype(np.float32),
+           rng.integers(0, 10, 4).astype(np.int32))
+  return model, x, y, batch
+
+
 def test_a_backend_without_dumps_plans_on_the_estimate_and_says_so(monkeypatch):
   """Where the backend writes no buffer-assignment dump, the first walk compile finds out,
   the plan says so, and no other compile asks again."""
@@ -935,12 +946,7 @@ def test_a_backend_without_dumps_plans_on_the_estimate_and_says_so(monkeypatch):
     asked.append(args)
     raise measure.DumpUnavailableError("no live-range dump here")
   monkeypatch.setattr(measure, "heap_layout", no_dump)
-  model = models.create_model("resnet8", 10)
-  x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
-  y = jax.ShapeDtypeStruct((64,), jnp.int32)
-  rng = np.random.default_rng(0)
-  batch = (rng.normal(size=(4, 16, 16, 1)).astype(np.float32),
-           rng.integers(0, 10, 4).astype(np.int32))
+  model, x, y, batch = _resnet8_at_64_with_calibration()
   p = plan_lib.plan(model, (x, y), "40%", max_batch=False, calibration_batch=batch)
   assert len(asked) == 1 and p.compiles > 3, (len(asked), p.compiles)
   assert sum("heap layouts could not be read (no live-range dump here)" in n
@@ -1088,16 +1094,12 @@ def test_off_the_cpu_the_planner_counts_the_lowered_steps_flops(monkeypatch):
   layouts, heap_layout = [], jmem.measure.heap_layout
   monkeypatch.setattr(jmem.measure, "heap_layout",
                       lambda *a: layouts.append(1) or heap_layout(*a))
-  model = models.create_model("resnet8", 10)
-  x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
-  y = jax.ShapeDtypeStruct((64,), jnp.int32)
-  rng = np.random.default_rng(0)
-  batch = (rng.normal(size=(4, 16, 16, 1)).astype(np.float32),
-           rng.integers(0, 10, 4).astype(np.int32))
+  model, x, y, batch = _resnet8_at_64_with_calibration()
   optimizer = train.default_optimizer(1e-3, 10)
   step, args = plan_lib._train_step(model, optimizer, x, y)  # pylint: disable=protected-access
-  lowered = jmem.measure._flops_of(step.lower(*args))  # pylint: disable=protected-access
-  compiled = jmem.measure._flops_of(step.lower(*args).compile())  # pylint: disable=protected-access
+  low = step.lower(*args)
+  lowered = jmem.measure._flops_of(low)  # pylint: disable=protected-access
+  compiled = jmem.measure._flops_of(low.compile())  # pylint: disable=protected-access
   assert lowered != compiled                # so the figure below says which was taken
   with warnings.catch_warnings():
     warnings.filterwarnings("error", message=".*counts library calls")
