@@ -166,3 +166,48 @@ def test_gpu_benchmark_ratios_and_max_batch_checks_in_words():
                 "above": {"batch": 55, "fits": False, "oom": True}}).startswith(
                     "no (prediction high)")
   assert words({"ok": False, "error": "worker confirm timed out"}).startswith("error")
+
+
+def test_offload_diagnostic_reads_host_transfers_from_a_scheduled_module():
+  """benchmarks/gpu_offload.py's `host_transfers` on a scheduled module written as XLA
+  prints one: a copy to the host whose copy-done the scheduler put after the first copy
+  back (its device source held through the backward), one done at once, a copy back, and a
+  synchronous copy each way."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_offload.py"
+  spec = importlib.util.spec_from_file_location("jmem_gpu_offload", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  hlo = """HloModule jit_step, is_scheduled=true
+
+%fused (p: f32[4,8]) -> f32[4,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %copy-start.9 = (f32[4,8]{1,0:S(5)}, f32[4,8]{1,0}, u32[]) copy-start(%p)
+}
+
+ENTRY %main.3 (x: f32[64,32], w: f32[32,32]) -> f32[64,32] {
+  %x = f32[64,32]{1,0} parameter(0), metadata={op_name="x"}
+  %w = f32[32,32]{1,0} parameter(1)
+  %dot.1 = f32[64,32]{1,0} custom-call(%x, %w), custom_call_target="__cublas$gemm"
+  %copy-start.1 = (f32[64,32]{1,0:S(5)}, f32[64,32]{1,0}, u32[]) copy-start(%dot.1)
+  %copy-start.2 = (f32[32,32]{1,0:S(5)}, f32[32,32]{1,0}, u32[]) copy-start(%w)
+  %copy-done.2 = f32[32,32]{1,0:S(5)} copy-done(%copy-start.2)
+  %copy.7 = bf16[16]{0:S(5)} copy(%x)
+  %copy-start.3 = (f32[32,32]{1,0}, f32[32,32]{1,0:S(5)}, u32[]) copy-start(%copy-done.2)
+  %copy-done.1 = f32[64,32]{1,0:S(5)} copy-done(%copy-start.1)
+  %copy-done.3 = f32[32,32]{1,0} copy-done(%copy-start.3), metadata={op_name="a = b"}
+  %copy.8 = bf16[16]{0} copy(%copy.7)
+  ROOT %add.2 = f32[64,32]{1,0} add(%x, %x)
+}
+"""
+  t = module.host_transfers(hlo)
+  assert (t["to_host"], t["to_host_bytes"]) == (2, 64 * 32 * 4 + 32 * 32 * 4), t
+  assert (t["to_device"], t["to_device_bytes"]) == (1, 32 * 32 * 4), t
+  # Both copies to the host are in flight between copy-start.2 and copy-done.2.
+  assert t["held_max_bytes"] == 64 * 32 * 4 + 32 * 32 * 4, t
+  assert t["to_host_done_late_bytes"] == 64 * 32 * 4, t       # done after copy-start.3
+  assert t["sync_copy_bytes"] == {"to_host": 32, "to_device": 32}, t
+  assert t["unpaired_copy_starts"] == 0 and t["instructions"] == 12, t
+  none = module.host_transfers(hlo.replace(":S(5)", ""))
+  assert none["to_host_bytes"] == none["to_device_bytes"] == none["held_max_bytes"] == 0

@@ -1,0 +1,250 @@
+"""Why full-precision offload did not lower the device peak on an H100, in one command for
+the next GPU lease.
+
+Run 4 (`results/gpu_nvidia_h100_80gb_hbm3_run4.md`): ResNet-50 224² at batch 64,
+``Policy("offload")`` at every site compiled to 0.97x exact's temp bytes and stepped 11.5x as
+long. The transfers happened (the time says so) but the device copies stayed. This compiles
+the same step several ways and reads the compiled schedule's host transfers, to tell which:
+
+* ``exact``;
+* ``offload``: jmem's (`jmem.ops.actnn.quantize.offload_residuals`: a ``custom_vjp`` whose
+  forward puts every floating residual of at least 1024 values in ``pinned_host`` after an
+  optimization barrier, and whose backward brings them back after the cotangent exists);
+* ``offload-no-barrier``: the same without its two barriers;
+* ``offload-remat``: JAX's own path instead, the one ``save_and_offload_only_these_names``
+  takes: each site under ``jax.checkpoint`` with a policy that marks every residual
+  ``jax.ad_checkpoint.Offloadable("device", "pinned_host")``.
+
+For each: the compiled memory (``temp_size_in_bytes``, and the host figures XLA reports), and
+from the compiled (scheduled) module, `host_transfers`: the bytes copied to the host and
+back, and the most device bytes that copies to the host still hold at one point of the
+schedule (a copy's source stays allocated until its ``copy-done``; if the scheduler puts the
+``copy-done`` s late, the device copies stay for the whole forward pass: no saving). Then,
+in one process, in ascending order of compiled temp bytes (so each running peak is the
+variant's own), ``peak_bytes_in_use``, the step time (median of 5 steps after 2) and the
+loss after the 7 steps (the variants are exact: the same loss as exact's, to rounding).
+
+  python benchmarks/gpu_offload.py [--group resnet50-f32] [--batch 32]
+  JAX_PLATFORMS=cpu python benchmarks/gpu_offload.py --allow-cpu --group resnet8-f32 --batch 8
+
+On a CPU, XLA drops the memory placements (one memory for host and device), so the CPU run
+only checks the script: the variants compile to the same bytes and no transfers. On a GPU
+it writes ``gpu_offload_<device>.json`` and ``.md`` into ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import gpu  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+VARIANTS = ("exact", "offload", "offload-no-barrier", "offload-remat")
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\](\{[^}]*\})?")
+# "TYPE opcode(": the type (an array, or a tuple of arrays whose layouts may hold "S(5)")
+# up to the first word right after a space and right before a parenthesis.
+_INSTRUCTION = re.compile(r"\s*(.*?)\s([\w\-]+)\(")
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+  n = 1
+  for d in filter(None, dims.split(",")):
+    n *= int(d)
+  return n * _DTYPE_BYTES.get(dtype, 4)
+
+
+def host_transfers(hlo_text: str) -> dict:
+  """The host transfers of a compiled (scheduled) module's entry computation, in schedule
+  order: ``copy-start``/``copy-done`` pairs whose destination is in host memory (layout
+  memory space ``S(5)``) are copies to the host, those whose operand is, copies back.
+
+  Returns the count and bytes each way, ``held_max_bytes`` (the most bytes of copies to the
+  host started and not yet done at one point: device memory the copies still hold),
+  ``to_host_done_late`` (bytes of copies to the host whose ``copy-done`` comes after the
+  first copy back has started, i.e. in the backward pass), the synchronous ``copy`` s
+  into or out of host memory, and ``instructions`` (the entry computation's length).
+  """
+  entry, inside = [], False
+  for line in hlo_text.splitlines():
+    if line.startswith("ENTRY "):
+      inside = True
+      continue
+    if inside:
+      if line.startswith("}"):
+        break
+      if "=" in line:
+        entry.append(line.strip())
+  starts, to_host, to_device, sync = {}, [], [], {"to_host": 0, "to_device": 0}
+  on_host = {}                                     # name -> whether its array is in S(5)
+  for i, line in enumerate(entry):
+    lhs, rhs = line.split(" = ", 1)
+    name = lhs.split()[-1].lstrip("%")             # "ROOT %x" or "%x"
+    m = _INSTRUCTION.match(rhs)
+    if m is None:
+      continue
+    arrays, opcode = _ARRAY.findall(m.group(1)), m.group(2)
+    operands = re.findall(r"%([\w.\-]+)", rhs[m.end():].split(")", 1)[0])
+    on_host[name] = bool(arrays) and "S(5)" in (arrays[0][2] or "")
+    if opcode == "copy-start" and len(arrays) >= 2:    # (destination, source, context)
+      host_dest, host_src = ("S(5)" in (a[2] or "") for a in arrays[:2])
+      if host_dest or host_src:
+        starts[name] = (i, _array_bytes(*arrays[0][:2]), host_dest)
+    elif opcode == "copy-done" and operands and operands[0] in starts:
+      begin, size, host_dest = starts.pop(operands[0])
+      (to_host if host_dest else to_device).append((begin, i, size))
+    elif opcode == "copy" and arrays and operands:
+      if on_host[name]:
+        sync["to_host"] += _array_bytes(*arrays[0][:2])
+      elif on_host.get(operands[0]):
+        sync["to_device"] += _array_bytes(*arrays[0][:2])
+  held, events = 0, []
+  for begin, end, size in to_host:
+    events += [(begin, size), (end, -size)]
+  held_max = 0
+  for _, delta in sorted(events, key=lambda e: (e[0], e[1] < 0)):
+    held += delta
+    held_max = max(held_max, held)
+  first_back = min((b for b, _, _ in to_device), default=None)
+  late = sum(s for _, e, s in to_host if first_back is not None and e > first_back)
+  spans = [(e - b) / max(len(entry), 1) for b, e, _ in to_host]
+  return {"to_host": len(to_host), "to_host_bytes": sum(s for *_, s in to_host),
+          "to_device": len(to_device), "to_device_bytes": sum(s for *_, s in to_device),
+          "held_max_bytes": held_max, "to_host_done_late_bytes": late,
+          "to_host_span_median": statistics.median(spans) if spans else None,
+          "sync_copy_bytes": sync, "unpaired_copy_starts": len(starts),
+          "instructions": len(entry)}
+
+
+def _offload_by_remat(f, *, min_size=1024, param_argnums=(0,)):
+  """`offload_residuals`'s signature, by JAX's remat offloading: every residual of ``f``
+  marked offloadable (the arguments, its variables among them, are inputs, not residuals)."""
+  del min_size, param_argnums
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.ad_checkpoint import Offloadable  # pylint: disable=g-import-not-at-top
+  g = jax.checkpoint(f, policy=lambda *a, **k: Offloadable("device", "pinned_host"),
+                     prevent_cse=True)
+  return lambda *args, key=None: g(*args)
+
+
+@contextlib.contextmanager
+def _variant(name: str):
+  """Lowering inside this gives ``name``'s step (of the ``offload`` technique but exact)."""
+  from jmem.ops.actnn import quantize as q  # pylint: disable=g-import-not-at-top
+  saved = {k: getattr(q, k) for k in ("offload_residuals", "barrier")}
+  if name == "offload-remat":
+    q.offload_residuals = _offload_by_remat
+  elif name == "offload-no-barrier":
+    q.barrier = lambda tree: tree
+  try:
+    yield "exact" if name == "exact" else "offload"
+  finally:
+    for k, v in saved.items():
+      setattr(q, k, v)
+
+
+def _memory_figures(compiled) -> dict:
+  m = compiled.memory_analysis()
+  return {k: int(getattr(m, k)) for k in dir(m)
+          if k.endswith("_in_bytes") and isinstance(getattr(m, k), int)}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--group", default="resnet50-f32",
+                      choices=sorted(dict(gpu.GROUPS, **gpu.QUICK_GROUPS)))
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--output-dir", default=gpu.RESULTS)
+  parser.add_argument("--allow-cpu", action="store_true",
+                      help="run on a CPU (checks the script; writes nothing)")
+  args = parser.parse_args(argv)
+  import jax  # pylint: disable=g-import-not-at-top
+  platform = jax.devices()[0].platform
+  if platform == "cpu" and not args.allow_cpu:
+    print("no GPU here: gpu_offload.py measures host offloading on a GPU (--allow-cpu checks "
+          "the script on a CPU, where XLA drops the memory placements)")
+    return 0
+  variants = [v for v in args.variants.split(",") if v]
+  unknown = sorted(set(variants) - set(VARIANTS))
+  if unknown:
+    parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+  group = dict(gpu.GROUPS, **gpu.QUICK_GROUPS)[args.group]
+  t0 = time.time()
+  log = lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", flush=True)
+  rows, steps = {}, {}
+  for v in variants:
+    with _variant(v) as technique:
+      t = time.perf_counter()
+      step, abstract, x_spec, y_spec, make_state, make_batch = gpu._build(  # pylint: disable=protected-access
+          group, technique, args.batch)
+      lowered = step.lower(abstract, x_spec, y_spec)
+    compiled = lowered.compile()
+    rows[v] = {"compile_s": time.perf_counter() - t, "memory": _memory_figures(compiled),
+               "transfers": host_transfers(compiled.as_text())}
+    steps[v] = (compiled, make_state, make_batch)
+    log(f"{v}: {json.dumps(rows[v])}")
+  for v in sorted(variants, key=lambda v: rows[v]["memory"].get("temp_size_in_bytes", 0)):
+    compiled, make_state, make_batch = steps[v]
+    state, (x, y) = make_state(), make_batch()
+    times = []
+    try:
+      for i in range(7):
+        t = time.perf_counter()
+        state, metrics = compiled(state, x, y)
+        jax.block_until_ready(metrics)
+        if i >= 2:
+          times.append(time.perf_counter() - t)
+      stats = jax.devices()[0].memory_stats() or {}
+      rows[v]["run"] = {"step_s": statistics.median(times),
+                        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+                        "loss": float(metrics["loss"])}
+    except Exception as e:  # pylint: disable=broad-except
+      rows[v]["run"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    del state
+    log(f"{v}: {json.dumps(rows[v]['run'])}")
+  exact = rows.get("exact", {})
+  for v, r in rows.items():
+    if exact and v != "exact":
+      e_temp = exact["memory"].get("temp_size_in_bytes") or 1
+      r["temp_vs_exact"] = r["memory"].get("temp_size_in_bytes", 0) / e_temp
+  device = jax.devices()[0].device_kind
+  out = {"group": args.group, "batch": args.batch, "device": device, "jax": jax.__version__,
+         "rows": rows, "wall_s": time.time() - t0}
+  print(json.dumps(out, indent=1))
+  if platform == "cpu":
+    return 0
+  os.makedirs(args.output_dir, exist_ok=True)
+  stem = os.path.join(args.output_dir,
+                      "gpu_offload_" + re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_"))
+  with open(stem + ".json", "w") as f:
+    json.dump(out, f, indent=1)
+  gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"
+  lines = [f"# Host offload on {device}: {args.group}, batch {args.batch}", "",
+           "| variant | temp GiB | vs exact | to host GiB | held at most GiB | done late GiB "
+           "| peak GiB | step ms |", "|---|---|---|---|---|---|---|---|"]
+  for v, r in rows.items():
+    tr, run = r["transfers"], r.get("run", {})
+    step = f"{run['step_s'] * 1e3:.1f}" if "step_s" in run else run.get("error", "-")
+    lines.append(f"| {v} | {gib(r['memory'].get('temp_size_in_bytes'))} | "
+                 f"{r.get('temp_vs_exact', 1.0):.2f}x | {gib(tr['to_host_bytes'])} | "
+                 f"{gib(tr['held_max_bytes'])} | {gib(tr['to_host_done_late_bytes'])} | "
+                 f"{gib(run.get('peak_bytes_in_use'))} | {step} |")
+  with open(stem + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+  log(f"wrote {stem}.json and .md")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
