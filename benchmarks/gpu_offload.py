@@ -15,7 +15,11 @@ the same step several ways and reads the compiled schedule's host transfers, to 
   takes: each site under ``jax.checkpoint`` with a policy that marks every residual
   ``jax.ad_checkpoint.Offloadable("device", "pinned_host")``.
 
-For each: the compiled memory (``temp_size_in_bytes``, and the host figures XLA reports), and
+For each: the compiled memory (``temp_size_in_bytes``, and the host figures XLA reports), the
+FLOPs of the compiled and of the lowered step (`jmem.measure.step_flops`'s two counts, which
+have not yet been compared on a GPU: the compiled count should leave out the cuDNN
+convolutions, and the lowered one, divided by the batch, come near XLA:CPU's 23.9 GFLOP per
+example for exact), and
 from the compiled (scheduled) module, `host_transfers`: the bytes copied to the host and
 back, and the most device bytes that copies to the host still hold at one point of the
 schedule (a copy's source stays allocated until its ``copy-done``; if the scheduler puts the
@@ -179,6 +183,7 @@ def main(argv=None) -> int:
   unknown = sorted(set(variants) - set(VARIANTS))
   if unknown:
     parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+  from jmem import measure  # pylint: disable=g-import-not-at-top
   group = dict(gpu.GROUPS, **gpu.QUICK_GROUPS)[args.group]
   t0 = time.time()
   log = lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", flush=True)
@@ -191,7 +196,12 @@ def main(argv=None) -> int:
       lowered = step.lower(abstract, x_spec, y_spec)
     compiled = lowered.compile()
     rows[v] = {"compile_s": time.perf_counter() - t, "memory": _memory_figures(compiled),
-               "transfers": host_transfers(compiled.as_text())}
+               "transfers": host_transfers(compiled.as_text()),
+               # jmem.measure.step_flops's two counts (first taken on a GPU here): the
+               # compiled module's leaves out cuDNN/cuBLAS calls, the lowered one's should not.
+               "flops": {"compiled": measure._flops_of(compiled),  # pylint: disable=protected-access
+                         "lowered": measure.lowered_flops(lowered),
+                         "step_flops": measure.step_flops(compiled, lowered)}}
     steps[v] = (compiled, make_state, make_batch)
     log(f"{v}: {json.dumps(rows[v])}")
   for v in sorted(variants, key=lambda v: rows[v]["memory"].get("temp_size_in_bytes", 0)):
@@ -232,14 +242,17 @@ def main(argv=None) -> int:
   gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"
   lines = [f"# Host offload on {device}: {args.group}, batch {args.batch}", "",
            "| variant | temp GiB | vs exact | to host GiB | held at most GiB | done late GiB "
-           "| peak GiB | step ms |", "|---|---|---|---|---|---|---|---|"]
+           "| peak GiB | step ms | GFLOP/example compiled, lowered |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  per = lambda f: "-" if f is None else f"{f / args.batch / 1e9:.2f}"
   for v, r in rows.items():
     tr, run = r["transfers"], r.get("run", {})
     step = f"{run['step_s'] * 1e3:.1f}" if "step_s" in run else run.get("error", "-")
     lines.append(f"| {v} | {gib(r['memory'].get('temp_size_in_bytes'))} | "
                  f"{r.get('temp_vs_exact', 1.0):.2f}x | {gib(tr['to_host_bytes'])} | "
                  f"{gib(tr['held_max_bytes'])} | {gib(tr['to_host_done_late_bytes'])} | "
-                 f"{gib(run.get('peak_bytes_in_use'))} | {step} |")
+                 f"{gib(run.get('peak_bytes_in_use'))} | {step} | "
+                 f"{per(r['flops']['compiled'])}, {per(r['flops']['lowered'])} |")
   with open(stem + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   log(f"wrote {stem}.json and .md")
