@@ -121,8 +121,9 @@ host transfers, and where it was measured it lost on both figures: on an H100, R
 1.21x; in an earlier run (gpu_h100_first_figures.md, run 3: unmasked kernels, a non-finite
 loss) ActNN L4's offload of the 2-bit codes had compiled larger than L3, which keeps them
 (3.51 against 2.28 GiB), and stepped 1.76x as long. The plan's notes say which applies.
-Why offload left the H100's peak where it was is not yet known: `benchmarks/gpu_offload.py`
-reads it from the compiled schedule's host copies, for the next GPU.
+Why offload left the H100's peak where it was is not yet known: `benchmarks/gpu_offload.py`,
+for the next GPU, reads the figures that could show it from the compiled schedule's host
+copies.
 """
 
 from __future__ import annotations

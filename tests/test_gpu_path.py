@@ -1,5 +1,7 @@
 """The GPU path from a CPU machine: whole train steps with the Pallas kernels lower for CUDA."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -170,9 +172,11 @@ def test_gpu_benchmark_ratios_and_max_batch_checks_in_words():
 
 def test_offload_diagnostic_reads_host_transfers_from_a_scheduled_module():
   """benchmarks/gpu_offload.py's `host_transfers` on a scheduled module written as XLA
-  prints one: a copy to the host whose copy-done the scheduler put after the first copy
-  back (its device source held through the backward), one done at once, a copy back, and a
-  synchronous copy each way."""
+  prints one: a copy to the host whose copy-done comes only in the backward pass (its
+  device source held through the forward), one done at once, one started after both ended
+  (held bytes are the most in flight at once, not the sum), a copy back started in the
+  forward pass, one in the backward, and a synchronous copy each way; the same module
+  printed without ``%`` and with operand shapes reads the same."""
   import importlib.util  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_offload.py"
@@ -190,24 +194,45 @@ ENTRY %main.3 (x: f32[64,32], w: f32[32,32]) -> f32[64,32] {
   %x = f32[64,32]{1,0} parameter(0), metadata={op_name="x"}
   %w = f32[32,32]{1,0} parameter(1)
   %dot.1 = f32[64,32]{1,0} custom-call(%x, %w), custom_call_target="__cublas$gemm"
-  %copy-start.1 = (f32[64,32]{1,0:S(5)}, f32[64,32]{1,0}, u32[]) copy-start(%dot.1)
+  %copy-start.1 = (f32[64,32]{1,0:T(8,128)S(5)}, f32[64,32]{1,0}, u32[]) copy-start(%dot.1)
   %copy-start.2 = (f32[32,32]{1,0:S(5)}, f32[32,32]{1,0}, u32[]) copy-start(%w)
   %copy-done.2 = f32[32,32]{1,0:S(5)} copy-done(%copy-start.2)
   %copy.7 = bf16[16]{0:S(5)} copy(%x)
   %copy-start.3 = (f32[32,32]{1,0}, f32[32,32]{1,0:S(5)}, u32[]) copy-start(%copy-done.2)
-  %copy-done.1 = f32[64,32]{1,0:S(5)} copy-done(%copy-start.1)
-  %copy-done.3 = f32[32,32]{1,0} copy-done(%copy-start.3), metadata={op_name="a = b"}
+  %tanh.4 = f32[64,32]{1,0} tanh(%x), metadata={op_name="jit(step)/transpose(jvp(f))/t"}
+  %copy-done.1 = f32[64,32]{1,0:T(8,128)S(5)} copy-done(%copy-start.1)
+  %copy-done.3 = f32[32,32]{1,0} copy-done(%copy-start.3), metadata={op_name="a = (b)"}
+  %copy-start.5 = (f32[8,8]{1,0:S(5)}, f32[8,8]{1,0}, u32[]) copy-start(%tanh.4)
+  %copy-done.5 = f32[8,8]{1,0:S(5)} copy-done(%copy-start.5)
+  %copy-start.6 = (f32[64,32]{1,0}, f32[64,32]{1,0:S(5)}, u32[]) copy-start(%copy-done.1)
+  %copy-done.6 = f32[64,32]{1,0} copy-done(%copy-start.6)
   %copy.8 = bf16[16]{0} copy(%copy.7)
-  ROOT %add.2 = f32[64,32]{1,0} add(%x, %x)
+  ROOT %add.2 = f32[64,32]{1,0} add(%copy-done.6, %copy-done.3)
 }
 """
+  big, mid, small = 64 * 32 * 4, 32 * 32 * 4, 8 * 8 * 4
+  want = dict(to_host=3, to_host_bytes=big + mid + small, to_device=2,
+              to_device_bytes=mid + big, held_max_bytes=big + mid, backward_from="transpose",
+              to_host_done_in_backward_bytes=big + small,
+              to_device_started_in_forward_bytes=mid,
+              sync_copy_bytes={"to_host": 32, "to_device": 32}, unpaired_copy_starts=0,
+              host_arrays=7, module_copy_starts_to_host=4, instructions=17)
   t = module.host_transfers(hlo)
-  assert (t["to_host"], t["to_host_bytes"]) == (2, 64 * 32 * 4 + 32 * 32 * 4), t
-  assert (t["to_device"], t["to_device_bytes"]) == (1, 32 * 32 * 4), t
-  # Both copies to the host are in flight between copy-start.2 and copy-done.2.
-  assert t["held_max_bytes"] == 64 * 32 * 4 + 32 * 32 * 4, t
-  assert t["to_host_done_late_bytes"] == 64 * 32 * 4, t       # done after copy-start.3
-  assert t["sync_copy_bytes"] == {"to_host": 32, "to_device": 32}, t
-  assert t["unpaired_copy_starts"] == 0 and t["instructions"] == 12, t
-  none = module.host_transfers(hlo.replace(":S(5)", ""))
+  assert {k: t[k] for k in want} == want, t
+  # Other print styles: names without "%", operands printed with their shapes.
+  bare = hlo.replace("%", "")
+  shaped = re.sub(r"copy-done\(%(copy-start\.\d)\)",
+                  lambda m: f"copy-done((f32[8]{{0:S(5)}}, f32[8]{{0}}, u32[]) %{m.group(1)})",
+                  hlo)
+  for text in (bare, shaped):
+    other = module.host_transfers(text)
+    assert {k: other[k] for k in want} == want, other
+  # Without the transpose op, the backward starts at the first copy back.
+  t = module.host_transfers(hlo.replace("transpose(", "t("))
+  assert t["backward_from"] == "first copy back" and t["to_device_started_in_forward_bytes"] == 0
+  assert t["to_host_done_in_backward_bytes"] == big + small, t
+  # A copy-done this reader cannot find is counted, not silently dropped.
+  t = module.host_transfers(hlo.replace("copy-done(%copy-start.1)", "copy-done(%elsewhere)"))
+  assert t["unpaired_copy_starts"] == 1 and t["to_host"] == 2, t
+  none = module.host_transfers(hlo.replace(":S(5)", "").replace("S(5)", ""))
   assert none["to_host_bytes"] == none["to_device_bytes"] == none["held_max_bytes"] == 0
