@@ -131,6 +131,16 @@ class BenchConfig:
     check_dtype(self.model, self.dtype)
 
 
+def min_frame_size(num_frames: int) -> int:
+  """The smallest frame side of `make_dataset`'s moving-digit clips of ``num_frames``
+  frames: a digit a third of the frame moving one pixel per frame needs ``num_frames - 1``
+  pixels of room (22 for 16 frames)."""
+  need = 3
+  while need - need // 3 < num_frames - 1:    # frame minus digit >= travel
+    need += 1
+  return need
+
+
 def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
                  train_clips: int = 1024, test_clips: int = 256) -> data_lib.Dataset:
   """The data ``jmem bench`` and ``jmem train`` use for the model named ``model``.
@@ -148,9 +158,7 @@ def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
     return data_lib.digit_segmentation(image_size)
   if task != "video":
     return data_lib.digits(image_size)
-  need = 3
-  while need - need // 3 < num_frames - 1:    # frame minus digit >= travel
-    need += 1
+  need = min_frame_size(num_frames)
   if image_size < need:
     raise ValueError(
         f"Image size {image_size} is too small for video clips of {num_frames} frames: a "

@@ -91,8 +91,10 @@ def _parser() -> argparse.ArgumentParser:
                  f"(default: {','.join(d.techniques)}); ':xla' or ':pallas' after a technique "
                  "with kernels (actnn-*, inplace-abn, sync-bn) picks its implementation")
   b.add_argument("--batch-size", type=int, default=d.batch_size)
-  b.add_argument("--image-size", type=int, default=d.image_size,
-                 help="image side, or frame side for video models (at least 22 for 16 frames)")
+  b.add_argument("--image-size", type=int, default=None,
+                 help=f"image side, or frame side for video models (default: {d.image_size}; "
+                 "for video models the smallest frame their clips need if larger: 22 for 16 "
+                 "frames)")
   b.add_argument("--num-frames", type=int, default=d.num_frames, help="frames per clip (video)")
   b.add_argument("--train-clips", type=int, default=d.train_clips,
                  help="training clips rendered (video)")
@@ -166,8 +168,9 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--model", default="resnet8", help=f"one of: {', '.join(models.MODEL_NAMES)}")
   t.add_argument("--technique", default="exact",
                  help=f"one of: {_techniques_help()}")
-  t.add_argument("--image-size", type=int, default=16,
-                 help="image side, or frame side for video models (at least 22 for 16 frames)")
+  t.add_argument("--image-size", type=int, default=None,
+                 help="image side, or frame side for video models (default: 16; for video "
+                 "models the smallest frame their clips need if larger: 22 for 16 frames)")
   t.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
   t.add_argument("--train-clips", type=int, default=1024, help="training clips rendered (video)")
   t.add_argument("--batch-size", type=int, default=128)
@@ -225,10 +228,20 @@ def _tour(args) -> int:
   return 0
 
 
+def _default_image_size(args, default: int) -> None:
+  """``--image-size`` left out: ``default``, or for a video model the smallest frame side
+  its clips of ``--num-frames`` need where that is larger (`jmem.bench.min_frame_size`)."""
+  if args.image_size is None:
+    from jmem import bench, models  # pylint: disable=g-import-not-at-top
+    video = models.model_task(args.model) == "video"   # False for unknown names: refused later
+    args.image_size = max(default, bench.min_frame_size(args.num_frames)) if video else default
+
+
 def _bench(args) -> int:
   if args.tour:
     return _tour(args)
   from jmem import bench  # pylint: disable=g-import-not-at-top
+  _default_image_size(args, bench.BenchConfig().image_size)
   config = bench.BenchConfig(
       model=args.model, techniques=args.techniques, batch_size=args.batch_size,
       image_size=args.image_size, num_frames=args.num_frames, train_clips=args.train_clips,
@@ -387,6 +400,7 @@ def _train(args) -> int:
   distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                          heartbeat_timeout_seconds=args.heartbeat_timeout)
   from jmem import bench, train  # pylint: disable=g-import-not-at-top
+  _default_image_size(args, 16)
   primary = distributed.is_primary()
   if primary:            # checkpoint saves (with the path a restart needs) on stderr
     log = logging.getLogger("jmem")

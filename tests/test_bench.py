@@ -323,3 +323,25 @@ def test_plan_flags_reach_the_planner(monkeypatch):
     cli.main(base)
   assert seen["inplace_abn"] is True and seen["policies"] is None
   assert seen["calibration_batch"][0].shape == (16, 16, 16, 3)
+
+
+def test_video_models_train_and_bench_with_the_default_image_size(capsys):
+  """Left out, ``--image-size`` is 16 for image models and, for a video model, the smallest
+  frame its clips of ``--num-frames`` need (22 for 16): ``jmem train --model video-vit``
+  with no size trains instead of failing on the default."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  resolved = []
+  for model, frames, default in (("video-vit", 16, 16), ("stt-resnet8", 4, 16),
+                                 ("resnet8", 16, 16), ("unet", 16, 32), ("video-vit", 40, 16)):
+    args = argparse.Namespace(model=model, num_frames=frames, image_size=None)
+    cli._default_image_size(args, default)  # pylint: disable=protected-access
+    resolved.append(args.image_size)
+  assert resolved == [22, 16, 16, 32, bench.min_frame_size(40)] and resolved[-1] > 22
+  for size in (bench.min_frame_size(16), bench.min_frame_size(40)):
+    bench.make_dataset("video-vit", size, num_frames=16 if size == 22 else 40, train_clips=2,
+                       test_clips=2)                        # the smallest is enough
+  with pytest.raises(ValueError, match="at least 22x22"):
+    bench.make_dataset("video-vit", 21, num_frames=16, train_clips=2, test_clips=2)
+  assert cli.main(["train", "--model", "video-vit", "--steps", "1", "--batch-size", "4",
+                   "--train-clips", "16", "--no-progress"]) == 0
+  assert "test accuracy" in capsys.readouterr().out
