@@ -92,9 +92,9 @@ def _parser() -> argparse.ArgumentParser:
                  "with kernels (actnn-*, inplace-abn, sync-bn) picks its implementation")
   b.add_argument("--batch-size", type=int, default=d.batch_size)
   b.add_argument("--image-size", type=int, default=None,
-                 help=f"image side, or frame side for video models (default: {d.image_size}; "
-                 "for video models the smallest frame their clips need if larger: 22 for 16 "
-                 "frames)")
+                 help=f"image side, or frame side for video models (default: {d.image_size}, "
+                 "or where larger the smallest the model takes: 32 for convnext-t, 22 for a "
+                 "video model's 16 frames)")
   b.add_argument("--num-frames", type=int, default=d.num_frames, help="frames per clip (video)")
   b.add_argument("--train-clips", type=int, default=d.train_clips,
                  help="training clips rendered (video)")
@@ -169,8 +169,9 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--technique", default="exact",
                  help=f"one of: {_techniques_help()}")
   t.add_argument("--image-size", type=int, default=None,
-                 help="image side, or frame side for video models (default: 16; for video "
-                 "models the smallest frame their clips need if larger: 22 for 16 frames)")
+                 help="image side, or frame side for video models (default: 16, or where "
+                 "larger the smallest the model takes: 32 for convnext-t, 22 for a video "
+                 "model's 16 frames)")
   t.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
   t.add_argument("--train-clips", type=int, default=1024, help="training clips rendered (video)")
   t.add_argument("--batch-size", type=int, default=128)
@@ -229,12 +230,17 @@ def _tour(args) -> int:
 
 
 def _default_image_size(args, default: int) -> None:
-  """``--image-size`` left out: ``default``, or for a video model the smallest frame side
-  its clips of ``--num-frames`` need where that is larger (`jmem.bench.min_frame_size`)."""
+  """``--image-size`` left out: ``default``, or where larger the smallest side the model
+  takes (`jmem.models.min_image_size`: 32 for convnext-t) or, for a video model, the
+  smallest frame its clips of ``--num-frames`` need (`jmem.bench.min_frame_size`)."""
   if args.image_size is None:
     from jmem import bench, models  # pylint: disable=g-import-not-at-top
-    video = models.model_task(args.model) == "video"   # False for unknown names: refused later
-    args.image_size = max(default, bench.min_frame_size(args.num_frames)) if video else default
+    if args.model not in models.MODEL_NAMES:      # refused later, with the valid names
+      args.image_size = default
+      return
+    video = models.model_task(args.model) == "video"
+    args.image_size = max(default, models.min_image_size(args.model),
+                          bench.min_frame_size(args.num_frames) if video else 1)
 
 
 def _bench(args) -> int:

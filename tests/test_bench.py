@@ -326,17 +326,38 @@ def test_plan_flags_reach_the_planner(monkeypatch):
 
 
 def test_video_models_train_and_bench_with_the_default_image_size(capsys):
-  """Left out, ``--image-size`` is 16 for image models and, for a video model, the smallest
+  """Left out, ``--image-size`` is 16, or where larger the smallest side the model takes (a
+  ConvNeXt's stem and halvings, the U-Net's poolings) or, for a video model, the smallest
   frame its clips of ``--num-frames`` need (22 for 16): ``jmem train --model video-vit``
-  with no size trains instead of failing on the default."""
+  with no size trains instead of failing on the default; so would every registered model."""
   import argparse  # pylint: disable=g-import-not-at-top
+  from jmem import models  # pylint: disable=g-import-not-at-top
   resolved = []
   for model, frames, default in (("video-vit", 16, 16), ("stt-resnet8", 4, 16),
-                                 ("resnet8", 16, 16), ("unet", 16, 32), ("video-vit", 40, 16)):
+                                 ("resnet8", 16, 16), ("unet", 16, 8), ("video-vit", 40, 16),
+                                 ("convnext-t", 16, 16), ("convnext-digits", 16, 1),
+                                 ("no-such-model", 16, 16)):
     args = argparse.Namespace(model=model, num_frames=frames, image_size=None)
     cli._default_image_size(args, default)  # pylint: disable=protected-access
     resolved.append(args.image_size)
-  assert resolved == [22, 16, 16, 32, bench.min_frame_size(40)] and resolved[-1] > 22
+  assert resolved == [22, 16, 16, 16, bench.min_frame_size(40), 32, 2, 16], resolved
+  assert resolved[4] > 22
+  # Each registered image model's default is a size it takes (traced, not compiled).
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  for name in models.MODEL_NAMES:
+    if models.model_task(name) == "video":
+      continue
+    args = argparse.Namespace(model=name, num_frames=16, image_size=None)
+    cli._default_image_size(args, 1)  # pylint: disable=protected-access
+    model = models.create_model(name, 10)
+    x = jax.ShapeDtypeStruct((1, args.image_size, args.image_size, 3), jnp.float32)
+    jax.eval_shape(lambda x, m=model: m.init(jax.random.key(0), x), x)
+    if args.image_size > 1:                # one pixel less is refused
+      smaller = jax.ShapeDtypeStruct((1, args.image_size - 1, args.image_size - 1, 3),
+                                     jnp.float32)
+      with pytest.raises(ValueError, match="at least|divisible"):
+        jax.eval_shape(lambda x, m=model: m.init(jax.random.key(0), x), smaller)
   for size in (bench.min_frame_size(16), bench.min_frame_size(40)):
     bench.make_dataset("video-vit", size, num_frames=16 if size == 22 else 40, train_clips=2,
                        test_clips=2)                        # the smallest is enough

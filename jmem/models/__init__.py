@@ -32,6 +32,21 @@ def model_task(name: str) -> str:
   return "segmentation" if name in SEGMENTATION_CONFIGS else "image"
 
 
+def min_image_size(name: str) -> int:
+  """The smallest image side the registered model ``name`` takes: a ConvNeXt's stem patch
+  times its ``stages - 1`` halvings (32 for convnext-t), the U-Net's ``2**poolings`` (its
+  sides must divide by that), else 1. (Video clips need room to move too:
+  `jmem.bench.min_frame_size`.)"""
+  if name in CONVNEXT_CONFIGS:
+    depths, _, patch = CONVNEXT_CONFIGS[name]
+    return patch * 2 ** (len(depths) - 1)
+  if name in SEGMENTATION_CONFIGS:
+    widths = {**{f.name: f.default for f in UNet.__dataclass_fields__.values()},
+              **SEGMENTATION_CONFIGS[name]}["widths"]
+    return 2 ** (len(widths) - 1)
+  return 1
+
+
 def create_model(name: str, num_classes: int, **overrides):
   """Builds a registered model by name (one of `MODEL_NAMES`)."""
   if name in RESNET_CONFIGS:
