@@ -34,7 +34,7 @@ from jmem.techniques import get_technique, register_technique, technique_names
 __all__ = [
     "Technique", "IMPLEMENTATIONS", "BenchConfig", "register_technique", "get_technique", "technique_names",
     "run_bench", "write_results", "format_table", "step_memory", "saved_bytes", "batch_fit", "calibration_problem",
-    "make_dataset",
+    "make_dataset", "min_frame_size", "default_image_size",
 ]
 
 
@@ -72,7 +72,8 @@ class BenchConfig:
     techniques: technique names; ``exact`` is always measured first as the baseline.
     batch_size: examples per step.
     image_size: side of the (resized) digit images, or of the frames of the moving-digit
-      clips for video models (digits of a third of it; at least 24 for 16 frames).
+      clips for video models (digits of a third of it; at least 22 for 16 frames:
+      `min_frame_size`). The CLI's default: `default_image_size`.
     num_frames: frames per clip (video models only).
     train_clips: training clips rendered for video models (more clips: less overfitting).
     steps: training steps per technique and seed.
@@ -139,6 +140,22 @@ def min_frame_size(num_frames: int) -> int:
   while need - need // 3 < num_frames - 1:    # frame minus digit >= travel
     need += 1
   return need
+
+
+def default_image_size(model: str, num_frames: int = 16, at_least: int = 16) -> int:
+  """An image side for the registered model ``model`` when none is given: ``at_least``, or
+  the smallest frame its moving-digit clips of ``num_frames`` frames need if larger (video
+  models: `min_frame_size`), rounded up to a multiple of the model's unit
+  (`jmem.models.image_size_unit`): 16 for the ResNets and the U-Net, 32 for ConvNeXt-T to
+  -XL, 22 for stt-resnet8 and 24 for the video ViT (patches of 8) with 16 frames. An unknown
+  name gets ``at_least`` (and is refused where it is built)."""
+  if model not in models_lib.MODEL_NAMES:
+    return at_least
+  side = at_least
+  if models_lib.model_task(model) == "video":
+    side = max(side, min_frame_size(num_frames))
+  unit = models_lib.image_size_unit(model)
+  return -(-side // unit) * unit
 
 
 def make_dataset(model: str, image_size: int, *, num_frames: int = 16,

@@ -61,8 +61,11 @@ def _bits(text: str) -> tuple[int, ...]:
 
 def _verify_size(args) -> int:
   """``--verify-image-size``, by default the plan's ``--image-size`` up to 32 (the embedded
-  digits are 8x8, resized)."""
-  return args.verify_image_size or min(args.image_size, 32)
+  digits are 8x8, resized), or larger where the model or its clips need it
+  (`jmem.bench.default_image_size`)."""
+  from jmem import bench  # pylint: disable=g-import-not-at-top
+  return args.verify_image_size or bench.default_image_size(
+      args.model, args.num_frames, min(args.image_size, 32))
 
 
 def _techniques_help() -> str:
@@ -92,9 +95,10 @@ def _parser() -> argparse.ArgumentParser:
                  "with kernels (actnn-*, inplace-abn, sync-bn) picks its implementation")
   b.add_argument("--batch-size", type=int, default=d.batch_size)
   b.add_argument("--image-size", type=int, default=None,
-                 help=f"image side, or frame side for video models (default: {d.image_size}, "
-                 "or where larger the smallest the model takes: 32 for convnext-t, 22 for a "
-                 "video model's 16 frames)")
+                 help=f"image side, or frame side for video models (default: {d.image_size} "
+                 "rounded up to the model's unit, or for a video model the frame its clips "
+                 "need: 32 for ConvNeXt-T to -XL, 22 for stt-resnet8 and 24 for video-vit "
+                 "with 16 frames)")
   b.add_argument("--num-frames", type=int, default=d.num_frames, help="frames per clip (video)")
   b.add_argument("--train-clips", type=int, default=d.train_clips,
                  help="training clips rendered (video)")
@@ -159,7 +163,8 @@ def _parser() -> argparse.ArgumentParser:
                   "data (at --verify-image-size) and report both accuracies")
   pl.add_argument("--verify-image-size", type=int, default=None, metavar="S",
                   help="image size of --verify-steps (default: --image-size, at most 32: the "
-                  "embedded digits are 8x8, resized)")
+                  "embedded digits are 8x8, resized; rounded up to the model's unit, or the "
+                  "frame a video model's clips need)")
   pl.add_argument("--json", action="store_true", help="print the plan as JSON on stdout")
   pl.add_argument("--output-dir", default="jmem_results",
                   help="where plan.json, plan.md and plan_front.png go")
@@ -169,9 +174,10 @@ def _parser() -> argparse.ArgumentParser:
   t.add_argument("--technique", default="exact",
                  help=f"one of: {_techniques_help()}")
   t.add_argument("--image-size", type=int, default=None,
-                 help="image side, or frame side for video models (default: 16, or where "
-                 "larger the smallest the model takes: 32 for convnext-t, 22 for a video "
-                 "model's 16 frames)")
+                 help="image side, or frame side for video models (default: 16 rounded up "
+                 "to the model's unit, or for a video model the frame its clips need: 32 for "
+                 "ConvNeXt-T to -XL, 22 for stt-resnet8 and 24 for video-vit with 16 "
+                 "frames)")
   t.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
   t.add_argument("--train-clips", type=int, default=1024, help="training clips rendered (video)")
   t.add_argument("--batch-size", type=int, default=128)
@@ -229,18 +235,11 @@ def _tour(args) -> int:
   return 0
 
 
-def _default_image_size(args, default: int) -> None:
-  """``--image-size`` left out: ``default``, or where larger the smallest side the model
-  takes (`jmem.models.min_image_size`: 32 for convnext-t) or, for a video model, the
-  smallest frame its clips of ``--num-frames`` need (`jmem.bench.min_frame_size`)."""
+def _default_image_size(args, at_least: int) -> None:
+  """``--image-size`` left out: `jmem.bench.default_image_size` of the model."""
   if args.image_size is None:
-    from jmem import bench, models  # pylint: disable=g-import-not-at-top
-    if args.model not in models.MODEL_NAMES:      # refused later, with the valid names
-      args.image_size = default
-      return
-    video = models.model_task(args.model) == "video"
-    args.image_size = max(default, models.min_image_size(args.model),
-                          bench.min_frame_size(args.num_frames) if video else 1)
+    from jmem import bench  # pylint: disable=g-import-not-at-top
+    args.image_size = bench.default_image_size(args.model, args.num_frames, at_least)
 
 
 def _bench(args) -> int:
@@ -287,6 +286,11 @@ def _plan(args) -> int:
   if args.batch_size < 1 or args.image_size < 1:
     raise ValueError(f"--batch-size and --image-size must be positive, got "
                      f"{args.batch_size} and {args.image_size}.")
+  if (args.verify_steps and models.model_task(args.model) == "video"
+      and _verify_size(args) < bench.min_frame_size(args.num_frames)):
+    raise ValueError(f"--verify-image-size {_verify_size(args)} is too small for the "
+                     f"verification's clips of {args.num_frames} frames: use "
+                     f"--verify-image-size {bench.min_frame_size(args.num_frames)} or more.")
   output_dir = bench.check_output_dir(args.output_dir)
   mesh, axes = None, {}
   if args.devices is not None:                 # the planner checks it

@@ -325,44 +325,46 @@ def test_plan_flags_reach_the_planner(monkeypatch):
   assert seen["calibration_batch"][0].shape == (16, 16, 16, 3)
 
 
-def test_video_models_train_and_bench_with_the_default_image_size(capsys):
-  """Left out, ``--image-size`` is 16, or where larger the smallest side the model takes (a
-  ConvNeXt's stem and halvings, the U-Net's poolings) or, for a video model, the smallest
-  frame its clips of ``--num-frames`` need (22 for 16): ``jmem train --model video-vit``
-  with no size trains instead of failing on the default; so would every registered model."""
-  import argparse  # pylint: disable=g-import-not-at-top
-  from jmem import models  # pylint: disable=g-import-not-at-top
-  resolved = []
-  for model, frames, default in (("video-vit", 16, 16), ("stt-resnet8", 4, 16),
-                                 ("resnet8", 16, 16), ("unet", 16, 8), ("video-vit", 40, 16),
-                                 ("convnext-t", 16, 16), ("convnext-digits", 16, 1),
-                                 ("no-such-model", 16, 16)):
-    args = argparse.Namespace(model=model, num_frames=frames, image_size=None)
-    cli._default_image_size(args, default)  # pylint: disable=protected-access
-    resolved.append(args.image_size)
-  assert resolved == [22, 16, 16, 16, bench.min_frame_size(40), 32, 2, 16], resolved
-  assert resolved[4] > 22
-  # Each registered image model's default is a size it takes (traced, not compiled).
+def test_every_model_trains_and_benches_with_the_default_image_size(capsys, tmp_path):
+  """Left out, ``--image-size`` is 16 rounded up to the model's unit (a ConvNeXt's stem and
+  halvings, the U-Net's poolings, the video ViT's patch), or for a video model the smallest
+  frame its clips of ``--num-frames`` need, rounded so too: ``jmem train --model video-vit``
+  and ``jmem bench --model video-vit`` with no size run instead of failing on the default,
+  and every registered image model takes its default."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  for name in models.MODEL_NAMES:
-    if models.model_task(name) == "video":
-      continue
-    args = argparse.Namespace(model=name, num_frames=16, image_size=None)
-    cli._default_image_size(args, 1)  # pylint: disable=protected-access
-    model = models.create_model(name, 10)
-    x = jax.ShapeDtypeStruct((1, args.image_size, args.image_size, 3), jnp.float32)
-    jax.eval_shape(lambda x, m=model: m.init(jax.random.key(0), x), x)
-    if args.image_size > 1:                # one pixel less is refused
-      smaller = jax.ShapeDtypeStruct((1, args.image_size - 1, args.image_size - 1, 3),
-                                     jnp.float32)
-      with pytest.raises(ValueError, match="at least|divisible"):
-        jax.eval_shape(lambda x, m=model: m.init(jax.random.key(0), x), smaller)
-  for size in (bench.min_frame_size(16), bench.min_frame_size(40)):
-    bench.make_dataset("video-vit", size, num_frames=16 if size == 22 else 40, train_clips=2,
-                       test_clips=2)                        # the smallest is enough
+  from jmem import models  # pylint: disable=g-import-not-at-top
+  cases = {("video-vit", 16, 16): 24, ("stt-resnet8", 16, 16): 22, ("stt-resnet8", 4, 16): 16,
+           ("video-vit", 40, 16): 64, ("resnet8", 16, 16): 16, ("unet", 16, 20): 32,
+           ("convnext-t", 16, 16): 32, ("convnext-digits", 16, 1): 2,
+           ("no-such-model", 16, 16): 16}
+  got = {k: bench.default_image_size(*k) for k in cases}
+  assert got == cases, got
+  assert bench.min_frame_size(40) == 58 and bench.min_frame_size(16) == 22
+  bench.make_dataset("stt-resnet8", 22, num_frames=16, train_clips=2, test_clips=2)
   with pytest.raises(ValueError, match="at least 22x22"):
-    bench.make_dataset("video-vit", 21, num_frames=16, train_clips=2, test_clips=2)
+    bench.make_dataset("stt-resnet8", 21, num_frames=16, train_clips=2, test_clips=2)
+  # Every registered model takes its default (traced, not compiled); where the unit is
+  # above 1, one pixel less is refused (not a NaN loss).
+  for name in models.MODEL_NAMES:
+    model, video = models.create_model(name, 10), models.model_task(name) == "video"
+    size = bench.default_image_size(name, 4, 1)
+    lead = (1, 4) if video else (1,)
+    for side in (size, size - 1):
+      x = jax.ShapeDtypeStruct(lead + (side, side, 1 if video else 3), jnp.float32)
+      init = lambda x, m=model: m.init(jax.random.key(0), x)
+      if side == size:
+        jax.eval_shape(init, x)
+      elif models.image_size_unit(name) > 1:
+        with pytest.raises(ValueError, match="at least|divisible"):
+          jax.eval_shape(init, x)
   assert cli.main(["train", "--model", "video-vit", "--steps", "1", "--batch-size", "4",
                    "--train-clips", "16", "--no-progress"]) == 0
   assert "test accuracy" in capsys.readouterr().out
+  out = tmp_path / "bench"
+  assert cli.main(["bench", "--model", "video-vit", "--memory-only", "--techniques", "exact",
+                   "--budgets", "", "--batch-size", "4", "--train-clips", "16",
+                   "--no-progress", "--output-dir", str(out)]) == 0
+  capsys.readouterr()
+  written = json.loads((out / "bench.json").read_text())
+  assert written["meta"]["config"]["image_size"] == 24, written["meta"]

@@ -633,6 +633,14 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
   size = lambda *flags: cli._verify_size(cli._parser().parse_args(["plan", *flags]))
   assert size() == 32 and size("--image-size", "24") == 24
   assert size("--verify-image-size", "16") == 16
+  # ... rounded up to what the model and its clips need (58 for 40 frames, then to video-vit's
+  # patches of 8); a --verify-image-size too small for the clips is refused before planning.
+  assert size("--model", "video-vit", "--image-size", "64", "--num-frames", "40") == 64
+  assert size("--model", "convnext-t", "--image-size", "16") == 32
+  with pytest.raises(SystemExit):
+    cli.main(["plan", "--model", "video-vit", "--num-frames", "40", "--image-size", "64",
+              "--verify-steps", "1", "--verify-image-size", "32", "--output-dir", str(out)])
+  assert "--verify-image-size 58 or more" in capsys.readouterr().err
 
 
 def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkeypatch):

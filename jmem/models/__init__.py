@@ -32,11 +32,12 @@ def model_task(name: str) -> str:
   return "segmentation" if name in SEGMENTATION_CONFIGS else "image"
 
 
-def min_image_size(name: str) -> int:
-  """The smallest image side the registered model ``name`` takes: a ConvNeXt's stem patch
-  times its ``stages - 1`` halvings (32 for convnext-t), the U-Net's ``2**poolings`` (its
-  sides must divide by that), else 1. (Video clips need room to move too:
-  `jmem.bench.min_frame_size`.)"""
+def image_size_unit(name: str) -> int:
+  """The image side unit of the registered model ``name``: the smallest side it takes, and
+  the sides it sees whole are its multiples (its VALID-padded strides leave the remainder
+  out): a ConvNeXt's stem patch times its ``stages - 1`` halvings (32 for convnext-t), the
+  U-Net's ``2**poolings`` (its sides must divide by that), the video ViT's patch (8), else 1.
+  (Moving-digit clips need room to move too: `jmem.bench.min_frame_size`.)"""
   if name in CONVNEXT_CONFIGS:
     depths, _, patch = CONVNEXT_CONFIGS[name]
     return patch * 2 ** (len(depths) - 1)
@@ -44,6 +45,10 @@ def min_image_size(name: str) -> int:
     widths = {**{f.name: f.default for f in UNet.__dataclass_fields__.values()},
               **SEGMENTATION_CONFIGS[name]}["widths"]
     return 2 ** (len(widths) - 1)
+  if name in VIDEO_CONFIGS:
+    cls, fields = VIDEO_CONFIGS[name]
+    if cls is VideoTransformer:
+      return fields.get("patch", VideoTransformer.__dataclass_fields__["patch"].default)
   return 1
 
 

@@ -200,6 +200,9 @@ class VideoTransformer(nn.Module):
       raise ValueError(f"exact_last must be in [0, depth={self.depth}], got {self.exact_last}.")
     b, t, h, w, c = video.shape
     p = self.patch
+    if min(h, w) < p:     # no patch token: a mean over nothing, a NaN loss
+      raise ValueError(f"This VideoTransformer (patch {p}) needs frames of at least {p}x{p}, "
+                       f"got {h}x{w}: use larger frames (--image-size {p} or more).")
     x = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype,
                 name="patch_embed")(video.reshape((b * t, h, w, c)))
     x = x.reshape(b, t, -1, self.dim)
