@@ -286,11 +286,11 @@ def _plan(args) -> int:
   if args.batch_size < 1 or args.image_size < 1:
     raise ValueError(f"--batch-size and --image-size must be positive, got "
                      f"{args.batch_size} and {args.image_size}.")
-  if (args.verify_steps and models.model_task(args.model) == "video"
-      and _verify_size(args) < bench.min_frame_size(args.num_frames)):
-    raise ValueError(f"--verify-image-size {_verify_size(args)} is too small for the "
+  verify_size, need = _verify_size(args), bench.min_frame_size(args.num_frames)
+  if args.verify_steps and models.model_task(args.model) == "video" and verify_size < need:
+    raise ValueError(f"--verify-image-size {verify_size} is too small for the "
                      f"verification's clips of {args.num_frames} frames: use "
-                     f"--verify-image-size {bench.min_frame_size(args.num_frames)} or more.")
+                     f"--verify-image-size {need} or more.")
   output_dir = bench.check_output_dir(args.output_dir)
   mesh, axes = None, {}
   if args.devices is not None:                 # the planner checks it
@@ -336,7 +336,7 @@ def _plan(args) -> int:
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:
-    size = _verify_size(args)
+    size = verify_size
     dataset = bench.make_dataset(args.model, size,
                                  num_frames=args.num_frames)
     config = train.TrainConfig(steps=args.verify_steps, batch_size=min(128, len(

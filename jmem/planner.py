@@ -933,8 +933,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                                mesh=on.mesh, specs=on.specs(x, y))
       heap = _heap_of(step, args, notes) if heap_of is not None and read_heaps else None
       read_heaps = read_heaps and (heap_of is None or heap is not None)
-      lowered = step.lower(*args) if heap is None else heap.lowered
-      step = lowered.compile() if heap is None else heap.compiled
+      if heap is None:
+        lowered = step.lower(*args)
+        step = lowered.compile()
+      else:
+        lowered, step = heap.lowered, heap.compiled
     if heap is not None:
       heaps[heap_of] = heap
     out = measure.device_bytes_and_flops(step, lowered)

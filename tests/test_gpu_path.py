@@ -111,11 +111,12 @@ def test_gpu_benchmark_without_a_gpu_exits_0_and_writes_nothing(tmp_path):
   assert not any(cwd.iterdir()) and not any(tmp.iterdir())
 
 
-def _gpu_script():
+def _gpu_script(name="gpu"):
+  """``benchmarks/<name>.py`` imported as a module."""
   import importlib.util  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
-  spec = importlib.util.spec_from_file_location("jmem_gpu_benchmark", path)
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"jmem_{name}_benchmark", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -177,12 +178,7 @@ def test_offload_diagnostic_reads_host_transfers_from_a_scheduled_module():
   (held bytes are the most in flight at once, not the sum), a copy back started in the
   forward pass, one in the backward, and a synchronous copy each way; the same module
   printed without ``%`` and with operand shapes reads the same."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import pathlib  # pylint: disable=g-import-not-at-top
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_offload.py"
-  spec = importlib.util.spec_from_file_location("jmem_gpu_offload", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = _gpu_script("gpu_offload")
   hlo = """HloModule jit_step, is_scheduled=true
 
 %fused (p: f32[4,8]) -> f32[4,8] {
