@@ -256,7 +256,7 @@ def main(argv=None) -> int:
                  # jmem.measure.step_flops's two counts (first taken on a GPU here): the
                  # compiled module's leaves out cuDNN/cuBLAS calls, the lowered one's should
                  # not.
-                 "flops": {"compiled": measure._flops_of(compiled),  # pylint: disable=protected-access
+                 "flops": {"compiled": measure._compiled._flops_of(compiled),  # pylint: disable=protected-access
                            "lowered": measure.lowered_flops(lowered),
                            "step_flops": measure.step_flops(compiled, lowered)}}
     except Exception as e:  # pylint: disable=broad-except

@@ -84,7 +84,12 @@ class BenchConfig:
     budgets_gib: device memory budgets (GiB) for the largest batch of each technique
       (`jmem.measure.fit_batch`: the step compiled at ``batch_size`` and twice that gives
       the bytes per example; the batch the line predicts is compiled to confirm it).
-      Empty: no largest batch, two compiles fewer per technique.
+      Empty: no largest batch, two compiles fewer per technique. None (the default): the
+      target's memory limit where it has one (``"h100"``: 76,516,687,872 bytes), else 16
+      and 80 GiB.
+    target: the device the memory figures are for (`jmem.measure.target`: None for JAX's
+      default backend, ``"h100"`` for an H100 compiled for from this machine). Training
+      and timing run on this machine; with a GPU target, the table says so.
     dtype: the compute dtype, ``"float32"`` or ``"bfloat16"`` (mixed precision: parameters
       and optimiser state stay float32; activations, and so the residuals every technique
       stores, are bfloat16). Every row, exact's included, uses it. Models with a ``dtype``
@@ -102,8 +107,9 @@ class BenchConfig:
   memory_only: bool = False
   learning_rate: float = 3e-3
   timing_repeats: int = 10
-  budgets_gib: tuple[float, ...] = (16.0, 80.0)
+  budgets_gib: tuple[float, ...] | None = None
   dtype: str = "float32"
+  target: str | None = None
 
   def validate(self) -> None:
     if self.model not in models_lib.MODEL_NAMES:
@@ -122,14 +128,23 @@ class BenchConfig:
       raise ValueError("Give at least one seed.")
     if self.timing_repeats < 1:
       raise ValueError(f"timing_repeats must be >= 1, got {self.timing_repeats}.")
-    if not isinstance(self.budgets_gib, (tuple, list)):
+    if self.budgets_gib is not None and not isinstance(self.budgets_gib, (tuple, list)):
       raise ValueError(f"budgets_gib must be a tuple of GiB, e.g. (16, 80), got "
                        f"{self.budgets_gib!r}.")
-    for b in self.budgets_gib:
+    for b in self.budgets_gib or ():
       if (not isinstance(b, (int, float)) or isinstance(b, bool) or not b > 0
           or b == float("inf")):
         raise ValueError(f"Memory budgets must be positive, finite numbers of GiB, got {b!r}.")
     check_dtype(self.model, self.dtype)
+    measure.target(self.target)
+
+  def budgets(self) -> tuple[int, ...]:
+    """The budgets in bytes: `budgets_gib`'s, or by default the target's memory limit
+    (16 and 80 GiB where it has none)."""
+    if self.budgets_gib is not None:
+      return tuple(int(g * measure.GIB) for g in self.budgets_gib)
+    limit = measure.target(self.target).memory_limit
+    return (limit,) if limit is not None else (16 * measure.GIB, 80 * measure.GIB)
 
 
 def min_frame_size(num_frames: int) -> int:
@@ -190,43 +205,54 @@ def _log(msg: str, quiet: bool) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def step_memory(fns, optimizer, x_spec, y_spec, *, step=None) -> tuple[int, int]:
-  """``(saved activation bytes, compiled temp bytes)`` of a whole train step, compile-only.
+def step_memory(fns, optimizer, x_spec, y_spec, *, step=None, target=None) -> tuple[int, int]:
+  """``(saved activation bytes, compiled temp bytes)`` of a whole train step, compile-only,
+  for ``target`` (`jmem.measure.target`; default: JAX's default backend).
 
   ``step`` is the jitted step to compile (default: a fresh non-donating one).
   """
+  on = measure.target(target)
   abstract = train_lib.abstract_state(fns, optimizer, x_spec)
   step = step or train_lib.make_train_step(fns, optimizer, donate=False)
-  temp = measure.compiled_memory(step, abstract, x_spec, y_spec).temp_bytes
-  return saved_bytes(fns, optimizer, x_spec, y_spec, abstract=abstract), temp
+  temp = on.memory(step, abstract, x_spec, y_spec).temp_bytes
+  return saved_bytes(fns, optimizer, x_spec, y_spec, abstract=abstract, target=on), temp
 
 
-def saved_bytes(fns, optimizer, x_spec, y_spec, *, abstract=None) -> int:
-  """Activation bytes the train step's loss saves for its backward pass (traced only)."""
+def saved_bytes(fns, optimizer, x_spec, y_spec, *, abstract=None, target=None) -> int:
+  """Activation bytes the train step's loss saves for its backward pass (traced only, with
+  the kernels ``target`` would choose)."""
   abstract = abstract or train_lib.abstract_state(fns, optimizer, x_spec)
   loss = train_lib.make_loss(fns)
   rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-  report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
-                                   abstract.model_state, x_spec, y_spec, rng, argnums=0)
+  with measure.target(target).lowering():
+    report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
+                                     abstract.model_state, x_spec, y_spec, rng, argnums=0)
   return report.activation_bytes
 
 
-def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0)) -> measure.BatchFit:
-  """`jmem.measure.fit_batch` of the (donating) train step: device bytes at the batch of
-  ``x_spec`` and at twice it, and the largest batch under each budget (GiB)."""
+def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0), *, target=None,
+              budgets: Sequence[int] | None = None) -> measure.BatchFit:
+  """`jmem.measure.fit_step` of the (donating) train step on ``target``: device bytes at
+  the batch of ``x_spec`` and at twice it, and the largest batch under each budget
+  (``budgets`` in bytes, else ``budgets_gib`` in GiB)."""
   abstract = train_lib.abstract_state(fns, optimizer, x_spec)
   step = train_lib.make_train_step(fns, optimizer, donate=True)
+  on = measure.target(target)
+  spec = lambda a, b: jax.ShapeDtypeStruct((b,) + a.shape[1:], a.dtype)
 
   def compile_at(b):
-    lowered = step.lower(abstract, jax.ShapeDtypeStruct((b,) + x_spec.shape[1:], x_spec.dtype),
-                         jax.ShapeDtypeStruct((b,) + y_spec.shape[1:], y_spec.dtype))
+    lowered = on.lower(step, abstract, spec(x_spec, b), spec(y_spec, b))
     return lowered.compile(), lowered
   b = x_spec.shape[0]
-  return measure.fit_batch(compile_at, (b, 2 * b), [int(g * measure.GIB) for g in budgets_gib])
+  budgets = ([int(g * measure.GIB) for g in budgets_gib] if budgets is None
+             else [int(v) for v in budgets])
+  fit = measure.fit_batch(compile_at, (b, 2 * b), budgets)
+  return dataclasses.replace(fit, target=on.name)
 
 
-def _budget_key(gib: float) -> str:
-  return f"{gib:g}GiB"
+def _budget_key(budget: int) -> str:
+  """A budget in bytes as a row's key: ``"16GiB"``, ``"71.26GiB"``."""
+  return f"{budget / measure.GIB:.4g}GiB"
 
 
 def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
@@ -241,9 +267,12 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   seen to fit by a compile: a lower bound), over_budget (the smallest batch seen not to),
   max_batch_ratio (exact's per-example temp bytes over the
   technique's: the max-batch multiplier), flops and flops_ratio (`jmem.measure.step_flops` of
-  the step), collectives (op -> count in the compiled step, those it has).
+  the step), collectives (op -> count in the compiled step, those it has), target and
+  target_label (the device every memory figure is for: `BenchConfig.target`), measured_on
+  (where step time and accuracy were measured: this machine; absent with ``memory_only``).
   """
   config.validate()
+  on, budgets = measure.target(config.target), config.budgets()
   names = ["exact"] + [t for t in config.techniques if t != "exact"]
   dataset = make_dataset(config.model, config.image_size, num_frames=config.num_frames,
                          train_clips=config.train_clips)
@@ -269,20 +298,20 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     fns = train_lib.model_fns(model)
     optimizer = train_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
     _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, "
-         f"{config.image_size}x{config.image_size})", quiet)
+         f"{config.image_size}x{config.image_size}) for {on.short}", quiet)
     # The donating step (as `jmem train` runs it) at the batch size gives the temp bytes.
-    fit = batch_fit(fns, optimizer, x_spec, y_spec, config.budgets_gib)
-    saved, temp = saved_bytes(fns, optimizer, x_spec, y_spec), fit.temp_bytes[0]
+    fit = batch_fit(fns, optimizer, x_spec, y_spec, target=on, budgets=budgets)
+    saved = saved_bytes(fns, optimizer, x_spec, y_spec, target=on)
+    temp = fit.temp_bytes[0]
     row: dict[str, Any] = dict(
         technique=name, model=config.model, dataset=dataset.name, dtype=config.dtype,
         batch_size=config.batch_size, image_size=config.image_size, steps=config.steps,
-        seeds=list(config.seeds), saved_bytes=saved, temp_bytes=temp,
+        seeds=list(config.seeds), target=on.name, target_label=on.label,
+        saved_bytes=saved, temp_bytes=temp,
         per_example_bytes=fit.per_example_bytes,
         per_example_temp_bytes=fit.per_example_temp_bytes, fixed_bytes=fit.fixed_bytes,
-        max_batch={_budget_key(g): fit.max_batch[int(g * measure.GIB)]
-                   for g in config.budgets_gib},
-        over_budget={_budget_key(g): fit.over_budget[int(g * measure.GIB)]
-                     for g in config.budgets_gib},
+        max_batch={_budget_key(g): fit.max_batch[g] for g in budgets},
+        over_budget={_budget_key(g): fit.over_budget[g] for g in budgets},
         flops=fit.flops, collectives=fit.collectives, step_time_s=None, step_time_ratio=None,
         accuracy=None,
         accuracy_per_seed=None)
@@ -305,6 +334,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
       xb, yb = jnp.asarray(dataset.x_train[idx]), jnp.asarray(dataset.y_train[idx])
       step = train_lib.make_train_step(fns, optimizer, donate=False)   # timed repeatedly
       timing_steps[name] = (lambda s=step, st=state: s(st, xb, yb))
+      row["measured_on"] = _this_machine()
     rows.append(row)
   if timing_steps:
     _log(f"timing {len(timing_steps)} step functions, interleaved", quiet)
@@ -322,6 +352,12 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
                               if row["per_example_temp_bytes"] > 0 else None)
     row["flops_ratio"] = row["flops"] / base["flops"] if base["flops"] else None
   return rows
+
+
+def _this_machine() -> str:
+  """Where training and timing ran: this machine's default device."""
+  device = jax.devices()[0]
+  return f"{device.platform} ({device.device_kind})"
 
 
 def _mib(n: int | None) -> str:
@@ -346,10 +382,13 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   a largest batch: a lower bound (a larger batch compiled went over the budget, and the
   true largest lies below it)."""
   budgets = list(rows[0].get("max_batch", {})) if rows else []
-  lines = ["| technique | model | MiB / example | " + "".join(
+  where = caption(rows)
+  short = f" ({where[0]})" if where[0] else ""
+  on = f" ({where[1]})" if where[1] else ""
+  lines = [f"| technique | model | MiB / example{short} | " + "".join(
                f"max batch {b} | " for b in budgets) + "max-batch x | FLOPs / exact | "
-           "temp MiB | temp / exact | saved MiB | saved / exact | step time / exact | "
-           "test accuracy |",
+           f"temp MiB{short} | temp / exact | saved MiB | saved / exact | "
+           f"step time / exact{on} | test accuracy{on} |",
            "|---|---|" + "---:|" * (len(budgets) + 9)]
   for r in rows:
     a = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
@@ -361,6 +400,20 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                  f"{r['temp_ratio']:.3f} | {_mib(r['saved_bytes'])} | {r['saved_ratio']:.3f} | "
                  f"{_ratio(r['step_time_ratio'])} | {a} |")
   return "\n".join(lines)
+
+
+def caption(rows: Sequence[dict[str, Any]]) -> tuple[str, str]:
+  """``(target, measured on)``: the short name of the target the rows' memory figures are
+  for (``"H100 target"``; "" where they were compiled for this machine's default backend)
+  and where their step times and accuracies were measured where that is another device
+  (``"host cpu"``; "" otherwise)."""
+  label = next((r.get("target_label", "") for r in rows), "")
+  name = next((r.get("target", "default") for r in rows), "default")
+  if name == "default":
+    return "", ""
+  short = label.split(" (")[0]
+  timed = any(r.get("measured_on") for r in rows)
+  return short, ("host " + jax.devices()[0].platform) if timed else ""
 
 
 def check_output_dir(path: str) -> str:
@@ -391,6 +444,11 @@ def write_results(rows: Sequence[dict[str, Any]], output_dir: str, *, stem: str 
     json.dump({"meta": meta, "rows": list(rows)}, f, indent=2)
   with open(paths["md"], "w") as f:
     f.write(f"# jmem bench: {stem}\n\n")
+    if rows and rows[0].get("target_label"):
+      f.write(f"Memory figures for: {rows[0]['target_label']}.\n")
+      if any(r.get("measured_on") for r in rows):
+        f.write(f"Step time and accuracy measured on: {rows[0].get('measured_on')}.\n")
+      f.write("\n")
     f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n")
     f.write(format_table(rows) + "\n")
   _plot(rows, paths["png"])

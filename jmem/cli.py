@@ -75,6 +75,13 @@ def _techniques_help() -> str:
   return ", ".join(bench.technique_names()).replace("%", "%%")
 
 
+def _targets_help() -> str:
+  from jmem import measure  # pylint: disable=g-import-not-at-top
+  return (", ".join(t for t in measure.TARGETS if t != "default") + " (an NVIDIA H100 80GB "
+          "compiled for from this machine: pip install 'jmem[gpu-target]'), or the path of "
+          "an XLA GPU spec file (.txtpb)")
+
+
 def _parser() -> argparse.ArgumentParser:
   from jmem import bench, models  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="jmem", description="Memory-saving training for JAX/Flax.")
@@ -111,7 +118,12 @@ def _parser() -> argparse.ArgumentParser:
                  "precision, float32 parameters)")
   b.add_argument("--budgets", type=_budget_list, default=d.budgets_gib,
                  help="device memory budgets in GiB for the largest batch of each technique, "
-                 "comma-separated (default: 16,80; '' for none: two compiles fewer each)")
+                 "comma-separated (default: the --target's memory limit, or 16,80 where it "
+                 "has none; '' for none: two compiles fewer each)")
+  b.add_argument("--target", default=None, metavar="NAME|SPEC",
+                 help=f"the device the memory figures are for: {_targets_help()} (default: "
+                 "this machine's default backend); training and timing stay on this machine "
+                 "and are labelled so")
   b.add_argument("--json", action="store_true", help="print rows as JSON on stdout")
   b.add_argument("--output-dir", default="jmem_results",
                  help="where bench.json, bench.md and bench_memory.png go")
@@ -132,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
                   help="device memory, e.g. 16GiB, 800MiB, or a share of exact's: 50%% "
                   "(default: %(default)s)")
   pl.add_argument("--dtype", default="float32", choices=bench.DTYPES)
+  pl.add_argument("--target", default=None, metavar="NAME|SPEC",
+                  help=f"the device the budget is for: {_targets_help()} (default: this "
+                  "machine's default backend); one device: not with --mesh, --devices or "
+                  "--verify-steps")
   pl.add_argument("--exact-only", action="store_true",
                   help="accuracy-safe: no compression, the gradients stay exact")
   pl.add_argument("--policies", type=_comma_list, default=None, metavar="KIND[,KIND]",
@@ -211,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # `jmem bench` options that keep the tour (any other option runs the classic bench).
-_TOUR_OPTIONS = ("--output-dir", "--no-progress", "--json")
+_TOUR_OPTIONS = ("--output-dir", "--no-progress", "--json", "--target")
 
 
 def _is_tour(argv) -> bool:
@@ -224,7 +240,7 @@ def _is_tour(argv) -> bool:
 def _tour(args) -> int:
   from jmem import bench, tour  # pylint: disable=g-import-not-at-top
   output_dir = bench.check_output_dir(args.output_dir)
-  rows = tour.run_tour(quiet=args.json, progress=not args.no_progress)
+  rows = tour.run_tour(quiet=args.json, progress=not args.no_progress, target=args.target)
   paths = tour.write_tour(rows, output_dir)
   if args.json:
     json.dump(rows, sys.stdout, indent=2, default=str)
@@ -252,7 +268,7 @@ def _bench(args) -> int:
       image_size=args.image_size, num_frames=args.num_frames, train_clips=args.train_clips,
       steps=args.steps, seeds=args.seeds,
       memory_only=args.memory_only, learning_rate=args.learning_rate,
-      budgets_gib=args.budgets, dtype=args.dtype)
+      budgets_gib=args.budgets, dtype=args.dtype, target=args.target)
   config.validate()
   output_dir = bench.check_output_dir(args.output_dir)
   rows = bench.run_bench(config, quiet=args.json, progress=not args.no_progress)
@@ -286,6 +302,17 @@ def _plan(args) -> int:
   if args.batch_size < 1 or args.image_size < 1:
     raise ValueError(f"--batch-size and --image-size must be positive, got "
                      f"{args.batch_size} and {args.image_size}.")
+  from jmem import measure  # pylint: disable=g-import-not-at-top
+  on = measure.target(args.target)
+  if on.deviceless:
+    given = [flag for flag, value in (("--mesh", args.mesh), ("--devices", args.devices),
+                                      ("--verify-steps", args.verify_steps)) if value]
+    if given:
+      raise ValueError(
+          f"--target {args.target} compiles for one {on.device_kind} from this machine, so "
+          f"{' and '.join(given)} cannot go with it: a multi-device layout is planned on "
+          "the devices themselves, and --verify-steps trains, which needs the device (plan "
+          "with --target, then verify the plan's techniques on this machine without it).")
   verify_size, need = _verify_size(args), bench.min_frame_size(args.num_frames)
   if args.verify_steps and models.model_task(args.model) == "video" and verify_size < need:
     raise ValueError(f"--verify-image-size {verify_size} is too small for the "
@@ -332,7 +359,7 @@ def _plan(args) -> int:
   result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
                          max_compiles=args.max_compiles, calibration_batch=calibration,
                          mesh=mesh, policies=args.policies, bits=args.bits,
-                         inplace_abn=not args.no_inplace_abn, **axes)
+                         inplace_abn=not args.no_inplace_abn, target=args.target, **axes)
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:
@@ -481,11 +508,23 @@ def _plan_devices(args) -> int | None:
   return args.devices or (math.prod(args.mesh) if args.mesh else None)
 
 
+def _target_platforms(args) -> None:
+  """A GPU ``--target`` is compiled for with JAX's CUDA plugin loaded for compiling only,
+  which needs JAX's platforms to be ``cpu`` before JAX starts: set here unless the
+  environment names platforms (then `jmem.measure.target` says what is wrong)."""
+  name = getattr(args, "target", None)
+  if name in (None, "default") or os.environ.get("JAX_PLATFORMS"):
+    return
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_platforms", "cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
   args.tour = _is_tour(argv)
   try:
+    _target_platforms(args)
     _simulate_host_devices(argv, getattr(args, "local_devices", None), _plan_devices(args))
     return {"bench": _bench, "train": _train, "plan": _plan}[args.command](args)
   except ValueError as e:

@@ -284,6 +284,9 @@ class Plan:
       than the walk's plan (``front``'s last point, after the walk's; ``chosen`` is it).
     estimates: the trace's estimate at each point of ``front`` (what the walk ranks by,
       before any compile corrects it: far off at times, even below zero bytes).
+    target: the `jmem.measure.Target` every step was compiled for (``target=``), by name;
+      ``target_label``: what its figures are (e.g. an H100's buffer assignment, compiled
+      without one).
   """
 
   budget_bytes: int
@@ -307,6 +310,8 @@ class Plan:
   batch_specs: tuple | None = None
   off_walk: bool = False
   estimates: tuple[tuple[float, float], ...] = ()
+  target: str = "default"
+  target_label: str = ""
 
   @property
   def techniques(self) -> tuple:
@@ -349,6 +354,8 @@ class Plan:
     verdict = ("fits" if self.fits else
                f"does NOT fit: {_size(self.device_bytes - self.budget_bytes)} over; this is "
                "the smallest step compiled on its layout")
+    if self.target_label:
+      lines += ["", f"Compiled for {self.target_label}."]
     lines += ["", f"Budget {_size(self.budget_bytes)} at batch {self.batch_size}: the planned "
               f"step needs {_size(self.device_bytes)} ({verdict}); exact needs "
               f"{_size(self.exact_device_bytes)}. FLOPs "
@@ -751,7 +758,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
          mesh=None, spatial_axes: tuple | None = ("h", "w"),
          data_axis: str | None = None, devices=None,
          policies: Sequence[str] | None = None,
-         bits: Sequence[int] | int | None = None) -> Plan:
+         bits: Sequence[int] | int | None = None, target=None) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
@@ -815,6 +822,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       compress rungs are these widths; recompute_compressed recomputes from an input at
       2 bits, or where 2 is not allowed the fewest allowed above 1 (1 bit where only 1
       is). An error where the policies allowed quantize nothing.
+    target: the device the budget and every compiled figure are for: a
+      `jmem.measure.Target` or its name (``"h100"``: compiled for an H100 from this
+      machine, XLA:GPU's buffer assignment, the kernels chosen as there; default: JAX's
+      default backend). A GPU target is one device: ``mesh=`` and ``devices=`` are refused
+      with it. Gradient sensitivities (``calibration_batch=``) are measured on this machine.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -823,6 +835,12 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   """
   fraction = budget_share(budget)
   budget_bytes = parse_bytes(budget) if fraction is None else None
+  device = measure.target(target)
+  if device.deviceless and (mesh is not None or devices not in (None, 1)
+                            or data_axis is not None):
+    raise ValueError(f"jmem.plan(target={device.name!r}) compiles for one "
+                     f"{device.device_kind} from this machine; multi-device layouts (mesh=, devices=, data_axis=) are "
+                     "planned on the devices themselves: drop target= or the layout.")
   if max_compiles < 3:
     raise ValueError(f"max_compiles must be at least 3 (exact at two batch sizes, the plan), "
                      f"got {max_compiles}.")
@@ -931,13 +949,15 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
           if on.xla else contextlib.nullcontext()):
       step, args = _train_step(m, optimizer, spec(x, b), spec(y, b), abstract=abstract,
                                mesh=on.mesh, specs=on.specs(x, y))
-      heap = _heap_of(step, args, notes) if heap_of is not None and read_heaps else None
-      read_heaps = read_heaps and (heap_of is None or heap is not None)
-      if heap is None:
-        lowered = step.lower(*args)
-        step = lowered.compile()
-      else:
-        lowered, step = heap.lowered, heap.compiled
+      args = device.place(args) if device.deviceless else args
+      with device.lowering():
+        heap = _heap_of(step, args, notes) if heap_of is not None and read_heaps else None
+        read_heaps = read_heaps and (heap_of is None or heap is not None)
+        if heap is None:
+          lowered = step.lower(*args)
+          step = lowered.compile()
+        else:
+          lowered, step = heap.lowered, heap.compiled
     if heap is not None:
       heaps[heap_of] = heap
     out = measure.device_bytes_and_flops(step, lowered)
@@ -1206,7 +1226,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
               exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
               base + under, tuple(measured), layout.shards, layout.mesh,
-              layout.specs(x, y), on_top, estimates)
+              layout.specs(x, y), on_top, estimates, device.name, device.label)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1530,7 +1550,7 @@ def _site_of_codes(buffer, paths) -> int | None:
   if (not buffer.shape.startswith("u8[") or "transpose(" in buffer.op_name or
       not re.search(rf"\b{actnn_quantize.CODES_SCOPE}\b", buffer.op_name)):
     return None
-  site = _site_of_scope(measure._scope(buffer.op_name), paths)  # pylint: disable=protected-access
+  site = _site_of_scope(measure._heap._scope(buffer.op_name), paths)  # pylint: disable=protected-access
   return None if site is None else list(paths).index(site)
 
 

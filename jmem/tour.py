@@ -109,13 +109,26 @@ def sync_bn_check(counts=(5, 0, 3, 8, 1, 0, 2, 7), mean: float = 3.0, std: float
               collectives_forward_backward=nonzero(measure.collective_counts(g, xs, ms)))
 
 
-def run_tour(*, quick: bool = False, quiet: bool = False,
-             progress: bool = True) -> list[dict[str, Any]]:
+def run_tour(*, quick: bool = False, quiet: bool = False, progress: bool = True,
+             target=None) -> list[dict[str, Any]]:
   """Every section's rows (`jmem.bench.run_bench`'s, with ``section`` and, for memory-only
-  rows, ``quoted_accuracy`` and its ``source``), then the SyncBN row."""
+  rows, ``quoted_accuracy`` and its ``source``), then the SyncBN row.
+
+  ``target``: the device the memory figures are for (`jmem.measure.target`; a GPU target
+  is one device, so the 8-device spatial row is not run; the largest batches are then for
+  its memory limit). Training, timing and the SyncBN check run on this machine."""
+  on = measure.target(target)
   rows = []
   for section, fields in SECTIONS:
     fields = dict(fields)
+    if on.deviceless:
+      fields.update(target=on.name)
+      if fields.get("budgets_gib"):
+        fields["budgets_gib"] = None        # the target's memory limit
+    if "spatial-8" in fields["techniques"] and on.deviceless:
+      rows.append(dict(section=section, technique="spatial-8", model=fields["model"],
+                       skipped=f"needs 8 devices; the {on.short} is one"))
+      continue
     if "spatial-8" in fields["techniques"] and jax.device_count() < 8:
       rows.append(dict(section=section, technique="spatial-8", model=fields["model"],
                        skipped=f"needs 8 devices of one kind; this machine's default "
@@ -162,8 +175,12 @@ def _collectives(counts) -> str:
 
 
 def format_tour(rows) -> str:
-  lines = ["| section | technique | model | max-batch x | MiB / example | FLOPs / exact | "
-           "temp / exact | saved / exact | step time / exact | collectives | accuracy |",
+  short, on = bench.caption([r for r in rows if "per_example_temp_bytes" in r])
+  short = f" ({short})" if short else ""
+  on = f" ({on})" if on else ""
+  lines = [f"| section | technique | model | max-batch x{short} | MiB / example{short} | "
+           f"FLOPs / exact | temp / exact | saved / exact | step time / exact{on} | "
+           f"collectives | accuracy |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
   for r in rows:
     if "skipped" in r:
@@ -204,8 +221,9 @@ def write_tour(rows, output_dir: str, meta: dict | None = None) -> dict[str, str
   with open(paths["json"], "w") as f:
     json.dump({"meta": meta or {}, "rows": rows}, f, indent=1, default=str)
   with open(paths["md"], "w") as f:
-    f.write("# jmem bench: the tour\n\n" + "".join(f"- {k}: {v}\n" for k, v in
-                                                   (meta or {}).items()) + "\n"
+    label = next((r["target_label"] for r in rows if r.get("target_label")), "")
+    f.write("# jmem bench: the tour\n\n" + (f"Memory figures for: {label}.\n\n" if label else "")
+            + "".join(f"- {k}: {v}\n" for k, v in (meta or {}).items()) + "\n"
             + format_tour(rows) + "\n")
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")

@@ -10,6 +10,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmem import measure
+from jmem.measure import _compiled, _heap
 
 
 def test_tanh_matmul_saves_only_its_intermediate():
@@ -257,7 +258,7 @@ def test_best_fit_takes_the_smallest_gap_among_the_buffers_live_at_once():
   start, end = np.array([0, 0, 0, 0, 0, 5]), np.array([9, 2, 9, 2, 9, 9])
   # At 5-9 only 0-100, 150-190 and 220-245 are taken: gaps of 50 (100-150) and 30
   # (190-220). The last buffer takes the 30, where a first fit would take the 50.
-  assert measure._best_fit(size, start, end).tolist() == [0, 100, 150, 190, 220, 190]
+  assert _heap._best_fit(size, start, end).tolist() == [0, 100, 150, 190, 220, 190]
 
 
 def test_heap_layout_reads_the_temp_allocation_and_places_it_again():
@@ -359,11 +360,11 @@ def test_step_flops_of_the_lowered_module_count_what_the_compiled_one_does_on_cp
     compiled = lowered.compile()
     on_cpu = measure.step_flops(compiled, lowered)        # the compiled module's, on CPU
     assert on_cpu == measure.step_flops(compiled) > 0
-    low = measure._flops_of(lowered)  # pylint: disable=protected-access
+    low = _compiled._flops_of(lowered)  # pylint: disable=protected-access
     assert abs(low / on_cpu - 1) < 0.02, (technique, low, on_cpu)
     if technique != "actnn-L3":     # its quantizer is a Pallas call when lowered for a GPU
       cuda = step.trace(*args).lower(lowering_platforms=("cuda",))
-      cuda_flops = measure._flops_of(cuda)  # pylint: disable=protected-access
+      cuda_flops = _compiled._flops_of(cuda)  # pylint: disable=protected-access
       assert cuda_flops == pytest.approx(low, rel=1e-6), technique
 
 
@@ -390,9 +391,9 @@ def test_step_flops_of_a_sharded_step_off_the_cpu_are_about_one_devices(monkeypa
     lowered = step.lower(*args)
     compiled = lowered.compile()
     on_cpu = measure.step_flops(compiled)                   # one device's, compiled
-    assert measure._devices_of(compiled) == ("cpu", 8)  # pylint: disable=protected-access
+    assert _compiled._devices_of(compiled) == ("cpu", 8)  # pylint: disable=protected-access
     with monkeypatch.context() as m:
-      m.setattr(measure, "_devices_of", lambda c: ("gpu", 8))
+      m.setattr(_compiled, "_devices_of", lambda c: ("gpu", 8))
       off_cpu = measure.step_flops(compiled, lowered)
     whole = measure.lowered_flops(lowered)
     assert off_cpu == (whole if mesh is hw else whole / 8)
@@ -404,9 +405,9 @@ def test_lowered_flops_count_where_the_steps_own_client_cannot(monkeypatch):
   `lowered_flops` counts the module with the CPU client, the same figure."""
   step, args = _step_and_args(None)
   lowered = step.lower(*args)
-  own = measure._flops_of(lowered)  # pylint: disable=protected-access
+  own = _compiled._flops_of(lowered)  # pylint: disable=protected-access
   monkeypatch.setattr(jax.stages.Lowered, "cost_analysis", lambda self: None)
-  assert measure._flops_of(lowered) is None  # pylint: disable=protected-access
+  assert _compiled._flops_of(lowered) is None  # pylint: disable=protected-access
   assert measure.lowered_flops(lowered) == own > 0
 
 
@@ -428,9 +429,9 @@ def test_step_flops_off_the_cpu_take_the_lowered_module_or_warn():
   assert measure.step_flops(_OnPlatform("cpu", 5.0), _OnPlatform("cpu", 9.0)) == 5.0
   assert measure.step_flops(_OnPlatform("gpu", 5.0), _OnPlatform("gpu", 9.0)) == 9.0
   assert measure.step_flops(_OnPlatform("gpu", 5.0, 3), _OnPlatform("gpu", 9.0)) == 3.0
-  measure._WARNED_FLOPS.discard("gpu")  # pylint: disable=protected-access
+  _compiled._WARNED_FLOPS.discard("gpu")  # pylint: disable=protected-access
   with pytest.warns(UserWarning, match="counts library calls .* no lowered module was given"):
     assert measure.step_flops(_OnPlatform("gpu", 5.0)) == 5.0
-  measure._WARNED_FLOPS.discard("gpu")  # pylint: disable=protected-access
+  _compiled._WARNED_FLOPS.discard("gpu")  # pylint: disable=protected-access
   with pytest.warns(UserWarning, match="the lowered module could not be counted"):
     assert measure.step_flops(_OnPlatform("gpu", 5.0), _OnPlatform("gpu", None)) == 5.0

@@ -1097,7 +1097,7 @@ def test_off_the_cpu_the_planner_counts_the_lowered_steps_flops(monkeypatch):
   every step the planner compiles (heap-layout compiles included) and `step_cost` hand
   `jmem.measure.step_flops` the lowered step: with the platform said to be a GPU, no step
   falls back to the compiled count (which warns), and the FLOPs are the lowered step's."""
-  monkeypatch.setattr(jmem.measure, "_devices_of", lambda compiled: ("gpu", 1))
+  monkeypatch.setattr(jmem.measure._compiled, "_devices_of", lambda compiled: ("gpu", 1))
   monkeypatch.setattr(jmem.measure, "_WARNED_FLOPS", set())
   layouts, heap_layout = [], jmem.measure.heap_layout
   monkeypatch.setattr(jmem.measure, "heap_layout",
@@ -1106,8 +1106,8 @@ def test_off_the_cpu_the_planner_counts_the_lowered_steps_flops(monkeypatch):
   optimizer = train.default_optimizer(1e-3, 10)
   step, args = plan_lib._train_step(model, optimizer, x, y)  # pylint: disable=protected-access
   low = step.lower(*args)
-  lowered = jmem.measure._flops_of(low)  # pylint: disable=protected-access
-  compiled = jmem.measure._flops_of(low.compile())  # pylint: disable=protected-access
+  lowered = jmem.measure._compiled._flops_of(low)  # pylint: disable=protected-access
+  compiled = jmem.measure._compiled._flops_of(low.compile())  # pylint: disable=protected-access
   assert lowered != compiled                # so the figure below says which was taken
   with warnings.catch_warnings():
     warnings.filterwarnings("error", message=".*counts library calls")

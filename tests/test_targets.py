@@ -1,0 +1,220 @@
+"""Memory targets: an H100's buffer assignment compiled for on this CPU machine, checked
+against the real H100's figure for the same step, and every way a target can be refused."""
+
+import functools
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jmem
+from jmem import measure, models, train
+from jmem.measure import targets
+
+# jmem's ResNet-50 224² train step at batch 64, on an NVIDIA H100 80GB HBM3 (JAX 0.11.2,
+# CUDA 13, 2026-11-27): compile().memory_analysis().temp_size_in_bytes
+# (benchmarks/results/gpu/h100_2026-11-27_gpu_true_figures.md).
+H100_RESNET50_B64_TEMP = 5_963_010_656
+
+
+def _resnet50_step_as_measured_on_the_h100():
+  """Exactly the step measured on the H100: NHWC, 1000 classes, float32, optax.adamw(1e-3),
+  softmax cross-entropy of int32 labels, train=True with batch_stats mutable; parameters,
+  optimiser state and batch statistics donated, (x, y) not."""
+  model = models.create_model("resnet50", 1000)
+  opt = optax.adamw(1e-3)
+
+  def init():
+    v = model.init(jax.random.key(0), jnp.zeros((1, 224, 224, 3)), train=False)
+    return v["params"], v["batch_stats"], opt.init(v["params"])
+
+  def step(params, batch_stats, opt_state, x, y):
+    def loss(p):
+      logits, upd = model.apply({"params": p, "batch_stats": batch_stats}, x, train=True,
+                                mutable=["batch_stats"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), upd
+    (value, upd), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), upd["batch_stats"], opt_state, value
+
+  state = jax.eval_shape(init)
+  x = jax.ShapeDtypeStruct((64, 224, 224, 3), jnp.float32)
+  y = jax.ShapeDtypeStruct((64,), jnp.int32)
+  return jax.jit(step, donate_argnums=(0, 1, 2)), (*state, x, y)
+
+
+def test_h100_target_gives_the_real_h100s_temp_bytes_within_1_percent():
+  step, args = _resnet50_step_as_measured_on_the_h100()
+  h100 = measure.target("h100")
+  memory = h100.memory(step, *args)
+  assert abs(memory.temp_bytes / H100_RESNET50_B64_TEMP - 1) < 0.01, memory.temp_bytes
+  # ...and XLA:CPU's figure for the same step is far from it: the reason for targets.
+  assert h100.deviceless and h100.platform == "gpu"
+  assert h100.device_kind == "NVIDIA H100 80GB HBM3"
+  assert h100.memory_limit == 76_516_687_872
+  assert "H100 target" in h100.label and "without the device" in h100.label
+
+
+class _CNN(nn.Module):
+  """A plain linen CNN of two blocks (jmem.convert's default sites)."""
+
+  @nn.compact
+  def __call__(self, x, train=True):
+    for width in (16, 32):
+      x = _Block(width)(x)
+    return nn.Dense(10)(x.mean((1, 2)))
+
+
+class _Block(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.relu(nn.Conv(self.width, (3, 3))(nn.relu(nn.Conv(self.width, (3, 3))(x))))
+
+
+def _small_step(model, batch, side=16):
+  fns = train.model_fns(model)
+  opt = train.default_optimizer(1e-3, 10)
+  x = jax.ShapeDtypeStruct((batch, side, side, 3), jnp.float32)
+  return fns, opt, train.abstract_state(fns, opt, x)
+
+
+def test_fit_step_on_the_h100_target_confirms_its_largest_batch():
+  """A remat step (jmem.jit's XLA:CPU option would make XLA:GPU refuse it) fitted on the
+  H100 target: the slope from batches 8 and 16, the largest batch in a small limit
+  compiled, fitting, and one more over it."""
+  model = jmem.convert(_CNN(), jmem.Remat())
+  fns, opt, state = _small_step(model, 8)
+  step = train.make_train_step(fns, opt, donate=True)
+  spec = lambda b: (state, jax.ShapeDtypeStruct((b, 16, 16, 3), jnp.float32),
+                    jax.ShapeDtypeStruct((b,), jnp.int32))
+  probe = measure.fit_step(step, spec, target="h100", batch_sizes=(8, 16),
+                           memory_limit=10**9)
+  assert probe.target == "h100" and probe.per_example_temp_bytes > 0
+  limit = int(probe.fixed_bytes + 40.5 * probe.per_example_bytes)
+  fit = measure.fit_step(step, spec, target="h100", batch_sizes=(8, 16), memory_limit=limit)
+  best = fit.max_batch[limit]
+  assert best in fit.memory and fit.memory[best].total_bytes <= limit
+  assert fit.memory[8].temp_bytes == fit.temp_bytes[0]
+  over = measure.target("h100").memory(step, *spec(best + 1))
+  assert over.total_bytes > limit, (best, over.total_bytes, limit)
+  with pytest.raises(measure.TargetError, match="memory_limit"):
+    measure.fit_step(step, spec, target=None)          # XLA:CPU has no limit of its own
+
+
+def test_the_h100_target_takes_the_kernels_a_gpu_takes():
+  """ActNN's automatic implementation lowers the Pallas (Triton) kernels for the H100
+  target, as on the GPU; its XLA path has none; on the default backend (this CPU) the
+  automatic choice is XLA."""
+  h100 = measure.target("h100")
+  texts = {}
+  for name, on, implementation in (("h100", h100, None), ("xla", h100, "xla"),
+                                   ("cpu", measure.target(), None)):
+    model = jmem.convert(_CNN(), jmem.ActNN("L3", implementation=implementation))
+    fns, opt, state = _small_step(model, 8)
+    step = train.make_train_step(fns, opt)
+    texts[name] = on.lower(step, state, jax.ShapeDtypeStruct((8, 16, 16, 3), jnp.float32),
+                           jax.ShapeDtypeStruct((8,), jnp.int32)).as_text()
+  # Each compressed residual: one quantize and one dequantize kernel.
+  assert texts["h100"].count("__gpu$xla.gpu.triton") >= 4
+  assert "__gpu$xla.gpu.triton" not in texts["xla"] + texts["cpu"]
+
+
+def test_unknown_target_and_bad_spec_files_are_refused(tmp_path):
+  with pytest.raises(measure.TargetError, match="Unknown target 'b9000'.*h100"):
+    measure.target("b9000")
+  with pytest.raises(measure.TargetError, match="No GPU spec file"):
+    measure.target(str(tmp_path / "missing.txtpb"))
+  bad = tmp_path / "bad.txtpb"
+  bad.write_text("gpu_device_info { warp_drive: 9 }\n")
+  with pytest.raises(measure.TargetError, match="could not use the GPU spec file.*delete"):
+    measure.target(str(bad))
+  with pytest.raises(measure.TargetError, match="memory_limit"):
+    measure.target("h100", memory_limit=0)
+
+
+def test_a_spec_file_by_path_is_a_target(tmp_path):
+  """The shipped H100 file given by path: the same device, its limit 0.9 of the file's
+  device_memory_size."""
+  path = os.path.join(os.path.dirname(targets.__file__), "specs", "h100_sxm.txtpb")
+  t = measure.target(path)
+  assert t.deviceless and t.device_kind == "NVIDIA H100 80GB HBM3"
+  assert t.memory_limit == int(84_942_979_072 * 0.9)
+
+
+def test_missing_or_mismatched_plugin_says_what_to_install(monkeypatch):
+  real = importlib.metadata.version
+
+  def without_plugin(name):
+    if name.startswith("jax-cuda"):
+      raise importlib.metadata.PackageNotFoundError(name)
+    return real(name)
+  monkeypatch.setattr(importlib.metadata, "version", without_plugin)
+  with pytest.raises(measure.TargetError, match=r"pip install 'jmem\[gpu-target\]'"):
+    measure.target("h100")
+
+  def other_version(name):
+    return "0.0.1" if name.startswith("jax-cuda") else real(name)
+  monkeypatch.setattr(importlib.metadata, "version", other_version)
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  with pytest.raises(measure.TargetError,
+                     match=f"exactly the installed jaxlib's version, {jaxlib.__version__}.*"
+                           f"jax-cuda12-plugin=={jaxlib.__version__}"):
+    measure.target("h100")
+
+
+def test_a_gpu_target_needs_jax_platforms_cpu():
+  """In a process whose JAX platforms are not just cpu, the target says how to fix it (the
+  CUDA plugin would try to open a GPU), and the command line sets them itself."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  code = ("import jax, jmem\n"
+          "try:\n  jmem.measure.target('h100')\n"
+          "except jmem.measure.TargetError as e:\n  print('REFUSED', e)\n")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+  assert "REFUSED" in out.stdout and "JAX_PLATFORMS=cpu" in out.stdout, out.stdout + out.stderr
+
+
+def test_jit_lowered_for_a_target_gets_that_platforms_options():
+  """`jmem.jit` adds XLA:CPU's option on the CPU and none for the GPU target (XLA:GPU
+  refuses it); called, it runs on the default backend."""
+  f = measure.jit(lambda x: jnp.sin(x) * 2)
+  x = jnp.ones(4)
+  assert float(f(x)[0]) == pytest.approx(2 * jnp.sin(1.0))
+  cpu = f.lower(x).compile()
+  gpu = measure.target("h100").compile(f, x)
+  assert measure.platform_of(cpu) == "cpu" and measure.platform_of(gpu) == "gpu"
+  assert measure.xla_compiler_options("gpu") == {}
+
+
+@functools.lru_cache(maxsize=None)
+def _cli(*argv):
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  return subprocess.run([sys.executable, "-m", "jmem.cli", *argv], env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_cli_refuses_what_a_target_cannot_do():
+  out = _cli("plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "8",
+             "--target", "h100", "--verify-steps", "5")
+  assert out.returncode == 2 and "--verify-steps cannot go with it" in out.stderr, out.stderr
+  out = _cli("bench", "--target", "tpu9", "--memory-only")
+  assert out.returncode == 2 and "Unknown target 'tpu9'" in out.stderr, out.stderr
+
+
+def test_a_plain_linen_model_has_another_peak_on_the_h100_than_on_xla_cpu():
+  """What the targets are for: one step, two buffer assignments."""
+  fns, opt, state = _small_step(_CNN(), 32, side=32)
+  step = train.make_train_step(fns, opt)
+  x = jax.ShapeDtypeStruct((32, 32, 32, 3), jnp.float32)
+  y = jax.ShapeDtypeStruct((32,), jnp.int32)
+  on_gpu = measure.target("h100").memory(step, state, x, y).temp_bytes
+  on_cpu = measure.target().memory(step, state, x, y).temp_bytes
+  assert on_gpu > 0 and on_cpu > 0 and on_gpu != on_cpu
