@@ -12,7 +12,7 @@ unconverted model's (relative to its largest entry; InPlace-ABN with its scale m
 ActNN L3 one draw) and the whole train step's saved activation bytes and compiled temp bytes
 against exact (compile-only, CPU).
 (2) resnet50: the third-party ResNet-50 at 224x224, batch 16 and 32, exact / Remat / ActNN L3
-via jmem.convert, and jmem's own ResNet-50 at L3 (``jmem.ops.actnn.convert``, 2 bits, no
+via jmem.convert, and jmem's own ResNet-50 at L3 (``jmem.convert``, 2 bits, no
 calibration) in the same run: temp ratio at batch 32, and the temp one more example costs
 (slope between the two batches).
 (3) sbp: jmem.SBP on third-party video models (a per-frame ResNet-8 with BatchNorm + temporal
@@ -60,7 +60,6 @@ import third_party_models as tp  # pylint: disable=g-import-not-at-top,wrong-imp
 import jmem  # pylint: disable=g-import-not-at-top,wrong-import-position
 from jmem import bench, data, models, surgery, train  # pylint: disable=wrong-import-position
 from jmem.models import video  # pylint: disable=wrong-import-position
-from jmem.ops import actnn  # pylint: disable=wrong-import-position
 from jmem.ops import sbp as sbp_lib  # pylint: disable=wrong-import-position
 
 MIB = 2**20
@@ -136,7 +135,7 @@ def resnet50():
            ("third-party ResNet-50", "ActNN L3 (jmem.convert)",
             jmem.convert(third, jmem.ActNN("L3"))),
            ("jmem ResNet-50", "exact", own),
-           ("jmem ResNet-50", "ActNN L3 (actnn.convert)", actnn.convert(own, "L3"))]
+           ("jmem ResNet-50", "ActNN L3 (jmem.convert)", jmem.convert(own, jmem.ActNN("L3")))]
   for model_name, label, model in cases:
     temps = {}
     for b in (16, 32):

@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
   from jmem import measure  # pylint: disable=g-import-not-at-top
   group = dict(gpu.GROUPS, **gpu.QUICK_GROUPS)[args.group]
-  args.batch = args.batch or group["batch"]
+  args.batch = args.batch or group["batches"][0]
   t0 = time.time()
   log = lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", flush=True)
   device = jax.devices()[0].device_kind

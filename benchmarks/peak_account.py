@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from _common import RESULTS
 import jmem
 from jmem import measure, models, train
-from jmem.ops import actnn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import third_party_models as tp  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -54,7 +53,7 @@ def main():
            ("ActNN L3", jmem.convert(base, jmem.ActNN("L3"))),
            # jmem's own ResNet-50: its stem (conv, norm, ReLU, max pool) is a site too.
            ("jmem ResNet-50, exact", own),
-           ("jmem ResNet-50, ActNN L3", actnn.convert(own, "L3"))]
+           ("jmem ResNet-50, ActNN L3", jmem.convert(own, jmem.ActNN("L3")))]
   rows, md = [], ["# What is live at the peak: ResNet-50 (third-party and jmem's)", "",
                   f"Written by `benchmarks/peak_account.py` ({jax.default_backend()}, JAX "
                   f"{jax.__version__}, compile-only): the gradient of the loss at batch "

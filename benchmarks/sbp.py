@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from _common import RESULTS, parser
+import jmem
 from jmem import bench, data, measure, models, train
 from jmem.models import video
 
@@ -86,7 +87,10 @@ def pretrained(part, seeds, steps, train_clips, learning_rate, pretrain_steps=10
   pretrain_s = time.perf_counter() - t0
   rows = []
   for keep in (1.0, 0.25):
-    model = video.video_model(name, clips.num_classes, keep_ratio=keep)
+    model = video.video_model(name, clips.num_classes)
+    if keep < 1.0:           # SBP on the model's own sites, as jmem bench's sbp-<r> does
+      model = jmem.convert(model, jmem.SBP(keep_ratio=keep, where=model.sbp_sites,
+                                           mode=model.sbp_mode))
     accs, secs = [], []
     for seed in seeds:
       opt = train.default_optimizer(learning_rate, steps)

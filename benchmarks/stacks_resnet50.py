@@ -42,7 +42,6 @@ import jax.numpy as jnp
 from _common import write_report
 import jmem
 from jmem import bench, measure, models, train
-from jmem.ops import actnn
 
 MIB = 2**20
 
@@ -53,19 +52,21 @@ def _twin(model):
 
 
 def variants(base):
-  iabn = bench.get_technique("inplace-abn").apply(base)    # leaky_relu 0.01, as the bench
+  twin = _twin(base)
+  pairs = jmem.surgery.inplace_abn_sites(twin, jnp.zeros((2, 32, 32, 3)))
+  iabn = jmem.InPlaceABN(where=tuple(pairs))           # every BN + leaky_relu pair
   return {
       "exact": base,
-      "bn+leaky (InPlace-ABN's twin)": _twin(base),
-      "InPlace-ABN": iabn,
-      "remat": base.clone(block_transform=nn.remat),
+      "bn+leaky (InPlace-ABN's twin)": twin,
+      "InPlace-ABN": jmem.convert(twin, iabn),
+      "remat": jmem.convert(base, jmem.Remat()),
       "Remat (blocks) + ActNN L3, jmem.convert": jmem.convert(
           base, jmem.Remat(where=base.block_cls), jmem.ActNN("L3")),
       "Policy offload (full precision; CPU: same memory)": jmem.convert(
           base, jmem.Policy("offload")),
-      "ActNN L3": actnn.convert(base, "L3"),
-      "ActNN L4 (offload; CPU: same memory)": actnn.convert(base, "L4"),
-      "InPlace-ABN + ActNN L3": actnn.convert(iabn, "L3"),
+      "ActNN L3": jmem.convert(base, jmem.ActNN("L3")),
+      "ActNN L4 (offload; CPU: same memory)": jmem.convert(base, jmem.ActNN("L4")),
+      "InPlace-ABN + ActNN L3": jmem.convert(twin, iabn, jmem.ActNN("L3")),
   }
 
 

@@ -34,7 +34,7 @@ def _flops(f, *args):
 
 
 def _step_flops(name, dataset, base):
-  model = bench.get_technique(name).build(base, dataset, BATCH)
+  model = bench.build_model(name, base, dataset, BATCH)
   fns = train.model_fns(model)
   optimizer = train.default_optimizer(1e-3, 10)
   x = jax.ShapeDtypeStruct((BATCH, SIZE, SIZE, 1), jnp.float32)

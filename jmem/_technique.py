@@ -86,39 +86,52 @@ class Technique:
 
 @dataclasses.dataclass(frozen=True)
 class BenchTechnique:
-  """A memory-saving technique as ``jmem bench`` sees it (``jmem.bench.Technique``).
+  """A registered technique name (``jmem.bench.Technique``): what ``jmem bench
+  --techniques``, ``jmem train --technique`` and `jmem.technique` take.
+
+  The bench builds every technique as a user does: ``jmem.convert(model, *techniques)`` on
+  the plain model (`jmem.bench.build_model`), never through fields of jmem's own models.
 
   Attributes:
     name: registry name (what ``--techniques`` takes).
-    apply: maps the exact linen model to the model with the technique switched on (a
-      module, or `jmem.train.ModelFns` when the technique changes how it is run).
+    convert: ``convert(implementation) -> Technique | tuple | None``: the `jmem.convert`
+      technique(s) of the name (None: nothing to convert, as for ``"exact"``). None for a
+      name whose techniques come from ``prepare`` alone.
     description: one line for tables and ``--help``.
-    prepare: optional data-dependent set-up used instead of ``apply``:
-      ``prepare(model, dataset, batch_size) -> model`` (e.g. ActNN's bit allocation from
-      gradient sensitivity on a training batch).
-    has_kernels: the technique has Pallas kernels; ``apply`` and ``prepare`` then take an
-      ``implementation`` keyword, chosen with a name suffix: ``"actnn-L3:pallas"``,
+    prepare: optional data-dependent set-up, ``prepare(model, dataset, batch_size,
+      techniques, *, target) -> techniques``: from ``convert``'s techniques (a tuple) to
+      the ones the model is converted with (e.g. `jmem.plan`'s policies for a batch).
+    calibrate: ActNN L3-L5: per-site bits from gradient sensitivity measured on a training
+      batch first (`jmem.surgery.calibrate`), else at the level's bits everywhere.
+    has_kernels: the technique has Pallas kernels; ``convert`` then takes an
+      implementation chosen with a name suffix: ``"actnn-L3:pallas"``,
       ``"inplace-abn:xla"`` (no suffix: the kernels on a GPU, XLA elsewhere).
     kernel_ops: the `jmem._backends` ops its kernels implement: a suffix must name an
       implementation registered for all of them (empty: one of `IMPLEMENTATIONS`).
     implementation: the suffix's implementation (None: automatic).
-    convert: ``convert(implementation) -> Technique | None``, the `jmem.convert` technique of
-      the same name (`jmem.technique`; None from it: nothing to convert, as for
-      ``"exact"``). Left None, the name is the bench's only (jmem's own models).
   """
 
   name: str
-  apply: Callable[..., Any]
+  convert: Callable[[str | None], Any] | None
   description: str = ""
-  prepare: Callable[..., Any] | None = None
+  prepare: Callable[..., tuple] | None = None
+  calibrate: bool = False
   has_kernels: bool = False
   kernel_ops: tuple[str, ...] = ()
   implementation: str | None = None
-  convert: Callable[[str | None], Technique | None] | None = None
 
-  def build(self, model, dataset, batch_size: int):
-    """``model`` with the technique on: ``prepare`` when there is one, else ``apply``."""
-    kw = {"implementation": self.implementation} if self.has_kernels else {}
-    if self.prepare is not None:
-      return self.prepare(model, dataset, batch_size, **kw)
-    return self.apply(model, **kw)
+  def __post_init__(self):
+    if self.convert is None and self.prepare is None:
+      raise ValueError(f"Technique {self.name!r} needs convert= (implementation -> "
+                       "jmem.convert technique) or prepare=.")
+    if self.convert is not None and not callable(self.convert):
+      raise TypeError(f"Technique {self.name!r}: convert must be a function of the "
+                      f"implementation returning jmem.convert techniques, got "
+                      f"{type(self.convert).__name__}.")
+
+  def techniques(self) -> tuple:
+    """``convert``'s techniques for `implementation`, as a tuple (empty: exact)."""
+    if self.convert is None:
+      return ()
+    t = self.convert(self.implementation)
+    return () if t is None else (tuple(t) if isinstance(t, (tuple, list)) else (t,))

@@ -4,8 +4,10 @@ Each row reports what the technique saves (saved activation bytes, compiled temp
 what it costs (step-time ratio to exact, measured interleaved in the same process) and
 whether the model still learns (test accuracy, mean over seeds).
 
-A technique registers itself once with `register_technique`; the bench, the CLI and the
-benchmark scripts pick it up from the registry.
+Every technique is built as a user builds it: ``jmem.convert(model, *techniques)`` on the
+plain model (`build_model`). A technique registers itself once with `register_technique`
+(a name and its `jmem.convert` technique); the bench, the CLI and the benchmark scripts
+pick it up from the registry.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jmem import data as data_lib
 from jmem import measure
 from jmem import models as models_lib
+from jmem import surgery
 from jmem import train as train_lib
 from jmem._technique import IMPLEMENTATIONS as IMPLEMENTATIONS
 from jmem._technique import BenchTechnique
@@ -33,8 +38,9 @@ from jmem.techniques import get_technique, register_technique, technique_names
 
 __all__ = [
     "Technique", "IMPLEMENTATIONS", "BenchConfig", "register_technique", "get_technique", "technique_names",
-    "run_bench", "write_results", "format_table", "step_memory", "saved_bytes", "batch_fit", "calibration_problem",
-    "make_dataset", "min_frame_size", "default_image_size",
+    "run_bench", "write_results", "format_table", "step_memory", "saved_bytes", "batch_fit",
+    "calibration_problem", "make_dataset", "min_frame_size", "default_image_size",
+    "techniques_for", "build_model", "caption",
 ]
 
 
@@ -90,6 +96,9 @@ class BenchConfig:
     target: the device the memory figures are for (`jmem.measure.target`: None for JAX's
       default backend, ``"h100"`` for an H100 compiled for from this machine). Training
       and timing run on this machine; with a GPU target, the table says so.
+    calibrate: ActNN L3-L5 calibrate their per-site bits on a training batch first
+      (`jmem.surgery.calibrate`); False: the level's bits everywhere, as
+      ``jmem.technique(name)`` gives them.
     dtype: the compute dtype, ``"float32"`` or ``"bfloat16"`` (mixed precision: parameters
       and optimiser state stay float32; activations, and so the residuals every technique
       stores, are bfloat16). Every row, exact's included, uses it. Models with a ``dtype``
@@ -110,6 +119,7 @@ class BenchConfig:
   budgets_gib: tuple[float, ...] | None = None
   dtype: str = "float32"
   target: str | None = None
+  calibrate: bool = True
 
   def validate(self) -> None:
     if self.model not in models_lib.MODEL_NAMES:
@@ -200,6 +210,44 @@ def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
                                 num_train=train_clips, num_test=test_clips)
 
 
+def techniques_for(name: str, model, dataset: data_lib.Dataset, batch_size: int, *,
+                   target=None, calibrate: bool = True) -> tuple:
+  """The `jmem.convert` techniques the registered name ``name`` (``"actnn-L3:xla"``)
+  applies to ``model``: its technique at the suffix's implementation; for ActNN L3-L5 with
+  per-site bits from gradient sensitivity on `calibration_problem` (`jmem.surgery.
+  calibrate`; ``calibrate=False``: at the level's bits everywhere); then its data-dependent
+  set-up (`jmem.bench.Technique.prepare`: the model's SBP sites, InPlace-ABN's pairs, a
+  plan for ``target``). Empty: exact."""
+  record = get_technique(name)
+  techniques = record.techniques()
+  if record.calibrate and calibrate:
+    params, loss_fn, batch = calibration_problem(model, dataset, batch_size)
+    techniques = tuple(surgery.calibrate(model, loss_fn, params, batch, t)
+                       if isinstance(t, surgery.ActNN) else t for t in techniques)
+  if record.prepare is not None:
+    techniques = tuple(record.prepare(model, dataset, batch_size, techniques, target=target))
+  return techniques
+
+
+def build_model(name: str, model, dataset: data_lib.Dataset, batch_size: int, *,
+                target=None, calibrate: bool = True):
+  """``model`` with the registered technique ``name`` on, as a user builds it:
+  ``jmem.convert(model, *techniques_for(...))`` (``model`` itself for exact). With
+  ``jmem.Spatial`` it is the converted model's `jmem.train.ModelFns` with the train state
+  replicated over the mesh and each batch sharded over H and W (what `jmem.train` and the
+  compiled step need)."""
+  techniques = techniques_for(name, model, dataset, batch_size, target=target,
+                              calibrate=calibrate)
+  converted = surgery.convert(model, *techniques) if techniques else model
+  spatial = next((t for t in techniques if isinstance(t, surgery.Spatial)), None)
+  if spatial is None:
+    return converted
+  spec = P(spatial.data_axis, *spatial.axes)
+  return train_lib.model_fns(converted)._replace(
+      sharding=NamedSharding(spatial.mesh, P()),
+      batch_sharding=NamedSharding(spatial.mesh, spec))
+
+
 def _log(msg: str, quiet: bool) -> None:
   if not quiet:
     print(msg, file=sys.stderr, flush=True)
@@ -212,10 +260,23 @@ def step_memory(fns, optimizer, x_spec, y_spec, *, step=None, target=None) -> tu
   ``step`` is the jitted step to compile (default: a fresh non-donating one).
   """
   on = measure.target(target)
-  abstract = train_lib.abstract_state(fns, optimizer, x_spec)
+  abstract, xs, ys = _placed(fns, train_lib.abstract_state(fns, optimizer, x_spec), x_spec,
+                             y_spec)
   step = step or train_lib.make_train_step(fns, optimizer, donate=False)
-  temp = on.memory(step, abstract, x_spec, y_spec).temp_bytes
+  temp = on.memory(step, abstract, xs, ys).temp_bytes
   return saved_bytes(fns, optimizer, x_spec, y_spec, abstract=abstract, target=on), temp
+
+
+def _placed(fns, abstract, x_spec, y_spec):
+  """The step's abstract arguments placed as `jmem.train` places them: on ``fns``' mesh
+  where it has one (``sharding`` for the state, ``batch_sharding`` for x and the rows of
+  y), else as they are."""
+  if fns.batch_sharding is None:
+    return abstract, x_spec, y_spec
+  on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+  rows = train_lib._rows_sharding(fns.batch_sharding, len(y_spec.shape))  # pylint: disable=protected-access
+  return (jax.tree.map(lambda a: on(a, fns.sharding), abstract),
+          on(x_spec, fns.batch_sharding), on(y_spec, rows))
 
 
 def saved_bytes(fns, optimizer, x_spec, y_spec, *, abstract=None, target=None) -> int:
@@ -241,7 +302,7 @@ def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0), *, targe
   spec = lambda a, b: jax.ShapeDtypeStruct((b,) + a.shape[1:], a.dtype)
 
   def compile_at(b):
-    lowered = on.lower(step, abstract, spec(x_spec, b), spec(y_spec, b))
+    lowered = on.lower(step, *_placed(fns, abstract, spec(x_spec, b), spec(y_spec, b)))
     return lowered.compile(), lowered
   b = x_spec.shape[0]
   budgets = ([int(g * measure.GIB) for g in budgets_gib] if budgets is None
@@ -269,7 +330,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   technique's: the max-batch multiplier), flops and flops_ratio (`jmem.measure.step_flops` of
   the step), collectives (op -> count in the compiled step, those it has), target and
   target_label (the device every memory figure is for: `BenchConfig.target`), measured_on
-  (where step time and accuracy were measured: this machine; absent with ``memory_only``).
+  (where step time and accuracy were measured: this machine; absent with ``memory_only``),
+  calibrated (ActNN L3-L5's per-site bits calibrated on a training batch).
   """
   config.validate()
   on, budgets = measure.target(config.target), config.budgets()
@@ -286,15 +348,15 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   rows: list[dict[str, Any]] = []
   timing_steps: dict[str, Callable[[], Any]] = {}
   # Built before anything compiles: a technique the model cannot take fails at once (those
-  # with a data-dependent set-up are built in turn).
-  built = {name: get_technique(name).build(base_model, dataset, config.batch_size)
-           for name in names if get_technique(name).prepare is None}
+  # that compute first, calibrating bits or planning, are built in turn).
+  costly = lambda r: (r.calibrate and config.calibrate) or r.convert is None
+  build = lambda name: build_model(name, base_model, dataset, config.batch_size, target=on,
+                                   calibrate=config.calibrate)
+  built = {name: build(name) for name in names if not costly(get_technique(name))}
   for name in names:
-    technique = get_technique(name)
     if name not in built:
-      _log(f"[{name}] preparing (data-dependent set-up)", quiet)
-    model = built[name] if name in built else technique.build(base_model, dataset,
-                                                                config.batch_size)
+      _log(f"[{name}] preparing (calibration or planning on a training batch)", quiet)
+    model = built[name] if name in built else build(name)
     fns = train_lib.model_fns(model)
     optimizer = train_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
     _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, "
@@ -307,6 +369,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
         technique=name, model=config.model, dataset=dataset.name, dtype=config.dtype,
         batch_size=config.batch_size, image_size=config.image_size, steps=config.steps,
         seeds=list(config.seeds), target=on.name, target_label=on.label,
+        calibrated=bool(get_technique(name).calibrate and config.calibrate),
         saved_bytes=saved, temp_bytes=temp,
         per_example_bytes=fit.per_example_bytes,
         per_example_temp_bytes=fit.per_example_temp_bytes, fixed_bytes=fit.fixed_bytes,
@@ -394,7 +457,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     a = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
     mb = "".join(_max_batch_cell(r, b) for b in budgets)
     model = r["model"] if r.get("dtype", "float32") == "float32" else f"{r['model']} ({r['dtype']})"
-    lines.append(f"| {r['technique']} | {model} | {r['per_example_temp_bytes'] / 2**20:.3g} | "
+    name = r["technique"] + (" (calibrated)" if r.get("calibrated") else "")
+    lines.append(f"| {name} | {model} | {r['per_example_temp_bytes'] / 2**20:.3g} | "
                  f"{mb}{_ratio(r['max_batch_ratio'], suffix='x')} | "
                  f"{_ratio(r['flops_ratio'], '.3f')} | {_mib(r['temp_bytes'])} | "
                  f"{r['temp_ratio']:.3f} | {_mib(r['saved_bytes'])} | {r['saved_ratio']:.3f} | "

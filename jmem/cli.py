@@ -120,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="device memory budgets in GiB for the largest batch of each technique, "
                  "comma-separated (default: the --target's memory limit, or 16,80 where it "
                  "has none; '' for none: two compiles fewer each)")
+  b.add_argument("--no-calibration", action="store_true",
+                 help="ActNN L3-L5 at their bits everywhere, as jmem.technique(name) gives "
+                 "them (default: per-site bits calibrated on a training batch first)")
   b.add_argument("--target", default=None, metavar="NAME|SPEC",
                  help=f"the device the memory figures are for: {_targets_help()} (default: "
                  "this machine's default backend); training and timing stay on this machine "
@@ -268,7 +271,8 @@ def _bench(args) -> int:
       image_size=args.image_size, num_frames=args.num_frames, train_clips=args.train_clips,
       steps=args.steps, seeds=args.seeds,
       memory_only=args.memory_only, learning_rate=args.learning_rate,
-      budgets_gib=args.budgets, dtype=args.dtype, target=args.target)
+      budgets_gib=args.budgets, dtype=args.dtype, target=args.target,
+      calibrate=not args.no_calibration)
   config.validate()
   output_dir = bench.check_output_dir(args.output_dir)
   rows = bench.run_bench(config, quiet=args.json, progress=not args.no_progress)
@@ -457,13 +461,14 @@ def _train(args) -> int:
       seed=args.seed, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
       checkpoint_every=args.checkpoint_every, resume=args.resume,
       progress=not args.no_progress)
-  technique = bench.get_technique(args.technique)    # bad names fail before any work
+  bench.get_technique(args.technique)    # bad names fail before any work
   bench.check_dtype(args.model, args.dtype)
   dataset = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,
                                train_clips=args.train_clips)
   config.validate(len(dataset.x_train))
-  model = technique.build(bench.create_model(args.model, dataset.num_classes, args.dtype),
-                          dataset, args.batch_size)
+  model = bench.build_model(args.technique,
+                            bench.create_model(args.model, dataset.num_classes, args.dtype),
+                            dataset, args.batch_size)
   if args.mesh is not None:
     model = _on_mesh(model, args.mesh, args.technique)
   result = train.train(model, dataset, config, run_info={

@@ -714,8 +714,9 @@ _DOMINANT, _COVERED, _MAX_DEPTH = 0.5, 0.9, 3
 def _split_dominant(model, optimizer, xs, ys, paths, sites, outside):
   """``(paths, sites, outside, notes)`` with a site that holds most of the saved activations
   (a per-frame CNN applied as one submodule, an encoder) replaced by the module calls
-  directly inside it, repeatedly: one site would leave the walk one choice (compress it all,
-  or recompute it all, which keeps its whole forward live in the backward: no smaller peak)."""
+  directly inside it (inside the one module it wraps, where it wraps one), repeatedly: one
+  site would leave the walk one choice (compress it all, or recompute it all, which keeps
+  its whole forward live in the backward: no smaller peak)."""
   notes = []
   x0 = jnp.zeros(xs.shape, xs.dtype)
   for _ in range(_MAX_DEPTH):
@@ -725,6 +726,8 @@ def _split_dominant(model, optimizer, xs, ys, paths, sites, outside):
       break
     try:
       inner = _default_sites(model, x0, where=re.escape(big.path) + "/[^/]+")
+      while len(inner) == 1:                # a wrapper around one module: look inside that
+        inner = _default_sites(model, x0, where=re.escape(inner[0]) + "/[^/]+")
     except surgery.NothingMatched:          # no module call inside: a leaf site
       break
     if len(inner) < 2:
@@ -1813,17 +1816,14 @@ def write(plan_: Plan, output_dir: str, *, stem: str = "plan") -> list[str]:
 # ------------------------------------------------------------------ the bench's name
 
 def _plan_technique(share: str):
-  def prepare(model, dataset, batch_size):
+  def prepare(model, dataset, batch_size, techniques, *, target=None):
     x = jax.ShapeDtypeStruct((batch_size,) + tuple(dataset.example_shape), jnp.float32)
     y = jax.ShapeDtypeStruct((batch_size,) + tuple(np.shape(dataset.y_train)[1:]), jnp.int32)
     calibration = (dataset.x_train[:16], dataset.y_train[:16])
-    return surgery.convert(model, *plan(model, (x, y), share, max_batch=False,
-                                        calibration_batch=calibration).techniques)
+    return tuple(techniques) + plan(model, (x, y), share, max_batch=False,
+                                    calibration_batch=calibration, target=target).techniques
 
-  def apply(model):
-    raise ValueError(f"Technique 'plan-{share}' plans for a batch: the bench builds it with "
-                     "its data (prepare); elsewhere call jmem.plan(model, (x, y), budget).")
-  return BenchTechnique(f"plan-{share}", apply, f"jmem.plan's policies at {share} of exact's "
+  return BenchTechnique(f"plan-{share}", None, f"jmem.plan's policies at {share} of exact's "
                         "device bytes, bits by gradient sensitivity", prepare=prepare)
 
 

@@ -1,9 +1,9 @@
 """Every technique of jmem by name: the one registry that ``jmem bench`` and `jmem.convert`
 share.
 
-Each technique package defines its records (``BENCH_TECHNIQUES``: how the bench applies it
-to jmem's own models, and, where it has one, its `jmem.convert` object); this module
-gathers them. ``get_technique("actnn-L3")`` is the bench's record,
+Each technique package defines its records (``BENCH_TECHNIQUES``: a name and its
+`jmem.convert` object, which the bench applies to any model with `jmem.convert`, as a user
+does); this module gathers them. ``get_technique("actnn-L3")`` is the bench's record,
 ``technique("actnn-L3")`` the `jmem.convert` object of the same name.
 """
 
@@ -15,7 +15,6 @@ from jmem import _backends
 from jmem._technique import IMPLEMENTATIONS, BenchTechnique, Technique
 from jmem.ops import remat
 from jmem.ops.actnn import technique as actnn_technique
-from jmem.ops.inplace_abn import technique as inplace_abn_technique
 from jmem.ops.sbp import technique as sbp_technique
 from jmem.parallel.spatial import technique as spatial_technique
 from jmem.parallel.sync_bn import technique as sync_bn_technique
@@ -75,16 +74,16 @@ def technique(name: str, **overrides) -> Technique | None:
   ``overrides`` (e.g. ``where=``) applied."""
   record = get_technique(name)
   if record.convert is None:
-    raise ValueError(f"Technique {name!r} runs in jmem bench on jmem's own models but is not a "
-                     "jmem.convert technique (SBP and spatial sharding of any model are "
-                     f"planned); convert techniques: {', '.join(convert_technique_names())}.")
+    raise ValueError(f"Technique {name!r} is made for a batch by jmem bench (e.g. a plan: "
+                     "jmem.plan(model, (x, y), budget).techniques); jmem.convert techniques: "
+                     f"{', '.join(convert_technique_names())}.")
   t = record.convert(record.implementation)
   return dataclasses.replace(t, **overrides) if (t is not None and overrides) else t
 
 
-register_technique(BenchTechnique("exact", lambda m: m, "plain backprop (the baseline)",
-                                  convert=lambda implementation: None))
+register_technique(BenchTechnique("exact", lambda implementation: None,
+                                  "plain backprop (the baseline)"))
 for _module in (remat, spatial_technique, actnn_technique, sbp_technique,
-                inplace_abn_technique, sync_bn_technique):
+                sync_bn_technique):
   for _record in _module.BENCH_TECHNIQUES:
     register_technique(_record)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jmem
 from jmem import models
 from jmem.ops import inplace_abn as iabn
 from jmem.ops.actnn import quantize as Q
@@ -46,8 +47,8 @@ ERRORS = {
     "sbp keep_ratio nan": (lambda: sbp(jnp.tanh, keep_ratio=float("nan")), ValueError,
                            "keep_ratio"),
     "sbp keep_ratio True": (lambda: sbp(jnp.tanh, keep_ratio=True), ValueError, "keep_ratio"),
-    "video model keep_ratio 1.5": (
-        lambda: models.create_model("video-vit", 10, keep_ratio=1.5), ValueError, "keep_ratio"),
+    "SBP technique keep_ratio 1.5": (
+        lambda: jmem.SBP(keep_ratio=1.5, where="block0"), ValueError, "keep_ratio"),
     # The quantizer: bits 0, 3, 16, a float, a bool; group sizes; dtypes; empty.
     "bits 0": (lambda: Q.quantize(X, KEY, bits=0), ValueError, "bits must be one of"),
     "bits 3": (lambda: Q.quantize(X, KEY, bits=3), ValueError, "bits must be one of"),

@@ -196,12 +196,13 @@ def test_cli_bad_flags_exit_2_with_a_clear_message(case, tmp_path, capsys, reque
 def test_registry_one_registration_adds_a_bench_row(monkeypatch):
   from jmem import techniques  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="already registered"):
-    bench.register_technique(bench.Technique("exact", lambda m: m))
+    bench.register_technique(bench.Technique("exact", lambda implementation: None))
   # A registry of this test's own: the name must not reach later tests in this worker
   # (benchmarks/gpu.py's test lists every registered name).
   monkeypatch.setattr(techniques, "_TECHNIQUES", dict(techniques._TECHNIQUES))
   name = "test-identity"
-  bench.register_technique(bench.Technique(name, lambda m: m, "same as exact"))
+  bench.register_technique(bench.Technique(name, lambda implementation: None,
+                                           "same as exact"))
   rows = bench.run_bench(bench.BenchConfig(model="resnet8", techniques=(name,), batch_size=8,
                                            image_size=8, memory_only=True, budgets_gib=()),
                          quiet=True)
@@ -213,13 +214,13 @@ def test_actnn_l3_technique_calibrates_bits_before_measuring():
   import jax.numpy as jnp
   import optax
   from jmem import models, train
-  from jmem.ops import actnn
-  assert bench.get_technique("actnn-L3").prepare is not None
+  import jmem
+  assert bench.get_technique("actnn-L3").calibrate
   rows = bench.run_bench(bench.BenchConfig(model="resnet8", techniques=("actnn-L3",),
                                            batch_size=8, image_size=8, memory_only=True,
                                            budgets_gib=()),
                          quiet=True)
-  uniform = actnn.convert(models.create_model("resnet8", 10), "L3")
+  uniform = jmem.convert(models.create_model("resnet8", 10), jmem.ActNN("L3"))
   saved, _ = bench.step_memory(train.model_fns(uniform), optax.sgd(0.1),
                                jax.ShapeDtypeStruct((8, 8, 8, 1), jnp.float32),
                                jax.ShapeDtypeStruct((8,), jnp.int32))
@@ -269,20 +270,21 @@ def test_the_unet_is_registered_with_a_label_per_pixel(capsys, monkeypatch):
   assert cli.main(["train", "--model", "unet", "--image-size", "16", "--steps", "1",
                    "--batch-size", "8", "--no-progress"]) == 0
   assert "test accuracy" in capsys.readouterr().out
-  # jmem bench: the step compiled with per-pixel labels; the U-Net has the fields the
-  # bench's techniques use (remat: block_transform; traced, not compiled); one it cannot
+  # jmem bench: the step compiled with per-pixel labels; the U-Net's stages are the
+  # default sites of the bench's techniques (remat: traced, not compiled); one it cannot
   # take fails at once.
   exact, = bench.run_bench(bench.BenchConfig(model="unet", techniques=(), batch_size=1,
                                              image_size=16, memory_only=True, budgets_gib=()),
                            quiet=True)
   x, y = (jax.ShapeDtypeStruct((2, 16, 16, 1), jnp.float32),
           jax.ShapeDtypeStruct((2, 16, 16), jnp.int32))
-  saved = [bench.saved_bytes(train.model_fns(bench.get_technique(t).build(
-      models.create_model("unet", 11), ds, 2)), optax.sgd(0.1), x, y) for t in ("exact", "remat")]
+  saved = [bench.saved_bytes(train.model_fns(bench.build_model(
+      t, models.create_model("unet", 11), ds, 2)), optax.sgd(0.1), x, y)
+      for t in ("exact", "remat")]
   assert exact["saved_bytes"] > 0 and saved[1] < 0.5 * saved[0], saved
   compiles = []
   monkeypatch.setattr(bench, "batch_fit", lambda *a, **k: compiles.append(a))
-  with pytest.raises(ValueError, match="'sbp-0.5' needs a video model"):
+  with pytest.raises(ValueError, match="'sbp-0.5' needs the model's SBP sites"):
     bench.run_bench(bench.BenchConfig(model="unet", techniques=("sbp-0.5",), batch_size=2,
                                       image_size=16, memory_only=True), quiet=True)
   assert not compiles

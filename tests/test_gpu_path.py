@@ -16,9 +16,10 @@ from pallas_kernels import lowering_for_gpu
                                              ("inplace-abn", jnp.float32),
                                              ("sync-bn:pallas", jnp.bfloat16)])
 def test_train_step_lowers_for_cuda_with_its_kernels(technique, dtype):
-  tech = bench.get_technique(technique)
-  model = tech.apply(models.create_model("resnet8", 10, dtype=dtype),
-                     implementation=tech.implementation)
+  # InPlace-ABN needs invertible activations: preact20's leaky_relu (resnet8 has ReLU).
+  name = "preact20" if technique.startswith("inplace") else "resnet8"
+  model = bench.build_model(technique, models.create_model(name, 10, dtype=dtype),
+                            bench.make_dataset(name, 16), 8)
   fns = train.model_fns(model)
   opt = train.default_optimizer(1e-3, 10)
   one = jax.ShapeDtypeStruct((1, 16, 16, 1), jnp.float32)
@@ -122,53 +123,55 @@ def _gpu_script(name="gpu"):
   return module
 
 
-def test_gpu_benchmark_measures_every_registered_technique_that_applies():
-  """benchmarks/gpu.py takes its technique lists from the registry: every registered name
-  (each implementation of one with kernels) is measured or said not to apply, so a newly
-  registered technique (a stack) is measured with no change to the script."""
+def test_gpu_benchmark_rows_are_registered_techniques_on_models_users_have():
+  """Every row of benchmarks/gpu.py is a registered name on a plain model, converted as a
+  user converts it (flaxmodels' ResNet50 among them), and its H100-target prediction
+  compiles (exact on the quick ResNet-8: the slope and a largest batch confirmed)."""
+  import jmem  # pylint: disable=g-import-not-at-top
   gpu = _gpu_script()
-  groups = {k: dict(v, only=None) for k, v in gpu.QUICK_GROUPS.items()}
-  groups["resnet8-f32"]["exclude"] = ("actnn-L5:*",)
-  plan = gpu.worker_plan({"groups": groups})
-  names = []
-  for n in bench.technique_names():
-    t = bench.get_technique(n)
-    names += [f"{n}:xla", f"{n}:pallas"] if t.has_kernels else [n]
-  for gname, p in plan.items():
-    assert sorted(p["techniques"] + list(p["not_applicable"]) + p["excluded"]) == sorted(names)
-  resnet, video = plan["resnet8-f32"], plan["video-vit"]
-  assert resnet["excluded"] == ["actnn-L5:xla", "actnn-L5:pallas"]
-  for t in ("exact", "remat", "actnn-L1:xla", "actnn-L4:pallas", "inplace-abn:xla",
-            "sync-bn:pallas"):
-    assert t in resnet["techniques"]
-  assert "spatial-8" in resnet["not_applicable"]   # one device
-  assert video["techniques"] == ["exact", "sbp-0.5", "sbp-0.25", "sbp-0.125"]
+  for groups in (gpu.GROUPS, gpu.QUICK_GROUPS):
+    for gname, g in groups.items():
+      model = gpu.make_model(g)
+      for t in g["techniques"]:
+        bench.get_technique(t)
+        converted = gpu.convert(model, t)
+        assert (converted is model) == (t == "exact"), (gname, t)
+        if t != "exact":
+          assert isinstance(converted.techniques[0], type(jmem.technique(t))), (gname, t)
+  assert type(gpu.make_model(gpu.GROUPS["flaxmodels-resnet50-f32"])).__module__.startswith(
+      "flaxmodels")
+  row = gpu.predict_row(gpu.QUICK_GROUPS["resnet8-f32"], "exact")
+  assert row["max_batch_confirmed"] and row["per_example_temp_bytes"] > 0
+  assert set(row["memory"]) >= {"8", "16", str(row["max_batch"])}
 
 
-def test_gpu_benchmark_ratios_and_max_batch_checks_in_words():
+def test_gpu_benchmark_report_puts_each_row_beside_its_prediction(tmp_path):
   gpu = _gpu_script()
-  rows = {"exact": dict(compiled={"8": dict(temp_bytes=100, total_bytes=400)},
-                        max_batch=dict(predicted_max_batch=50),
-                        run=dict(step_time_s=0.2, peak_bytes_in_use=1000)),
-          "actnn-L3:pallas": dict(compiled={"8": dict(temp_bytes=25, total_bytes=200)},
-                                  max_batch=dict(predicted_max_batch=150),
-                                  run=dict(step_time_s=0.3)),
-          "remat": {"not_measured": gpu.NOT_MEASURED}}
-  gpu._vs_exact(rows, 8)  # pylint: disable=protected-access
-  vs = rows["actnn-L3:pallas"]["vs_exact"]
-  assert vs["step_time"] == pytest.approx(1.5) and vs["peak_bytes_in_use"] is None
-  assert vs["temp_bytes"] == 0.25 and vs["compiled_total_bytes"] == 0.5
-  assert vs["max_batch"] == 3.0 and "vs_exact" not in rows["remat"]
-  words = gpu._confirmed  # pylint: disable=protected-access
-  assert words({"status": gpu.NOT_CONFIRMED}) == "not confirmed (time budget)"
-  assert words({"at_prediction": {"batch": 50, "fits": True},
-                "above": {"batch": 55, "fits": False, "oom": True}}).startswith("yes")
-  assert words({"at_prediction": {"batch": 50, "fits": True},
-                "above": {"batch": 55, "fits": True}}).startswith("no (prediction low)")
-  assert words({"at_prediction": {"batch": 50, "fits": False, "oom": True},
-                "above": {"batch": 55, "fits": False, "oom": True}}).startswith(
-                    "no (prediction high)")
-  assert words({"ok": False, "error": "worker confirm timed out"}).startswith("error")
+  mem = lambda gib: {"temp_bytes": int(gib * 2**30), "total_bytes": int(4 * gib * 2**30)}
+  rows = {"exact": dict(compiled={"8": mem(1.0), "16": mem(2.0)},
+                        per_example_temp_bytes=2**30 / 8,
+                        run=dict(step_time_s=0.2, peak_bytes_in_use=3 * 2**30),
+                        predicted=dict(memory={"8": mem(1.01), "16": mem(1.99)})),
+          "remat": dict(compiled={"8": mem(0.4), "16": mem(0.7)},
+                        per_example_temp_bytes=0.3 * 2**30 / 8,
+                        run=dict(step_time_s=0.3, peak_bytes_in_use=1.8 * 2**30)),
+          "actnn-L3:pallas": dict(error="not measured (time budget): worker stopped")}
+  gpu._vs_exact(rows, (8, 16))  # pylint: disable=protected-access
+  vs = rows["remat"]["vs_exact"]
+  assert vs["step_time"] == pytest.approx(1.5) and vs["peak_bytes_in_use"] == 0.6
+  assert vs["temp_bytes"] == pytest.approx(0.35) and vs["max_batch"] == pytest.approx(1 / 0.3)
+  assert "vs_exact" not in rows["actnn-L3:pallas"]
+  results = dict(meta=dict(device_kind="NVIDIA H100 80GB HBM3", commit="abc"),
+                 predicted_from=dict(commit="def", jaxlib="0.10.2"), log=["[0.0s] done"],
+                 groups={"g": dict(config=dict(model="resnet8", image=16, frames=None,
+                                               dtype="float32", batches=(8, 16)), rows=rows)})
+  gpu._write(results, str(tmp_path / "out"))  # pylint: disable=protected-access
+  md = (tmp_path / "out.md").read_text()
+  assert "| exact | 200.0 | 1.00 | - | 3.000 | 1.000 (1.010) | 2.000 (1.990) | 128.0 | 1.00 |" \
+      in md, md
+  assert "| remat | 300.0 | 1.50 | - | 1.800 | 0.400 (-) | 0.700 (-) | 38.4 | 3.33 |" in md, md
+  assert "| actnn-L3:pallas | not measured (time budget)" in md
+  assert "commit def" in md
 
 
 def test_offload_diagnostic_reads_host_transfers_from_a_scheduled_module():

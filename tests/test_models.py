@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jmem
 from jmem import models
 from jmem.train import make_loss, model_fns
 
@@ -40,7 +41,9 @@ def _stack_blocks(params, stage_sizes):
 @pytest.mark.parametrize("transform", [None, nn.remat])
 def test_scanned_and_remat_equal_exact(transform):
   exact = models.resnet("resnet20", 10, num_filters=4)
-  other = exact.clone(block_transform=transform, scan_blocks=True)
+  other = exact.clone(scan_blocks=True)
+  if transform is not None:              # remat on the default sites: stem, blocks, scans
+    other = jmem.convert(other, jmem.Remat())
   x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1))
   y = jnp.arange(4) % 10
   v = exact.init(jax.random.key(0), x, train=False)

@@ -120,8 +120,8 @@ def _reference(argv):
   """The same `jmem train` run on this process's 8 devices, as the CLI builds it."""
   args = cli._parser().parse_args(argv)
   dataset = bench.make_dataset(args.model, args.image_size)
-  model = bench.get_technique(args.technique).build(
-      models.create_model(args.model, dataset.num_classes), dataset, args.batch_size)
+  model = bench.build_model(args.technique, models.create_model(args.model, dataset.num_classes),
+                            dataset, args.batch_size)
   model = cli._on_mesh(model, args.mesh, args.technique)
   config = train.TrainConfig(steps=args.steps, batch_size=args.batch_size, progress=False)
   return train.train(model, dataset, config)

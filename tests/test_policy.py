@@ -223,16 +223,6 @@ def test_a_technique_on_a_site_inside_its_own_and_another():
   assert 1e-3 < float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1.0
 
 
-def test_actnn_levels_refuse_recomputed_blocks():
-  """ActNN around nn.remat blocks recomputed masks and statistics from quantized values
-  (6.4x ActNN's gradient error at 8 bits): refused, pointing to the composition that keeps
-  them exact."""
-  from jmem import models  # pylint: disable=g-import-not-at-top
-  from jmem.ops import actnn  # pylint: disable=g-import-not-at-top
-  with pytest.raises(ValueError, match=r"jmem.Remat\(where=<block class>\)"):
-    actnn.convert(models.create_model("resnet8", 10).clone(block_transform=nn.remat), "L3")
-
-
 def test_policy_spec_names():
   spec = policy_lib.SiteSpec
   assert [spec(recompute=True).name, spec(bits=2).name, spec(recompute=True, bits=2).name,

@@ -9,9 +9,12 @@ import optax
 import pytest
 from flax import traverse_util
 
+import flax.linen
+import jmem
 from jmem import bench, data, measure, models, train
 from jmem.models import video
 from jmem.ops import sbp as S
+from jmem.ops.sbp import core as sbp_core
 
 
 def _mlp(p, x):
@@ -132,19 +135,54 @@ def _clips():
           jnp.asarray([3, 17], jnp.int32))
 
 
-def test_stt_gradients_equal_exact_with_dropped_frames_held_constant():
+def _sbp(model, keep_ratio, **kw):
+  """``model`` with SBP on its own sites, as the bench's ``sbp-<r>`` builds it."""
+  return jmem.convert(model, jmem.SBP(keep_ratio=keep_ratio, where=model.sbp_sites,
+                                      mode=model.sbp_mode, **kw))
+
+
+def _oracle_grads(model, sites, keep_ratio, params, x, y, key):
+  """Plain autodiff of ``model`` with the outputs of the dropped nodes of every module
+  whose path is in ``sites`` held constant (``stop_gradient``); one draw of kept nodes,
+  made as jmem.convert makes it (the first site's ``make_rng("sbp")``), shared by all."""
+  drawn = {}
+
+  def hold(next_fun, args, kwargs, context):
+    mod = context.module
+    path = "/".join(mod.scope.path) if mod.scope is not None else ""
+    if context.method_name != "__call__" or path not in sites or mod.is_initializing():
+      return next_fun(*args, **kwargs)
+    if "idx" not in drawn:
+      drawn["idx"] = S.sample_indices(mod.make_rng("sbp"), args[0], keep_ratio=keep_ratio,
+                                      axis=1)
+    return sbp_core._hold_dropped(next_fun(*args, **kwargs), drawn["idx"], 1)  # pylint: disable=protected-access
+
+  def loss(p):
+    logits = model.apply({"params": p}, x, rngs={"sbp": key})
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+  with flax.linen.intercept_methods(hold):
+    return jax.grad(loss)(params)
+
+
+def _grads(model, params, x, y, key):
+  def loss(p):
+    logits = model.apply({"params": p}, x, rngs={"sbp": key})
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+  return jax.jit(jax.grad(loss))(params)
+
+
+def test_stt_sbp_through_convert_equals_the_stop_gradient_oracle():
+  """The StT model's SBP (its per-frame CNN as the site, nodes mode): gradients equal
+  plain autodiff with the dropped frames' features held constant, and differ from exact."""
   x, y = _clips()
-  model = video.StTVideo(num_classes=40, keep_ratio=0.25, sampler="uniform_chunk",
-                         feature_dim=32, temporal_depth=1)
-  fns, ref = train.model_fns(model), train.model_fns(model.clone(reference=True))
-  params, state = fns.init(jax.random.key(0), x)
-  rng = jax.random.key(5)
-  grad = lambda f: jax.jit(jax.grad(lambda p: train.make_loss(f)(p, state, x, y, rng)[0]))(
-      params)
-  got, want = grad(fns), grad(ref)
+  model = video.StTVideo(num_classes=40, feature_dim=32, temporal_depth=1)
+  params = model.init(jax.random.key(0), x)["params"]
+  key = jax.random.key(5)
+  got = _grads(_sbp(model, 0.25), params, x, y, key)
+  want = _oracle_grads(model, {"spatial"}, 0.25, params, x, y, key)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-  exact = grad(train.model_fns(model.clone(keep_ratio=1.0)))
+  exact = _grads(model, params, x, y, key)
   spatial_diff = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got["spatial"],
                               exact["spatial"])
   assert max(jax.tree.leaves(spatial_diff)) > 1e-4          # r < 1 really drops frames
@@ -179,31 +217,47 @@ def test_stt_spatial_memory_falls_with_keep_ratio():
 
 
 def test_video_transformer_sbp_blocks():
+  """The ViT's SBP (its blocks but the last, rows mode, one draw shared): the forward is
+  the exact forward, the gradients equal the oracle with the dropped tokens' block outputs
+  held constant."""
   x, y = _clips()
+  key = jax.random.key(1)
   for readout in ("mean", "frames"):
-    model = video.VideoTransformer(num_classes=40, keep_ratio=0.5, patch=4, dim=32, depth=3,
-                                   heads=2, exact_last=1, readout=readout)
-    fns = train.model_fns(model)
-    params, state = fns.init(jax.random.key(0), x)
-    loss = lambda p, m=model: train.make_loss(train.model_fns(m))(
-        p, state, x, y, jax.random.key(1))
-    (_, (logits, _)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(g))
-    # The SBP forward is the exact forward: same logits as the keep_ratio=1 twin.
-    _, (exact_logits, _) = jax.jit(loss, static_argnums=1)(params, model.clone(keep_ratio=1.0))
-    np.testing.assert_allclose(logits, exact_logits, rtol=1e-6, atol=1e-6)
+    model = video.VideoTransformer(num_classes=40, patch=4, dim=32, depth=3, heads=2,
+                                   exact_last=1, readout=readout)
+    assert model.sbp_sites == ("block0", "block1")
+    params = model.init(jax.random.key(0), x)["params"]
+    converted = _sbp(model, 0.5)
+    np.testing.assert_allclose(converted.apply({"params": params}, x, rngs={"sbp": key}),
+                               model.apply({"params": params}, x), rtol=1e-6, atol=1e-6)
+    got = _grads(converted, params, x, y, key)
+    want = _oracle_grads(model, set(model.sbp_sites), 0.5, params, x, y, key)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
   with pytest.raises(ValueError, match="readout must be"):
     model.clone(readout="cls").init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="exact_last must be"):
     model.clone(exact_last=4).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="exact_last must be"):
+    model.clone(exact_last=4).sbp_sites  # pylint: disable=expression-not-assigned
   with pytest.raises(ValueError, match=r"\[B, T, H, W, C\]"):
     model.init(jax.random.key(0), x[:, 0])
-  # One block: the kept-rows backward equals the oracle (dropped rows held constant).
-  block = video.TokenBlock(32, 2)
-  tokens = jax.random.normal(jax.random.key(2), (2, 64, 32))
-  bp = block.init(jax.random.key(3), tokens)["params"]
-  f_full = lambda p, v: block.apply({"params": p}, v)
-  f_rows = lambda p, v, rows: block.apply({"params": p}, v, rows)
+
+
+def test_sbp_rows_backward_equals_the_oracle():
+  """`sbp_rows` on an attention block: the kept-rows backward equals the oracle (dropped
+  rows held constant), the forward is exact, and only the block input is kept."""
+  def f_full(p, v):
+    return f_rows(p, v, None)
+
+  def f_rows(p, v, rows):
+    q_in = v if rows is None else jnp.take(v, rows, 1)
+    att = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q_in @ p["q"], v @ p["k"]) / 4.0, -1)
+    return q_in + jnp.tanh(jnp.einsum("bqk,bkd->bqd", att, v @ p["v"]))
+
+  k = jax.random.split(jax.random.key(3), 3)
+  bp = {n: 0.3 * jax.random.normal(kk, (16, 16)) for n, kk in zip("qkv", k)}
+  tokens = jax.random.normal(jax.random.key(2), (2, 64, 16))
   idx = S.sample_indices(jax.random.key(4), tokens, keep_ratio=0.25, axis=1)
   ct = jax.random.normal(jax.random.key(5), tokens.shape)
   got = jax.jit(jax.grad(lambda p, v: jnp.sum(S.sbp_rows(f_full, f_rows, p, v, idx) * ct),
@@ -225,9 +279,9 @@ def test_video_models_in_bfloat16(name):
   block inputs included); the logits within bfloat16's precision of float32's, finite
   gradients under SBP."""
   x, y = _clips()
-  model = video.video_model(name, 40, keep_ratio=0.25, **(
+  plain = video.video_model(name, 40, **(
       dict(patch=4, dim=32, depth=2, heads=2) if name == "video-vit" else {}))
-  half = model.clone(dtype=jnp.bfloat16)
+  model, half = _sbp(plain, 0.25), _sbp(plain.clone(dtype=jnp.bfloat16), 0.25)
   fns, half_fns = train.model_fns(model), train.model_fns(half)
   params, state = fns.init(jax.random.key(0), x)
   assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(params))
@@ -254,9 +308,9 @@ def test_video_transformer_sbp_recomputes_in_the_backward():
     loss = train.make_loss(fns)
     step = jax.grad(lambda p, s, x, y: loss(p, s, x, y, jax.random.key(3))[0])
     return measure.compiled_memory(measure.jit(step), params, state, x, y).temp_bytes
-  model = video.VideoTransformer(num_classes=10, keep_ratio=0.25, patch=4, dim=32, depth=3,
-                                 heads=2, exact_last=0)
-  ratio = temp(model) / temp(model.clone(keep_ratio=1.0))
+  model = video.VideoTransformer(num_classes=10, patch=4, dim=32, depth=3, heads=2,
+                                 exact_last=0)
+  ratio = temp(_sbp(model, 0.25)) / temp(model)
   assert ratio < 0.45, ratio
 
 
@@ -266,8 +320,8 @@ def test_bench_sbp_techniques_on_video():
                                            memory_only=True, budgets_gib=()), quiet=True)
   assert [r["technique"] for r in rows] == ["exact", "sbp-0.25"]
   assert rows[1]["temp_ratio"] < 0.5, rows[1]
-  with pytest.raises(ValueError, match="keep_ratio field"):
-    bench.get_technique("sbp-0.5").apply(models.create_model("resnet8", 10))
+  with pytest.raises(ValueError, match="'sbp-0.5' needs the model's SBP sites"):
+    bench.build_model("sbp-0.5", models.create_model("resnet8", 10), data.digits(8), 4)
 
 
 def test_spatial_lr_scale():
@@ -295,7 +349,7 @@ def test_pretrained_backbone_starts_the_video_model():
   for name, transferred in (("stt-resnet8", {"spatial"}),
                             ("video-vit", {"patch_embed", "pos_embed", "block0", "block1",
                                            "block2", "block3", "norm"})):
-    model = video.video_model(name, clips.num_classes, keep_ratio=0.25)
+    model = video.video_model(name, clips.num_classes)
     pre, acc = video.pretrain_backbone(model, frames, cfg)
     assert set(pre) == transferred, (name, set(pre))
     assert 0.0 <= acc <= 1.0
@@ -316,12 +370,10 @@ def test_pretrained_backbone_starts_the_video_model():
     video.pretrain_backbone(models.create_model("resnet8", 10), frames, cfg)
 
 
-@pytest.mark.parametrize("name", ["stt-resnet8", "video-vit"])
-def test_video_models_refuse_bad_keep_ratio_at_construction(name):
+def test_sbp_refuses_a_bad_keep_ratio_at_construction():
   """Each of these used to train exact (1.5, NaN) or fail later inside SBP (0)."""
   for r in (1.5, float("nan"), 0.0, -0.25, True):
     with pytest.raises(ValueError, match=r"keep_ratio must be in \(0, 1\]"):
-      models.create_model(name, 10, keep_ratio=r)
-  model = models.create_model(name, 10, keep_ratio=0.5)
-  with pytest.raises(ValueError, match=r"keep_ratio must be in \(0, 1\]"):
-    model.clone(keep_ratio=2.0)
+      jmem.SBP(keep_ratio=r, where="spatial")
+    with pytest.raises(ValueError, match=r"keep_ratio must be in \(0, 1\]"):
+      jmem.technique("sbp-0.5", keep_ratio=r)

@@ -165,7 +165,7 @@ def test_step_and_evaluate_compile_once(technique):
   ds = data.digits(16)
   ds = dataclasses.replace(ds, x_test=ds.x_test[:40], y_test=ds.y_test[:40])
   model = models.create_model("convnext-digits", 10, depths=(1,), dims=(8,))
-  fns = train.model_fns(bench.get_technique(technique).build(model, ds, 8))
+  fns = train.model_fns(bench.build_model(technique, model, ds, 8))
   with _compiles() as counts:      # evaluates after steps 1, 2 and 3
     result = train.train(fns, ds, train.TrainConfig(steps=3, batch_size=8, eval_every=1,
                                                     progress=False))

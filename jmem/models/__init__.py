@@ -1,4 +1,4 @@
-"""Reference models. Techniques are switched on by cloning a model with other fields."""
+"""Reference models: plain Flax models, converted with `jmem.convert` as any user's are."""
 
 from jmem.models.convnext import CONVNEXT_CONFIGS as CONVNEXT_CONFIGS
 from jmem.models.convnext import ConvNeXt as ConvNeXt

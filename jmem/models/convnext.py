@@ -11,7 +11,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -85,7 +85,6 @@ class ConvNeXt(nn.Module):
     layer_scale_init: initial layer scale (0 disables it).
     axis_names: mesh axes H and W are sharded over (inside ``shard_map``), or None.
     data_axis: mesh axis of the batch (so DropPath draws differ across data shards).
-    block_transform: wraps the block class (e.g. ``flax.linen.remat``).
   """
 
   depths: Sequence[int]
@@ -97,15 +96,13 @@ class ConvNeXt(nn.Module):
   axis_names: tuple[str | None, str | None] = (None, None)
   data_axis: str | None = None
   dtype: Any = None
-  block_transform: Callable[[Any], Any] | None = None
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     if len(self.depths) != len(self.dims):
       raise ValueError(f"depths {self.depths} and dims {self.dims} must have the same length.")
     _check_image_size(x, self.stem_patch, len(self.dims), self.axis_names)
-    block_cls = ConvNeXtBlock if self.block_transform is None else self.block_transform(
-        ConvNeXtBlock, static_argnums=(2,))
+    block_cls = ConvNeXtBlock
     total = sum(self.depths)
     rates = [self.drop_path_rate * i / max(total - 1, 1) for i in range(total)]
     k = 0

@@ -1,9 +1,10 @@
-"""Reference (exact) ResNets in Flax linen, built so techniques can be switched on per block.
+"""Reference (exact) ResNets in Flax linen: plain models, converted as any user's are.
 
 Every model follows one calling convention, ``model.apply(variables, x, train=bool)`` with
-channels-last input, which is what `jmem.train` expects. A technique is switched on by
-cloning the model with another ``block_transform`` (e.g. ``flax.linen.remat``), ``norm`` or
-``conv`` - the model code itself never changes.
+channels-last input, which is what `jmem.train` expects. Techniques are applied with
+``jmem.convert(model, ...)``: its default block sites are the stem and the residual blocks
+(the top module's children but the head), and each "normalise then activate" is an
+``nn.Sequential`` pair, where InPlace-ABN finds it when the activation is invertible.
 
 References:
   He et al., Deep Residual Learning for Image Recognition, https://arxiv.org/abs/1512.03385
@@ -27,30 +28,34 @@ class _Block(nn.Module):
   """Fields shared by the residual blocks (the ResNet passes them all)."""
 
   filters: int
-  conv: ModuleDef
   norm: ModuleDef
   act: Callable[[Any], Any]
-  norm_act: Callable[[str], Callable[[Any], Any]]
   strides: int = 1
+  dtype: Any = jnp.float32
+
+  def conv(self, features, kernel, strides=1, *, name):
+    return nn.Conv(features, kernel, (strides, strides), use_bias=False, padding="SAME",
+                   dtype=self.dtype, name=name)
+
+  def norm_act(self, name):
+    """Normalise then activate, as an ``nn.Sequential`` pair (the norm keeps its own
+    name): `jmem.convert`'s InPlace-ABN finds BatchNorm + invertible activation pairs
+    there."""
+    return nn.Sequential([self.norm(name=name), self.act])
 
 
 class BasicBlock(_Block):
-  """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut.
-
-  ``norm_act(name)`` builds "normalise then activate" (BN + act by default, or a fused
-  layer such as InPlace-ABN); ``norm`` alone is used where no activation follows.
-  """
+  """Two 3x3 convolutions with an identity (or 1x1 projection) shortcut."""
 
   @nn.compact
   def __call__(self, x):
     residual = x
-    y = self.conv(self.filters, (3, 3), (self.strides, self.strides), name="conv1")(x)
+    y = self.conv(self.filters, (3, 3), self.strides, name="conv1")(x)
     y = self.norm_act("bn1")(y)
     y = self.conv(self.filters, (3, 3), name="conv2")(y)
     y = self.norm(name="bn2", scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
-      residual = self.conv(self.filters, (1, 1), (self.strides, self.strides),
-                           name="proj_conv")(residual)
+      residual = self.conv(self.filters, (1, 1), self.strides, name="proj_conv")(residual)
       residual = self.norm(name="proj_bn")(residual)
     return self.act(residual + y)
 
@@ -63,13 +68,12 @@ class Bottleneck(_Block):
     residual = x
     y = self.conv(self.filters, (1, 1), name="conv1")(x)
     y = self.norm_act("bn1")(y)
-    y = self.conv(self.filters, (3, 3), (self.strides, self.strides), name="conv2")(y)
+    y = self.conv(self.filters, (3, 3), self.strides, name="conv2")(y)
     y = self.norm_act("bn2")(y)
     y = self.conv(self.filters * 4, (1, 1), name="conv3")(y)
     y = self.norm(name="bn3", scale_init=nn.initializers.zeros)(y)
     if residual.shape != y.shape:
-      residual = self.conv(self.filters * 4, (1, 1), (self.strides, self.strides),
-                           name="proj_conv")(residual)
+      residual = self.conv(self.filters * 4, (1, 1), self.strides, name="proj_conv")(residual)
       residual = self.norm(name="proj_bn")(residual)
     return self.act(residual + y)
 
@@ -86,9 +90,8 @@ class PreActBlock(_Block):
     y = self.norm_act("bn1")(x)
     shortcut = x
     if x.shape[-1] != self.filters or self.strides != 1:
-      shortcut = self.conv(self.filters, (1, 1), (self.strides, self.strides),
-                           name="proj_conv")(y)
-    y = self.conv(self.filters, (3, 3), (self.strides, self.strides), name="conv1")(y)
+      shortcut = self.conv(self.filters, (1, 1), self.strides, name="proj_conv")(y)
+    y = self.conv(self.filters, (3, 3), self.strides, name="conv1")(y)
     y = self.norm_act("bn2")(y)
     y = self.conv(self.filters, (3, 3), name="conv2")(y)
     return y + shortcut
@@ -107,14 +110,8 @@ class ResNet(nn.Module):
     dtype: computation dtype (parameters stay float32).
     act: activation function.
     norm: normalisation layer class; called as ``norm(use_running_average=..., name=...)``.
-    conv: convolution layer class; called like `flax.linen.Conv`.
-    norm_act: a layer class that normalises and activates in one (e.g. InPlace-ABN),
-      called as ``norm_act(use_running_average=..., name=...)``; ``None`` = ``act(norm(.))``.
     preactivation: pre-activation layout (use with `PreActBlock`): the stem is a bare conv
       and a final norm-act precedes the pooling.
-    block_transform: maps the block class to the class actually used, e.g.
-      ``flax.linen.remat`` for rematerialisation per block. ``None`` = exact.
-    stem_transform: the same for the stem module (e.g. to compress it too).
     head_pool: ``"mean"`` (global average pooling) or ``"flatten"`` (the final feature map
       flattened into the head: position-aware, as a per-frame encoder of motion needs).
     scan_blocks: run the identical blocks of a stage (all but its first) under
@@ -131,11 +128,7 @@ class ResNet(nn.Module):
   dtype: Any = jnp.float32
   act: Callable[[Any], Any] = nn.relu
   norm: ModuleDef = nn.BatchNorm
-  conv: ModuleDef = nn.Conv
-  norm_act: ModuleDef | None = None
   preactivation: bool = False
-  block_transform: Callable[[ModuleDef], ModuleDef] | None = None
-  stem_transform: Callable[[ModuleDef], ModuleDef] | None = None
   scan_blocks: bool = False
   head_pool: str = "mean"
 
@@ -143,36 +136,25 @@ class ResNet(nn.Module):
   def __call__(self, x, train: bool = True):
     if self.stem not in ("imagenet", "cifar"):
       raise ValueError(f"stem must be 'imagenet' or 'cifar', got {self.stem!r}.")
-    conv = functools.partial(self.conv, use_bias=False, padding="SAME", dtype=self.dtype)
     norm = functools.partial(self.norm, use_running_average=not train, momentum=0.9,
                              epsilon=1e-5, dtype=self.dtype)
-    if self.norm_act is None:
-      act = self.act
-      norm_act = lambda name: (lambda y: act(norm(name=name)(y)))
-    else:
-      norm_act = functools.partial(self.norm_act, use_running_average=not train, momentum=0.9,
-                                   epsilon=1e-5)
-      norm_act = functools.partial(lambda name, f: f(name=name), f=norm_act)
+    kw = dict(norm=norm, act=self.act, dtype=self.dtype)
     x = x.astype(self.dtype)
-    stem_cls = _Stem if self.stem_transform is None else self.stem_transform(_Stem)
-    x = stem_cls(self.num_filters, self.stem, conv, norm_act, self.preactivation,
-                 name="stem")(x)
-    block_cls = self.block_cls
-    if self.block_transform is not None:
-      block_cls = self.block_transform(block_cls)
+    x = _Stem(self.num_filters, kind=self.stem, preactivation=self.preactivation, name="stem",
+              **kw)(x)
     for i, size in enumerate(self.stage_sizes):
       filters = self.num_filters * 2**i
-      kw = dict(conv=conv, norm=norm, act=self.act, norm_act=norm_act)
-      x = block_cls(filters, strides=2 if i > 0 else 1, name=f"stage{i + 1}_block1", **kw)(x)
+      x = self.block_cls(filters, strides=2 if i > 0 else 1, name=f"stage{i + 1}_block1",
+                         **kw)(x)
       if self.scan_blocks and size > 1:
         body = nn.scan(_ScanBody, variable_axes={True: 0}, split_rngs={True: True},
                        length=size - 1)
-        x, _ = body(block_cls, filters, kw, name=f"stage{i + 1}_blocks")(x, None)
+        x, _ = body(self.block_cls, filters, kw, name=f"stage{i + 1}_blocks")(x, None)
       else:
         for j in range(1, size):
-          x = block_cls(filters, name=f"stage{i + 1}_block{j + 1}", **kw)(x)
+          x = self.block_cls(filters, name=f"stage{i + 1}_block{j + 1}", **kw)(x)
     if self.preactivation:
-      x = norm_act("final_bn")(x)
+      x = self.act(norm(name="final_bn")(x))
     if self.head_pool == "mean":
       x = jnp.mean(x, axis=(1, 2))
     elif self.head_pool == "flatten":      # keeps where things are (e.g. for motion)
@@ -182,19 +164,16 @@ class ResNet(nn.Module):
     return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 
 
-class _Stem(nn.Module):
+class _Stem(_Block):
   """The stem: 7x7/2 conv + max pool ('imagenet') or a 3x3 conv ('cifar')."""
 
-  filters: int
-  kind: str
-  conv: ModuleDef
-  norm_act: Callable[[str], Callable[[Any], Any]]
-  preactivation: bool
+  kind: str = "imagenet"
+  preactivation: bool = False
 
   @nn.compact
   def __call__(self, x):
     if self.kind == "imagenet":
-      x = self.conv(self.filters, (7, 7), (2, 2), name="conv")(x)
+      x = self.conv(self.filters, (7, 7), 2, name="conv")(x)
       if not self.preactivation:
         x = self.norm_act("bn")(x)
       return nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
@@ -227,12 +206,20 @@ RESNET_CONFIGS: dict[str, tuple[tuple[int, ...], ModuleDef, int, str]] = {
 }
 
 
+# Fields of a named ResNet other than the defaults: preact20 is InPlace-ABN's model, whose
+# norm-act pairs need an invertible activation (leaky_relu 0.01, as InPlace-ABN's paper).
+RESNET_FIELDS: dict[str, dict[str, Any]] = {
+    "preact20": dict(act=functools.partial(nn.leaky_relu, negative_slope=0.01)),
+}
+
+
 def resnet(name: str, num_classes: int, **overrides) -> ResNet:
-  """Builds a named ResNet (see `RESNET_CONFIGS`); ``overrides`` replace any field."""
+  """Builds a named ResNet (see `RESNET_CONFIGS`, `RESNET_FIELDS`); ``overrides`` replace
+  any field."""
   if name not in RESNET_CONFIGS:
     raise ValueError(f"Unknown ResNet {name!r}; valid names: {sorted(RESNET_CONFIGS)}.")
   stages, block, width, stem = RESNET_CONFIGS[name]
   kw = dict(stage_sizes=stages, block_cls=block, num_filters=width, stem=stem,
-            preactivation=block is PreActBlock)
+            preactivation=block is PreActBlock, **RESNET_FIELDS.get(name, {}))
   kw.update(overrides)
   return ResNet(num_classes=num_classes, **kw)

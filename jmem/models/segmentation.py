@@ -17,8 +17,6 @@ Reference:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -33,16 +31,14 @@ class UNetStage(nn.Module):
   features: int
   train: bool = True
   dtype: jnp.dtype = jnp.float32
-  conv: Any = nn.Conv
-  norm: Any = nn.BatchNorm
 
   @nn.compact
   def __call__(self, x):
-    norm = functools.partial(self.norm, use_running_average=not self.train, momentum=0.9,
+    norm = functools.partial(nn.BatchNorm, use_running_average=not self.train, momentum=0.9,
                              dtype=self.dtype)
     for i in range(2):
-      x = self.conv(self.features, (3, 3), use_bias=False, dtype=self.dtype,
-                    name=f"conv{i}")(x)
+      x = nn.Conv(self.features, (3, 3), use_bias=False, dtype=self.dtype,
+                  name=f"conv{i}")(x)
       x = nn.relu(norm(name=f"bn{i}")(x))
     return x
 
@@ -55,13 +51,6 @@ class UNet(nn.Module):
   widths: tuple[int, ...] = (32, 64, 128, 256, 512)
   train: bool = True
   dtype: jnp.dtype = jnp.float32
-  # As jmem's other models have them, for ``jmem bench``'s techniques (`jmem.convert` takes
-  # the U-Net without them): the stages' convolution and BatchNorm classes, and a map of the
-  # stage class (``nn.remat``).
-  conv: Any = nn.Conv
-  norm: Any = nn.BatchNorm
-  block_transform: Callable[[Any], Any] | None = None
-  has_stem: ClassVar[bool] = False         # ActNN L3-L5 wrap the stages only
 
   @nn.compact
   def __call__(self, x):
@@ -72,9 +61,7 @@ class UNet(nn.Module):
       raise ValueError(f"UNet takes images with H and W divisible by {factor} "
                        f"({len(self.widths) - 1} poolings); got H x W {x.shape[1]} x "
                        f"{x.shape[2]}.")
-    stage_cls = UNetStage if self.block_transform is None else self.block_transform(UNetStage)
-    stage = functools.partial(stage_cls, train=self.train, dtype=self.dtype, conv=self.conv,
-                              norm=self.norm)
+    stage = functools.partial(UNetStage, train=self.train, dtype=self.dtype)
     skips = []
     for i, w in enumerate(self.widths):
       if i:

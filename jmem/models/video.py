@@ -1,14 +1,17 @@
-"""Video models with Stochastic Backpropagation switched on by one field, ``keep_ratio``.
+"""Video models for Stochastic Backpropagation: plain Flax models whose ``sbp_sites`` name
+where SBP goes, applied as on any model with ``jmem.convert(model, jmem.SBP(...))``
+(``jmem.technique("sbp-0.25")`` in the bench, which reads ``sbp_sites``).
 
-* `StTVideo`: spatial-then-temporal. A per-frame 2-D CNN (the ResNet family, GroupNorm so
-  that frames stay independent) runs under `jmem.ops.sbp.sbp` over the frame axis, then a
-  small temporal transformer trained with full backprop classifies the clip.
+* `StTVideo`: spatial-then-temporal. A per-frame 2-D CNN (`FrameEncoder`: the ResNet family,
+  GroupNorm so that frames stay independent) is the SBP site over the frame axis; a small
+  temporal transformer trained with full backprop classifies the clip.
 * `VideoTransformer`: patch tokens of all frames through transformer blocks; the first
-  ``depth - exact_last`` blocks use layer-level SBP (`sbp_rows`) with ONE set of kept
-  tokens shared by all of them; the last ``exact_last`` blocks are exact.
+  ``depth - exact_last`` blocks are the SBP sites (rows mode: their attention computes the
+  kept queries against every key and value in the backward), with ONE set of kept tokens
+  shared by all of them; the last ``exact_last`` blocks stay exact.
 
-``keep_ratio=1`` is exact backpropagation; the parameters do not depend on ``keep_ratio``,
-so an SBP model and its exact twin start from the same weights for the same seed.
+A converted model has the same parameters as the plain one, so an SBP model and its exact
+twin start from the same weights for the same seed.
 
 References:
   Cheng et al., Stochastic Backpropagation, CVPR 2022, https://arxiv.org/abs/2203.16755
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -27,10 +30,10 @@ import optax
 
 from jmem import train as train_lib
 from jmem.models.resnet import resnet as make_resnet
-from jmem.ops import sbp as sbp_lib
 
-__all__ = ["TokenBlock", "StTVideo", "VideoTransformer", "group_norm", "spatial_lr_scale",
-           "VIDEO_CONFIGS", "video_model", "FrameClassifier", "pretrain_backbone"]
+__all__ = ["TokenBlock", "FrameEncoder", "StTVideo", "VideoTransformer", "group_norm",
+           "spatial_lr_scale", "VIDEO_CONFIGS", "video_model", "FrameClassifier",
+           "pretrain_backbone"]
 
 
 def group_norm(*, num_groups: int = 8, use_running_average=None, momentum=None,
@@ -46,11 +49,8 @@ def group_norm(*, num_groups: int = 8, use_running_average=None, momentum=None,
 
 
 class TokenBlock(nn.Module):
-  """Pre-norm transformer block; ``rows`` computes only those output tokens.
-
-  With ``rows``, queries (and the MLP) are computed for the kept tokens only, against the
-  keys and values of ALL tokens: what the SBP backward re-runs.
-  """
+  """Pre-norm transformer block over ``[B, N, D]`` tokens (Flax's multi-head attention, which
+  `jmem.SBP` in rows mode restricts to the kept queries in the backward)."""
 
   dim: int
   heads: int = 4
@@ -58,20 +58,15 @@ class TokenBlock(nn.Module):
   dtype: Any = None      # computation dtype (None: the input's); parameters stay float32
 
   @nn.compact
-  def __call__(self, x, rows: jax.Array | None = None):
-    b, n, d = x.shape
-    hd = d // self.heads
+  def __call__(self, x):
     dt = self.dtype
     h = nn.LayerNorm(dtype=dt, name="norm1")(x)
-    kv = nn.DenseGeneral((2, self.heads, hd), dtype=dt, name="kv")(h)
-    q_in, x_res = (h, x) if rows is None else (jnp.take(h, rows, 1), jnp.take(x, rows, 1))
-    q = nn.DenseGeneral((self.heads, hd), dtype=dt, name="q")(q_in)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kv[:, :, 0]) / jnp.sqrt(hd).astype(q.dtype)
-    att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), kv[:, :, 1])
-    y = x_res + nn.DenseGeneral(d, axis=(-2, -1), dtype=dt, name="proj")(att)
-    m = nn.Dense(self.mlp_ratio * d, dtype=dt, name="fc1")(nn.LayerNorm(dtype=dt,
-                                                                        name="norm2")(y))
-    return (y + nn.Dense(d, dtype=dt, name="fc2")(nn.gelu(m))).astype(x.dtype)
+    y = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.dim,
+                                            out_features=self.dim, dtype=dt,
+                                            name="attn")(h, h)
+    m = nn.Dense(self.mlp_ratio * self.dim, dtype=dt, name="fc1")(
+        nn.LayerNorm(dtype=dt, name="norm2")(y))
+    return (y + nn.Dense(self.dim, dtype=dt, name="fc2")(nn.gelu(m))).astype(x.dtype)
 
 
 def _frame_cnn(backbone: str, feature_dim: int, **kw):
@@ -79,70 +74,59 @@ def _frame_cnn(backbone: str, feature_dim: int, **kw):
   return make_resnet(backbone, feature_dim, norm=group_norm, head_pool="flatten", **kw)
 
 
-def _pure(module: nn.Module, call: Callable[..., Any]):
-  """``(params, *args) -> call(module, *args)`` with ``module``'s ``params`` as an argument:
-  what the SBP transforms (plain JAX) differentiate. The call runs on an unbound copy, so
-  `jmem.convert`'s techniques do not reach it; the module itself stays a bound submodule
-  (its parameters, and every call outside SBP, are the model's own)."""
-  free = module.clone(parent=None)
-  return lambda params, *args: free.apply({"params": params}, *args, method=call)
+class FrameEncoder(nn.Module):
+  """A per-frame CNN (``cnn``: a ResNet config with GroupNorm) on every frame of
+  ``[B, T, H, W, C]`` clips: ``[B, T, feature_dim]``. The frames are independent, so it is
+  an SBP site of ``"nodes"`` mode over axis 1."""
+
+  backbone: str = "resnet8"
+  feature_dim: int = 64
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, clips):
+    # `resnet`'s first argument is called ``name``, so the module is named by a clone.
+    cnn = _frame_cnn(self.backbone, self.feature_dim, dtype=self.dtype,
+                     parent=None).clone(parent=self, name="cnn")
+    feats = cnn(clips.reshape((-1,) + clips.shape[2:]), train=True)
+    return feats.reshape(clips.shape[:2] + feats.shape[1:])
 
 
 class StTVideo(nn.Module):
-  """Per-frame CNN under SBP, then a temporal transformer: ``[B, T, H, W, C] -> [B, K]``.
+  """Per-frame CNN, then a temporal transformer: ``[B, T, H, W, C] -> [B, K]``.
+
+  Its SBP site (``sbp_sites``) is the per-frame CNN ``spatial`` (a `FrameEncoder`), the
+  paper's StT layout: ``jmem.convert(model, jmem.SBP(keep_ratio=0.25, where="spatial"))``
+  runs it on every frame and backpropagates through the kept ones.
 
   Attributes:
     num_classes: outputs.
-    keep_ratio: fraction of frames that get a backward pass through the CNN, in (0, 1]
-      (1 = exact); anything else (NaN included) raises ValueError at construction.
-    sampler: SBP sampler name or callable.
     backbone: ResNet config name for the per-frame CNN (GroupNorm replaces BatchNorm).
     feature_dim: per-frame feature size (the CNN's head width).
     temporal_depth: transformer blocks over the frame features (exact backprop).
     heads: attention heads.
-    reference: use `jmem.ops.sbp.sbp_reference` (plain autodiff with the dropped frames'
-      features under stop_gradient: the oracle in tests) instead of `sbp`.
     dtype: computation dtype (e.g. ``jnp.bfloat16``: mixed precision; parameters stay
       float32, the logits are float32).
   """
 
   num_classes: int
-  keep_ratio: float = 1.0
-  sampler: Any = "uniform_chunk"
   backbone: str = "resnet8"
   feature_dim: int = 64
   temporal_depth: int = 2
   heads: int = 4
-  reference: bool = False
   dtype: Any = jnp.float32
 
-  def __post_init__(self):
-    # At construction: a ratio > 1 or NaN would otherwise silently train exact.
-    sbp_lib.check_keep_ratio(self.keep_ratio)
-    super().__post_init__()
+  # Where `jmem.SBP` goes (the bench's sbp-* techniques read it): the per-frame CNN.
+  sbp_sites: ClassVar[str] = "spatial"
+  sbp_mode: ClassVar[str] = "nodes"
 
   @nn.compact
   def __call__(self, video, train: bool = False):
+    del train     # no layer of this model changes with it (GroupNorm, no dropout)
     if video.ndim != 5:
       raise ValueError(f"StTVideo expects [B, T, H, W, C] clips, got shape {video.shape}.")
     b, t = video.shape[:2]
-    # A bound submodule (`resnet`'s first argument is the config name, so it is named by a
-    # clone): jmem.convert and jmem.plan reach its blocks on the exact path.
-    cnn = _frame_cnn(self.backbone, self.feature_dim, dtype=self.dtype,
-                     parent=None).clone(parent=self, name="spatial")
-
-    def per_frame(m, clips):
-      frames = clips.reshape((-1,) + clips.shape[2:])
-      feats = m(frames, train=True)
-      return feats.reshape(clips.shape[:2] + feats.shape[1:])
-
-    if train and self.keep_ratio < 1.0 and not self.is_initializing():
-      transform = sbp_lib.sbp_reference if self.reference else sbp_lib.sbp
-      run = transform(_pure(cnn, per_frame), keep_ratio=self.keep_ratio, axis=1,
-                      sampler=self.sampler)
-      feats = run(cnn.variables["params"], video, self.make_rng("dropout"))
-    else:                         # exact backprop (keep_ratio 1, eval, or init)
-      feats = per_frame(cnn, video)
+    feats = FrameEncoder(self.backbone, self.feature_dim, self.dtype, name="spatial")(video)
     time_embed = self.param("time_embed", nn.initializers.normal(0.02), (t, self.feature_dim))
     x = feats.astype(self.dtype) + time_embed.astype(self.dtype)
     for i in range(self.temporal_depth):
@@ -153,20 +137,20 @@ class StTVideo(nn.Module):
 
 
 class VideoTransformer(nn.Module):
-  """Patch tokens of every frame through transformer blocks with layer-level SBP.
+  """Patch tokens of every frame through transformer blocks.
 
   Tokens are ordered (t, h, w); the position embedding is a spatial one shared by the
-  frames plus a per-frame one.
+  frames plus a per-frame one. Its SBP sites (`sbp_sites`) are the blocks but the last
+  ``exact_last``, in rows mode: ``jmem.convert(model, jmem.SBP(keep_ratio=0.25,
+  where=model.sbp_sites, mode="rows"))`` (one set of kept tokens shared by the blocks; for
+  another sampler, e.g. ``jmem.ops.sbp.checkerboard((T, H/p, W/p))``, pass ``sampler=``).
 
   Attributes:
     num_classes: outputs.
-    keep_ratio: fraction of tokens kept for the backward of the SBP blocks, in (0, 1]
-      (1 = exact); anything else (NaN included) raises ValueError at construction.
-    sampler: SBP sampler over the ``T * (H/p) * (W/p)`` tokens (e.g.
-      ``jmem.ops.sbp.checkerboard((T, H/p, W/p))``).
     patch: spatial patch side.
     dim, depth, heads: transformer width, blocks, heads.
-    exact_last: the last blocks that use exact backprop.
+    exact_last: the last blocks `sbp_sites` leaves out (exact backprop, as the SBP papers'
+      last stage).
     readout: ``"mean"`` pools all tokens; ``"frames"`` pools each frame's tokens and
       concatenates the frames in time order (the order of the frames is the motion, as in
       `StTVideo`'s readout).
@@ -175,8 +159,6 @@ class VideoTransformer(nn.Module):
   """
 
   num_classes: int
-  keep_ratio: float = 1.0
-  sampler: Any = "uniform_chunk"
   patch: int = 4
   dim: int = 64
   depth: int = 4
@@ -185,13 +167,18 @@ class VideoTransformer(nn.Module):
   readout: str = "mean"
   dtype: Any = jnp.float32
 
-  def __post_init__(self):
-    # At construction: a ratio > 1 or NaN would otherwise silently train exact.
-    sbp_lib.check_keep_ratio(self.keep_ratio)
-    super().__post_init__()
+  sbp_mode: ClassVar[str] = "rows"
+
+  @property
+  def sbp_sites(self) -> tuple[str, ...]:
+    """The blocks SBP goes on: all but the last ``exact_last``."""
+    if not 0 <= self.exact_last <= self.depth:
+      raise ValueError(f"exact_last must be in [0, depth={self.depth}], got {self.exact_last}.")
+    return tuple(f"block{i}" for i in range(self.depth - self.exact_last))
 
   @nn.compact
   def __call__(self, video, train: bool = False):
+    del train     # no layer of this model changes with it (LayerNorm, no dropout)
     if video.ndim != 5:
       raise ValueError(f"VideoTransformer expects [B, T, H, W, C] clips, got {video.shape}.")
     if self.readout not in ("mean", "frames"):
@@ -212,20 +199,8 @@ class VideoTransformer(nn.Module):
     time = self.param("time_embed", nn.initializers.normal(0.02), (t, 1, self.dim))
     x = x + pos.astype(x.dtype) + time.astype(x.dtype)
     x = x.reshape(b, -1, self.dim)                       # tokens in (t, h, w) order
-    idx = None
-    if (train and self.keep_ratio < 1.0 and self.exact_last < self.depth
-        and not self.is_initializing()):
-      idx = sbp_lib.sample_indices(self.make_rng("dropout"), x, keep_ratio=self.keep_ratio,
-                                   axis=1, sampler=self.sampler)
     for i in range(self.depth):
-      # Bound submodules: jmem.convert and jmem.plan reach the blocks on the exact path.
-      block = TokenBlock(self.dim, self.heads, dtype=self.dtype, name=f"block{i}")
-      if idx is not None and i < self.depth - self.exact_last:
-        x = sbp_lib.sbp_rows(_pure(block, lambda m, v: m(v)),
-                             _pure(block, lambda m, v, rows: m(v, rows)),
-                             block.variables["params"], x, idx, axis=1)
-      else:
-        x = block(x)
+      x = TokenBlock(self.dim, self.heads, dtype=self.dtype, name=f"block{i}")(x)
     x = x.reshape(b, t, -1, self.dim)
     x = jnp.mean(x, axis=(1, 2)) if self.readout == "mean" else jnp.mean(x, axis=2)
     x = nn.LayerNorm(dtype=self.dtype, name="norm")(x).reshape(b, -1)
@@ -282,12 +257,12 @@ def pretrain_backbone(model: StTVideo | VideoTransformer, frames, config) -> tup
   if isinstance(model, StTVideo):
     clf = FrameClassifier(frames.num_classes, model.backbone, model.feature_dim)
     result = train_lib.train(clf, frames, config)
-    return {"spatial": result.state.params["cnn"]}, result.test_accuracy
+    return {"spatial": {"cnn": result.state.params["cnn"]}}, result.test_accuracy
   if isinstance(model, VideoTransformer):
     one_frame = lambda x: x[:, None]
     clips = dataclasses.replace(frames, x_train=one_frame(frames.x_train),
                                 x_test=one_frame(frames.x_test))
-    clf = model.clone(num_classes=frames.num_classes, keep_ratio=1.0, parent=None)
+    clf = model.clone(num_classes=frames.num_classes, parent=None)
     result = train_lib.train(clf, clips, config)
     params = {k: v for k, v in result.state.params.items() if k not in _VIT_FRESH}
     return params, result.test_accuracy

@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import flax.linen as nn
-
 from jmem._technique import BenchTechnique, Technique
 
 __all__ = ["Remat", "BENCH_TECHNIQUES"]
@@ -26,16 +24,8 @@ class Remat(Technique):
   policy: Any = None
 
 
-def _apply(model):
-  """jmem's own models: ``nn.remat`` on their ``block_transform``."""
-  if not hasattr(model, "block_transform"):
-    raise ValueError(f"Technique 'remat' needs a model with a block_transform field (jmem's "
-                     f"own models; any other model: jmem.convert(model, jmem.Remat())); "
-                     f"{type(model).__name__} has none.")
-  return model.clone(block_transform=nn.remat)
-
-
 BENCH_TECHNIQUES = (
-    BenchTechnique("remat", _apply, "jax.checkpoint per residual block (JAX-native peer)",
-                   convert=lambda implementation: Remat()),
+    BenchTechnique("remat", lambda implementation: Remat(),
+                   "jax.checkpoint on each default site: the top module's children but its "
+                   "Dense layers (JAX-native peer)"),
 )

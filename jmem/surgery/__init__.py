@@ -84,6 +84,7 @@ from jmem.surgery._common import rngs as rngs
 from jmem._technique import BenchTechnique
 from jmem._technique import Technique as Technique
 from jmem.ops.actnn.technique import ActNN as ActNN
+from jmem.ops.inplace_abn import core as inplace_abn_core
 from jmem.ops.inplace_abn.technique import InPlaceABN as InPlaceABN
 from jmem.ops.policy import Policy as Policy
 from jmem.ops.remat import Remat as Remat
@@ -97,6 +98,7 @@ from jmem.techniques import technique as technique
 __all__ = ["convert", "Technique", "TECHNIQUE_TYPES", "Remat", "ActNN", "Policy", "SyncBN",
            "InPlaceABN", "SBP", "Spatial", "technique", "technique_names", "batch_mask", "rngs",
            "sites", "inplace_abn_sites", "inplace_abn_params", "sensitivities", "calibrate",
+           "gradient_noise",
            "convert_nnx", "NothingMatched"]
 
 
@@ -194,6 +196,21 @@ def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
       lv.block_bits if budget is None else budget))
   level = dataclasses.replace(lv, name=f"{lv.name}-calibrated", layer_bits=tuple(bits.items()))
   return dataclasses.replace(technique, level=level, bits=None)
+
+
+def gradient_noise(model, loss_fn, params, batch, technique: ActNN | None = None, *,
+                   num_seeds: int = 8) -> float:
+  """Mean ``|g_q - g|^2`` over ``num_seeds`` dithers of the gradient with every site of
+  ``technique`` (default ``ActNN("L3")``; a calibrated one keeps its per-site bits) at its
+  bits, ``g`` the exact gradient: what `calibrate`'s allocation minimises. Arguments as in
+  `calibrate`."""
+  technique = ActNN("L3") if technique is None else technique
+  if not isinstance(technique, ActNN):
+    raise TypeError(f"gradient_noise probes ActNN's sites; got {technique!r}.")
+  copy = nnx.clone if isinstance(model, nnx.Module) else lambda m: m
+  probing = lambda probe: convert(copy(model), dataclasses.replace(technique, probe=probe))
+  return actnn_lib.gradient_noise(model, loss_fn, params, batch, technique.resolved_level(),
+                                  num_seeds=num_seeds, probing_model=probing)
 
 
 def convert_nnx(model: nnx.Module, level="L3", *,
@@ -322,28 +339,38 @@ def inplace_abn_params(params: Mapping[str, Any], paths, *, to: str = "inplace_a
   return tree
 
 
-# ------------------------------------------------------------ Policy names in the registry
+# ------------------------------------------- Policy and InPlace-ABN names in the registry
 
 def _policy_record(name: str, policy: Policy, description: str):
-  """A registry record of ``policy`` on default sites. The bench applies it to jmem's block
-  models with `convert` (this package, hence the record lives here rather than with
-  `Policy`): their stem and blocks, as ActNN L3's and remat's sites."""
+  """A registry record of ``policy`` on default sites (the top module's children but its
+  Dense layers, as ActNN L3's and remat's)."""
   quantizes = policy.bits is not None
 
   def with_implementation(implementation):
     return dataclasses.replace(policy, implementation=implementation) if quantizes else policy
 
-  def apply(model, implementation=None):
-    if not hasattr(model, "block_transform"):
-      raise ValueError(f"Technique {name!r} on jmem's own models needs one with blocks (a "
-                       f"block_transform field, as the ResNets have); {type(model).__name__} "
-                       f"has none. Any other model: jmem.convert(model, jmem.technique("
-                       f"{name!r}, where=...)).")
-    return convert(model, with_implementation(implementation))
+  return BenchTechnique(name, with_implementation, description, has_kernels=quantizes,
+                        kernel_ops=quantize_lib.OPS if quantizes else ())
 
-  return BenchTechnique(name, apply, description, has_kernels=quantizes,
-                        kernel_ops=quantize_lib.OPS if quantizes else (),
-                        convert=with_implementation)
+
+def _inplace_abn_pairs(model, dataset, batch_size, techniques, *, target=None):
+  """The bench's ``inplace-abn``: `InPlaceABN` on every BatchNorm + invertible activation
+  pair of ``model`` (`inplace_abn_sites`), which a BatchNorm followed by anything else
+  would refuse; a model with no such pair is refused, saying why."""
+  del batch_size, target
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  x = jnp.zeros((2,) + tuple(dataset.example_shape), jnp.float32)
+  paths = inplace_abn_sites(model, x)
+  if not paths:
+    raise ValueError(
+        f"Technique 'inplace-abn' found no BatchNorm followed by an invertible activation "
+        f"(leaky_relu with a slope > 0, elu; in an nn.Sequential) in {type(model).__name__}: "
+        "InPlace-ABN reconstructs the BatchNorm output from the activation's, which ReLU "
+        "does not allow.")
+  where = tuple(re.escape(p) for p in paths)
+  return tuple(dataclasses.replace(t, where=where) if isinstance(t, InPlaceABN) else t
+               for t in techniques)
 
 
 for _record in (
@@ -356,5 +383,9 @@ for _record in (
     _policy_record("offload-2bit", Policy("offload", bits=2),
                    "Policy offload with bits=2: each block's residuals at 2 bits in pinned "
                    "host memory"),
+    BenchTechnique("inplace-abn", lambda implementation: InPlaceABN(
+        implementation=implementation), "In-Place Activated BatchNorm on every BatchNorm + "
+        "invertible activation pair, saves only outputs", prepare=_inplace_abn_pairs,
+        has_kernels=True, kernel_ops=inplace_abn_core.OPS),
 ):
   register_technique(_record)

@@ -260,9 +260,6 @@ class _Trace:
       what = c.describe(mod)
       fix = ("Make it a submodule (self.block = Block(...) in setup, or Block(name=...)(x)) "
              "for jmem.convert to reach it.")
-      if what.startswith("jmem.models."):       # jmem's video models, keep_ratio < 1
-        fix = ("jmem's video models run their SBP blocks so (keep_ratio < 1): the block "
-               "techniques take the blocks outside SBP.")
       c.warn_once(f"detached-{what}", (
           f"jmem.convert: {what} is applied detached inside the model's call "
           "(Module(parent=None).apply, its variables held by the caller; jmem calls it "

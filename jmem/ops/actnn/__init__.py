@@ -6,8 +6,9 @@ group with stochastic rounding and packed.
   (`pallas_kernels.quantize`) behind ``implementation=``.
 * `jmem.ops.actnn.compressed_ops`: single compressed operations, each beside its
   ``*_reference``.
-* `jmem.ops.actnn.levels` (re-exported here): the levels L0-L5, ``compressed`` blocks,
-  ``convert`` of jmem's models, per-layer bits from ``calibrate``.
+* `jmem.ops.actnn.levels` (re-exported here): the levels L0-L5, ``compressed`` blocks, the
+  sensitivities and bit allocation behind `jmem.surgery.calibrate`. A model gets a level
+  with ``jmem.convert(model, jmem.ActNN(level))``.
 * `jmem.ops.actnn.technique`: `jmem.ActNN` for `jmem.convert`, and the ``actnn-L*`` bench
   names.
 """
@@ -18,10 +19,8 @@ from jmem.ops.actnn.levels import Level as Level
 from jmem.ops.actnn.levels import LEVELS as LEVELS
 from jmem.ops.actnn.levels import get_level as get_level
 from jmem.ops.actnn.levels import compressed as compressed
-from jmem.ops.actnn.levels import convert as convert
 from jmem.ops.actnn.levels import CompressedNNX as CompressedNNX
 from jmem.ops.actnn.levels import sensitivities as sensitivities
 from jmem.ops.actnn.levels import allocate_bits as allocate_bits
-from jmem.ops.actnn.levels import calibrate as calibrate
 from jmem.ops.actnn.levels import gradient_noise as gradient_noise
 from jmem.ops.actnn.technique import ActNN as ActNN

@@ -2,13 +2,14 @@
 
 Two ways, one quantizer (`jmem.ops.actnn.quantize`):
 
-* ActNN's way (L1, L2): swap the convolution (and, at L2, BatchNorm) module classes of a
-  model for compressed ones: each saves a 4-bit copy of its input instead of the input.
-* GACT's way (L3-L5): wrap each residual block (the model's ``block_transform`` hook, as
-  ``nn.remat`` is used) in `compressed`, so that EVERY floating residual inside the block -
-  convolution inputs, normalisation intermediates, activation inputs, the block's own
-  input - is stored at 2 bits (on average, per-layer widths from `calibrate`); parameters
-  are never compressed.
+* ActNN's way (L1, L2): each convolution (and, at L2, BatchNorm) saves a 4-bit copy of its
+  input instead of the input.
+* GACT's way (L3-L5): each site (a block, the stem: ``jmem.convert(model, jmem.ActNN())``'s
+  default sites are the top module's children but its Dense layers) is compressed whole,
+  so that EVERY floating residual inside it - convolution inputs, normalisation
+  intermediates, activation inputs, the block's own input - is stored at 2 bits (on
+  average, per-site widths from `jmem.surgery.calibrate`); parameters are never
+  compressed. `compressed` does the same to a module class, as ``nn.remat`` does.
 
 Levels (frozen `Level` objects; build your own the same way):
 
@@ -28,9 +29,10 @@ L5    L4 with groups of 1024 instead of 256: the min/scale metadata (float32 + b
       makes moot)
 ====  =============================================================================
 
-Bit allocation (L3-L5). ``convert(model, "L3")`` uses 2 bits at every site; `calibrate`
-turns a level into a per-layer allocation with the same 2-bit average, from gradient
-sensitivity (ActNN's and GACT's scheme):
+Bit allocation (L3-L5). ``jmem.ActNN("L3")`` uses 2 bits at every site;
+`jmem.surgery.calibrate` turns it into a per-site allocation with the same 2-bit average,
+from gradient sensitivity (ActNN's and GACT's scheme; `sensitivities` and `allocate_bits`
+here):
 
 1. Sensitivity (GACT). For each compressed site i (a block, the stem), with every other
    site exact: two backprops with site i at 1 bit (two dither seeds) give g0, g1, one at 8
@@ -45,13 +47,13 @@ sensitivity (ActNN's and GACT's scheme):
    the slack still affords (`allocate_bits`).
 
 The schedule: calibrate once, before training, on one batch at the initial weights (what
-the ``actnn-L3``..``L5`` bench techniques do); call `calibrate` again to refresh it (each
-new allocation compiles a new step, because bit widths fix buffer shapes). ActNN also
+the ``actnn-L3``..``L5`` bench techniques do); calibrate again to refresh it (each new
+allocation compiles a new step, because bit widths fix buffer shapes). ActNN also
 re-chose bits per sample every step; with static shapes jmem keeps the per-sample
 adaptivity in the ranges (a min and scale per sample and group) and not in the widths.
 
-For NNX models, and for any linen model without jmem's hooks: `jmem.convert` with
-`jmem.ActNN` (``jmem.surgery.convert_nnx`` is this module's levels on NNX graphs).
+Applying a level to a model, linen or NNX: ``jmem.convert(model, jmem.ActNN(level))``
+(``jmem.surgery.convert_nnx`` is the same on NNX graphs).
 
 The individual compressed operations (dense, conv, norms, gelu, attention, 1-bit ReLU /
 dropout masks, max-pool indices) are in `jmem.ops.actnn.compressed_ops`.
@@ -82,8 +84,8 @@ from jax.flatten_util import ravel_pytree
 from jmem._backends import check_implementation
 from jmem.ops.actnn import quantize as q
 
-__all__ = ["Level", "LEVELS", "get_level", "compressed", "convert", "CompressedNNX",
-           "sensitivities", "allocate_bits", "calibrate", "gradient_noise"]
+__all__ = ["Level", "LEVELS", "get_level", "compressed", "CompressedNNX", "sensitivities",
+           "allocate_bits", "gradient_noise"]
 
 
 def _lift_sites(transform):
@@ -204,59 +206,6 @@ def get_level(level: str | Level) -> Level:
   return LEVELS[level]
 
 
-def convert(model: nn.Module, level: str | Level = "L3", *,
-            implementation: str | None = None) -> nn.Module:
-  """The linen ``model`` with the compression of ``level``, its code untouched.
-
-  Uses the model's ``conv`` / ``norm`` fields (L1, L2) and ``block_transform`` /
-  ``stem_transform`` (L3+), as `jmem.models.ResNet` has. ``L0`` returns the model itself
-  (outputs and gradients exactly the original's). ``implementation``: the quantizer's
-  backend (``"xla"``, ``"pallas"``, ``None`` = the Pallas kernels on a GPU).
-  """
-  lv = get_level(level)
-  updates: dict[str, Any] = {}
-  kw = dict(group_size=lv.group_size, offload=lv.offload, implementation=implementation)
-  if lv.conv_bits is not None:
-    _need(model, "conv", lv)
-    updates["conv"] = compressed(model.conv, bits=lv.conv_bits, **kw)
-  if lv.norm_bits is not None:
-    _need(model, "norm", lv)
-    updates["norm"] = compressed(model.norm, bits=lv.norm_bits, **kw)
-  if lv.block_bits is not None:
-    updates.update(_wrap_sites(model, lv, functools.partial(
-        compressed, bits=lv.block_bits, layer_bits=dict(lv.layer_bits), **kw)))
-  return model.clone(**updates) if updates else model
-
-
-def _wrap_sites(model, lv, wrap) -> dict[str, Any]:
-  """``block_transform`` / ``stem_transform`` updates that apply ``wrap`` after any
-  transform the model already has (a model that declares ``has_stem = False``, such as
-  `jmem.models.UNet`, has no ``stem_transform``)."""
-  updates = {}
-  for field in ("block_transform", "stem_transform"):
-    if field == "stem_transform" and getattr(model, "has_stem", True) is False:
-      continue
-    _need(model, field, lv)
-    inner = getattr(model, field)
-    if getattr(inner, "func", inner) is nn.remat:        # nn.checkpoint is the same
-      raise ValueError(
-          f"ActNN {lv.name} over a recomputed {field} (nn.remat) would recompute each site "
-          "from quantized residuals with its masks and batch statistics recomputed too (at 8 "
-          "bits 6.4x the gradient error of ActNN alone on a ResNet-8). Recompute from a "
-          "compressed input instead: jmem.convert(model, jmem.Remat(where=<block class>), "
-          f"jmem.ActNN({lv.name!r})), or jmem.Policy('recompute_compressed', bits=2).")
-    updates[field] = wrap if inner is None else (lambda c, inner=inner: wrap(inner(c)))
-  return updates
-
-
-def _need(model, field, lv):
-  if not hasattr(model, field):
-    raise ValueError(f"jmem.ops.actnn.convert at level {lv.name} needs one of jmem's models "
-                     f"(a {field!r} field, as jmem.models.ResNet has); "
-                     f"{type(model).__name__} has none. For any other Flax model use "
-                     f"jmem.convert(model, jmem.ActNN({lv.name!r})).")
-
-
 # ------------------------------------------------------------------ per-layer bit allocation
 
 LossFn = Callable[[nn.Module, Any, Any], jax.Array]   # (module, params, batch) -> scalar
@@ -292,22 +241,22 @@ class _Probe:
     return functools.partial(g, levels, seed)
 
 
-def _probe_grads(model, loss_fn, params, batch, lv, probing_model=None):
+def _probe_grads(model, loss_fn, params, batch, lv, probing_model):
   """``(grads(levels, seed), sites, weights)``: one jitted gradient with a runtime number
   of quantization levels per site (``sites`` maps path -> index into ``levels``). The
   parameters and batch are jit arguments, never constants (XLA would fold them).
-  ``probing_model(probe)``: the model whose sites call ``probe.site`` (default: ``model``'s
-  ``block_transform`` / ``stem_transform`` hooks; `jmem.surgery.calibrate` passes its own)."""
+  ``probing_model(probe)``: the model whose sites call ``probe.site`` (`jmem.surgery.
+  sensitivities` and `jmem.surgery.calibrate` build it with `jmem.convert`)."""
+  del model
   if lv.block_bits is None:
     raise ValueError(f"Level {lv.name} compresses no blocks (block_bits is None): bit "
                      "allocation is for L3-style levels.")
+  if probing_model is None:
+    raise TypeError("The probe needs probing_model(probe), the model converted with its "
+                    "sites probing: use jmem.surgery.sensitivities or jmem.surgery.calibrate, "
+                    "which build it for any linen or NNX model.")
   probe = _Probe()
-  if probing_model is not None:
-    probing = probing_model(probe)
-  else:
-    wrap = lambda cls: nn_transforms.lift_transform(
-        _lift_sites(probe.site), cls, group_size=lv.group_size)
-    probing = model.clone(**_wrap_sites(model, lv, wrap))
+  probing = probing_model(probe)
 
   def grads(levels, seed, params, batch):
     with probe.active(levels, seed):
@@ -316,8 +265,8 @@ def _probe_grads(model, loss_fn, params, batch, lv, probing_model=None):
   # A first trace finds the sites (levels of length 0: all exact).
   jax.eval_shape(grads, jnp.zeros((0,), jnp.float32), jnp.uint32(0), params, batch)
   if not probe.sites:
-    raise ValueError("No compressed site was called: does the model use its "
-                     "block_transform / stem_transform?")
+    raise ValueError("No compressed site was called: the probing model calls none of the "
+                     "sites it was converted with.")
   jitted = jax.jit(grads)
   return (lambda levels, seed: jitted(levels, seed, params, batch)), dict(probe.sites), \
       dict(probe.weights)
@@ -339,15 +288,15 @@ def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
   """GACT gradient sensitivity of every site ``level`` compresses as a whole block.
 
   Args:
-    model: the exact linen model (with ``block_transform`` / ``stem_transform`` fields).
-    loss_fn: ``loss_fn(module, params, batch) -> scalar``; it is called with a probing
-      clone of ``model`` (so the same params fit).
+    model: the exact model.
+    loss_fn: ``loss_fn(module, params, batch) -> scalar``; it is called with the probing
+      model (the same params fit).
     params: the parameters to differentiate (the current weights).
     batch: the calibration batch (any pytree of arrays, e.g. ``(x, y)``).
     level: gives the group size (and must compress blocks: L3, L4, L5 or your own).
     seed: dither seed of the probes.
     probing_model: ``probing_model(probe) -> module`` whose sites call ``probe.site``
-      (`jmem.surgery.calibrate` uses it for models without jmem's hooks).
+      (`jmem.surgery.sensitivities` builds it with `jmem.convert`; required).
     bits: None: GACT's estimate, from 1-bit probes. An int: measured at ``bits`` instead,
       ``C_i = (2^bits - 1)^2`` times the mean over ``num_seeds`` dithers of
       ``|g_i - g|^2`` (``g``: the exact gradient; ``g_i``: site i alone at ``bits``).
@@ -434,20 +383,6 @@ def allocate_bits(sensitivity: Mapping[str, float], weights: Mapping[str, int], 
       return {p: choices[i] for p, i in level.items()}
     p = max(affordable, key=lambda p: gain(p, level[p]))
     level[p] += 1
-
-
-def calibrate(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
-              level: str | Level = "L3", budget: float | None = None, seed: int = 0) -> Level:
-  """``level`` with per-layer bits allocated from gradient sensitivity (``layer_bits``).
-
-  ``budget`` (average bits) defaults to the level's ``block_bits``. The result is a
-  `Level`: ``convert(model, calibrate(model, loss_fn, params, batch))``. See the module
-  docstring for the method and the schedule.
-  """
-  lv = get_level(level)
-  sens, weights = sensitivities(model, loss_fn, params, batch, level=lv, seed=seed)
-  bits = allocate_bits(sens, weights, budget=float(lv.block_bits if budget is None else budget))
-  return dataclasses.replace(lv, name=f"{lv.name}-calibrated", layer_bits=tuple(bits.items()))
 
 
 # ------------------------------------------------------------------------------ Flax NNX

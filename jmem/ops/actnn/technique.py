@@ -70,7 +70,7 @@ CALIBRATION_VALUES = 16 * 256   # input values, at most (fewer examples for larg
 
 def calibration_problem(model, dataset, batch_size: int):
   """``(params, loss_fn, batch)`` on which the ``actnn-L3``..``L5`` techniques calibrate
-  their bits (`jmem.ops.actnn.calibrate`): the initial weights (seed 0) and the first
+  their bits (`jmem.surgery.calibrate`): the initial weights (seed 0) and the first
   training examples, at most `CALIBRATION_BATCH` and at most `CALIBRATION_VALUES` input
   values (but 2 examples at least); ``loss_fn`` is the training loss of `jmem.train`."""
   return calibration_problem_on(model, dataset.x_train[:batch_size],
@@ -91,34 +91,19 @@ def calibration_problem_on(model, x, y, *, max_values: int = CALIBRATION_VALUES)
   return params, loss_fn, (x, y)
 
 
-def _apply(level: str):
-  def apply(model, implementation=None):
-    return levels.convert(model, level, implementation=implementation)
-  return apply
-
-
-def _calibrated(level: str):
-  """ActNN ``level`` with per-layer bits from gradient sensitivity, measured once on
-  `calibration_problem`."""
-  def prepare(model, dataset, batch_size, implementation=None):
-    params, loss_fn, batch = calibration_problem(model, dataset, batch_size)
-    return levels.convert(model, levels.calibrate(model, loss_fn, params, batch, level=level),
-                          implementation=implementation)
-  return prepare
-
-
 def _convert(level: str):
   return lambda implementation: ActNN(level, implementation=implementation)
 
 
 _WHAT = (("L1", "4-bit conv inputs"), ("L2", "4-bit conv + BatchNorm"),
-         ("L3", "residuals of every block and the stem at 2 bits on average, "
-                "per-layer bits from gradient sensitivity"),
+         ("L3", "residuals of every default site at 2 bits on average, per-site bits "
+                "from gradient sensitivity"),
          ("L4", "L3 offloaded to pinned host memory"),
          ("L5", "L4 with 1024-value groups (less metadata)"))
 
+# L3-L5 are calibrated by the bench (`jmem.surgery.calibrate` on `calibration_problem`).
 BENCH_TECHNIQUES = tuple(
-    BenchTechnique(f"actnn-{lv}", _apply(lv), f"ActNN {lv}: {what}",
-                   prepare=_calibrated(lv) if lv in ("L3", "L4", "L5") else None,
-                   has_kernels=True, kernel_ops=quantize.OPS, convert=_convert(lv))
+    BenchTechnique(f"actnn-{lv}", _convert(lv), f"ActNN {lv}: {what}",
+                   calibrate=lv in ("L3", "L4", "L5"), has_kernels=True,
+                   kernel_ops=quantize.OPS)
     for lv, what in _WHAT)

@@ -1,19 +1,16 @@
-"""InPlace-ABN as a technique: the `jmem.convert` object (`InPlaceABN`) and the
-``jmem bench`` name ``inplace-abn``."""
+"""InPlace-ABN as a technique: the `jmem.convert` object (`InPlaceABN`). Its ``jmem bench``
+name ``inplace-abn`` is registered by `jmem.surgery` (it finds the model's pairs)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import flax.linen as nn
-
 from jmem._backends import check_implementation
-from jmem._technique import BenchTechnique, Technique
+from jmem._technique import Technique
 from jmem.ops.inplace_abn import core
 
-__all__ = ["InPlaceABN", "BENCH_TECHNIQUES"]
+__all__ = ["InPlaceABN"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,25 +48,3 @@ class InPlaceABN(Technique):
               if self.activation == "relu" else "")
       raise ValueError(f"InPlaceABN(activation=...) must be 'leaky_relu', 'elu', 'identity' or "
                        f"None (the model's own), got {self.activation!r}.{hint}")
-
-
-def _apply(model, implementation=None):
-  """jmem's own models: their ``norm_act`` becomes InPlace-ABN, with leaky_relu 0.01 for
-  their relu everywhere (InPlace-ABN needs an invertible activation)."""
-  if not hasattr(model, "norm_act"):
-    raise ValueError(f"Technique 'inplace-abn' needs a model with a norm_act field (jmem's "
-                     f"own models; any other model: jmem.convert(model, jmem.InPlaceABN())); "
-                     f"{type(model).__name__} has none.")
-  return model.clone(norm_act=functools.partial(core.InPlaceABN, activation="leaky_relu",
-                                                slope=0.01, implementation=implementation),
-                     act=functools.partial(nn.leaky_relu, negative_slope=0.01))
-
-
-# A converted model keeps its own (invertible) activations: the bench's relu swap is for
-# jmem's models only.
-BENCH_TECHNIQUES = (
-    BenchTechnique("inplace-abn", _apply,
-                   "In-Place Activated BatchNorm (leaky_relu 0.01), saves only outputs",
-                   has_kernels=True, kernel_ops=core.OPS,
-                   convert=lambda implementation: InPlaceABN(implementation=implementation)),
-)

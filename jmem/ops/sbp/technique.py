@@ -1,6 +1,7 @@
 """SBP as a technique: the `jmem.convert` object (`SBP`) and the ``jmem bench`` names
-``sbp-<keep ratio>`` (on jmem's video models, their ``keep_ratio`` field; through
-`jmem.technique` with a ``where=``)."""
+``sbp-<keep ratio>``: ``jmem.SBP(keep_ratio=r)`` on the sites the model names in its
+``sbp_sites`` (jmem's video models do: their per-frame CNN, their transformer blocks but the
+last); through `jmem.technique` with your own ``where=``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from jmem._technique import BenchTechnique, Technique
 from jmem.ops.sbp import core
 
-__all__ = ["SBP", "BENCH_TECHNIQUES"]
+__all__ = ["SBP", "model_sites", "BENCH_TECHNIQUES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +54,28 @@ class SBP(Technique):
                        f"{self.mode!r}.")
 
 
-def _apply(keep_ratio: float):
-  def apply(model):
-    if not hasattr(model, "keep_ratio"):
-      raise ValueError(f"Technique 'sbp-{keep_ratio}' needs a video model (stt-resnet8, "
-                       f"video-vit) with a keep_ratio field; {type(model).__name__} has none.")
-    core.check_keep_ratio(keep_ratio)
-    return model.clone(keep_ratio=keep_ratio)
-  return apply
+def model_sites(model, techniques, name: str) -> tuple:
+  """``techniques`` with each `SBP` without ``where=`` given the sites ``model`` names in
+  its ``sbp_sites`` (module classes and/or path expressions, and ``sbp_mode``), as
+  jmem's video models do; a model that names none is refused, saying what to pass."""
+  out = []
+  for t in techniques:
+    if isinstance(t, SBP) and t.where is None:
+      where = getattr(model, "sbp_sites", None)
+      if where is None:
+        raise ValueError(
+            f"Technique {name!r} needs the model's SBP sites: {type(model).__name__} names "
+            "none (jmem's video models do, in sbp_sites). For your own model: "
+            f"jmem.convert(model, jmem.technique({name!r}, where=<per-frame module or "
+            "blocks>)).")
+      t = dataclasses.replace(t, where=where, mode=t.mode or getattr(model, "sbp_mode", None))
+    out.append(t)
+  return tuple(out)
 
 
 BENCH_TECHNIQUES = tuple(
-    BenchTechnique(f"sbp-{r}", _apply(r),
-                   f"stochastic backpropagation, keep ratio {r} (video models)",
-                   convert=lambda implementation, r=r: SBP(keep_ratio=r))
+    BenchTechnique(f"sbp-{r}", lambda implementation, r=r: SBP(keep_ratio=r),
+                   f"stochastic backpropagation, keep ratio {r} (the model's sbp_sites)",
+                   prepare=lambda model, dataset, batch_size, techniques, *, target=None,
+                   r=r: model_sites(model, techniques, f"sbp-{r}"))
     for r in (0.5, 0.25, 0.125))

@@ -1,6 +1,6 @@
 """Spatial sharding as a technique: the `jmem.convert` object (`Spatial`) and the
-``jmem bench`` name ``spatial-8`` (activations of jmem's ConvNeXt sharded over H x W = 2 x 4
-devices, run under ``shard_map``)."""
+``jmem bench`` name ``spatial-8`` (``jmem.Spatial`` over H x W = 2 x 4 devices: activations
+sharded, every convolution exchanging halos)."""
 
 from __future__ import annotations
 
@@ -45,20 +45,21 @@ class Spatial(Technique):
     sharded.check_mesh(self.mesh, self.axes, self.data_axis)
 
 
-def _apply(devices: int, height: int):
-  def apply(model):
+def _convert(devices: int, height: int):
+  def convert(implementation):
+    del implementation
     if jax.device_count() < devices:
       raise ValueError(
           f"Technique 'spatial-{devices}' needs {devices} devices, found {jax.device_count()}; "
           f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={devices} before "
           "jax is imported (the jmem CLI does this itself).")
     mesh = modules.spatial_mesh(1, height, devices // height, devices=jax.devices()[:devices])
-    return modules.spatial_model_fns(model, mesh)
-  return apply
+    return Spatial(mesh=mesh, axes=("h", "w"))
+  return convert
 
 
 BENCH_TECHNIQUES = (
-    BenchTechnique("spatial-8", _apply(8, 2),
+    BenchTechnique("spatial-8", _convert(8, 2),
                    "activations sharded over H x W = 2 x 4 devices, halo exchange "
-                   "(per-device figures; ConvNeXt models)"),
+                   "(per-device figures)"),
 )

@@ -5,10 +5,7 @@ of the same computation that synchronises them across devices)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
-
-import flax.linen as nn
 
 from jmem._backends import check_implementation
 from jmem._technique import BenchTechnique, Technique
@@ -42,19 +39,8 @@ class SyncBN(Technique):
     check_implementation(self.implementation, core.OPS, "SyncBN")
 
 
-def _apply(model, implementation=None):
-  """jmem's own models: their ``norm`` (flax.linen.BatchNorm) becomes `SyncBatchNorm`."""
-  if getattr(model, "norm", None) is not nn.BatchNorm:
-    raise ValueError(f"Technique 'sync-bn' needs a model whose norm field is "
-                     f"flax.linen.BatchNorm (jmem's ResNets; any other model: "
-                     f"jmem.convert(model, jmem.SyncBN())); {type(model).__name__} has "
-                     f"{getattr(model, 'norm', None)!r}.")
-  return model.clone(norm=functools.partial(core.SyncBatchNorm, implementation=implementation))
-
-
 BENCH_TECHNIQUES = (
-    BenchTechnique("sync-bn", _apply,
+    BenchTechnique("sync-bn", lambda implementation: SyncBN(implementation=implementation),
                    "SyncBN's exact statistics core in place of Flax's BatchNorm (one device)",
-                   has_kernels=True, kernel_ops=core.OPS,
-                   convert=lambda implementation: SyncBN(implementation=implementation)),
+                   has_kernels=True, kernel_ops=core.OPS),
 )
