@@ -901,7 +901,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if policies is not None or bits is not None:
     notes.append("site policies searched: " + ", ".join(_rung_text(r) for r in ladder))
   quantizes = any(kind == "compress" for kind, _ in ladder)   # sensitivities order these
-  notes.append(_offload_note(layout.mesh))
+  notes.append(_offload_note(layout.mesh, device))
   sens = None
   if sensitivities is not None and calibration_batch is not None:
     raise ValueError("give sensitivities or a calibration_batch to measure them on, not both.")
@@ -1602,9 +1602,12 @@ def _heap_prediction(heap, at, at_bytes, paths, ladder):
   return predict
 
 
-def _offload_note(mesh) -> str:
-  """Why the plan has no ``offload`` site, for the platform it compiles for."""
-  platform = (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend())
+def _offload_note(mesh, target=None) -> str:
+  """Why the plan has no ``offload`` site, for the platform it compiles for (``target``: a
+  `jmem.measure.Target`, whose platform it is where it is compiled for without a device)."""
+  platform = (mesh.devices.flat[0].platform if mesh is not None else
+              target.platform if target is not None and target.deviceless else
+              jax.default_backend())
   if platform == "cpu":
     return ("offload not searched (on CPU, where host and device memory are one, it saves "
             "nothing: only a GPU compile could measure it)")

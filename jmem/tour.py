@@ -51,11 +51,15 @@ _QUICK_VIDEO = dict(batch_size=4, image_size=24, num_frames=8, train_clips=16)
 
 # Accuracy of the memory-only rows, from committed results (tests/test_repo.py checks that
 # each file says it): technique -> (what, file).
+# Both were trained before the bench built every technique with jmem.convert (commit
+# 4c60a24): InPlace-ABN then on every norm-act of preact20, the final one included (now its
+# norm-act pairs); SBP by the video models' own keep_ratio field (now jmem.SBP on their
+# sbp_sites: the same gradients, the dropped nodes' outputs held constant).
 QUOTED = {
-    "inplace-abn": ("98.98% (its BN + leaky_relu twin 98.79%; preact20, 3 seeds x 300 steps)",
-                    "benchmarks/results/inplace_abn.md"),
-    "sbp-0.25": ("93.36% (exact 94.21%; pretrained video ViT, 3 seeds x 1200 steps)",
-                 "benchmarks/results/sbp_vit_pretrained_1200steps.md"),
+    "inplace-abn": ("98.98% (its BN + leaky_relu twin 98.79%; preact20, 3 seeds x 300 steps, "
+                    "before jmem.convert built it)", "benchmarks/results/inplace_abn.md"),
+    "sbp-0.25": ("93.36% (exact 94.21%; pretrained video ViT, 3 seeds x 1200 steps, before "
+                 "jmem.convert built it)", "benchmarks/results/sbp_vit_pretrained_1200steps.md"),
     "spatial-8": ("exact's (gradients within 1.93e-05 relative of one device's, parameters "
                   "after a step within 1.79e-07)", "benchmarks/results/spatial.md"),
 }

@@ -1052,6 +1052,8 @@ def test_the_offload_note_names_the_platform_the_plan_compiles_for():
   assert "on CPU" not in gpu and gpu.startswith("offload not searched (gpu)")
   assert "host transfers" in gpu
   assert "on CPU" in plan_lib._offload_note(mesh_of("cpu"))
+  h100 = jmem.measure.target("h100")                 # compiled for a GPU from this CPU
+  assert plan_lib._offload_note(None, h100).startswith("offload not searched (gpu)")
 
 
 def test_offload_by_hand_beside_a_plans_policies():

@@ -26,7 +26,8 @@ def test_sync_bn_row_is_exact_with_devices_holding_nothing():
 
 @pytest.mark.parametrize("argv,is_tour", [
     (["bench"], True), (["bench", "--output-dir", "x", "--no-progress"], True),
-    (["bench", "--json"], True), (["bench", "--model", "resnet8"], False),
+    (["bench", "--json"], True), (["bench", "--target", "h100"], True),
+    (["bench", "--model", "resnet8"], False),
     (["bench", "--memory-only"], False), (["train"], False), (["plan"], False)])
 def test_which_bench_is_the_tour(argv, is_tour):
   assert cli._is_tour(argv) is is_tour   # pylint: disable=protected-access
