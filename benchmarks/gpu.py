@@ -228,6 +228,12 @@ def predict(args) -> int:
   path = args.predicted or os.path.join(args.output_dir, f"{on.name}_target.json")
   if args.quick:
     path = path.replace(".json", "_quick.json")
+  if args.groups or args.techniques:      # a part of the table: the rest stays as it was
+    earlier = _predicted(path)
+    if earlier.get("meta", {}).get("target") == on.name:
+      out["groups"] = earlier.get("groups", {})
+      out["meta"]["earlier_rows_from"] = {k: earlier["meta"].get(k)
+                                          for k in ("commit", "date")}
   for gname, g in groups.items():
     rows = out["groups"].setdefault(gname, dict(config=g, rows={}))["rows"]
     for t in g["techniques"]:

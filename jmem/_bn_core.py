@@ -89,13 +89,43 @@ class LocalStatisticsWarning(UserWarning):
   """
 
 
+def _unchecked_manual_axes() -> frozenset:
+  """The manual mesh axes (of size > 1) of an enclosing ``jax.shard_map`` traced with
+  ``check_vma=False``, where JAX's types do not say which values vary over them; empty
+  elsewhere (no shard_map, or one whose types say it)."""
+  try:
+    from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+    if jax_config._check_vma.value:  # pylint: disable=protected-access
+      return frozenset()
+    mesh = jax.sharding.get_abstract_mesh()
+    return frozenset(a for a in getattr(mesh, "manual_axes", ()) if mesh.shape[a] > 1)
+  except Exception:  # pylint: disable=broad-except  (a JAX without these internals)
+    return frozenset()
+
+
 def warn_if_unsynchronised(x, axis_name: AxisName, op: str) -> None:
   """Warns (`LocalStatisticsWarning`) if ``x`` varies over manual axes ``axis_name`` omits.
 
-  Only what JAX's types show is seen: under ``shard_map`` with ``check_vma=False``, under
-  ``pmap`` or ``vmap`` nothing is known and nothing is said.
+  Under ``shard_map`` with its varying types (``check_vma=True``) what they show is seen;
+  under ``shard_map(check_vma=False)`` nothing says whether ``x`` is split over a manual
+  axis, so every manual axis (of size > 1) that ``axis_name`` leaves out is warned about.
+  Under ``pmap`` or ``vmap`` nothing is known and nothing is said.
   """
-  left_out = varying_axes(x) - set(_axes_tuple(axis_name))
+  named = set(_axes_tuple(axis_name))
+  unchecked = _unchecked_manual_axes() - named
+  if unchecked and not varying_axes(x):
+    names = sorted(unchecked)
+    suggest = names[0] if len(names) == 1 else tuple(names)
+    _warn.warn(
+        f"{op}: inside a shard_map traced with check_vma=False, over the mesh axes "
+        f"{names} that axis_name={axis_name!r} leaves out: if the batch is split over "
+        "them, the statistics are each shard's, not the whole batch's (JAX's types do not "
+        f"say whether it is, with check_vma off). Pass axis_name={suggest!r} to synchronise "
+        "over them; if per-shard (local) batch norm is intended, silence this "
+        "with warnings.filterwarnings('ignore', category=jmem.parallel.sync_bn."
+        "LocalStatisticsWarning).", LocalStatisticsWarning)
+    return
+  left_out = varying_axes(x) - named
   if left_out:
     every = tuple(sorted(varying_axes(x)))
     _warn.warn(

@@ -21,12 +21,15 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _budget_list(text: str) -> tuple[float, ...]:
+  """``--budgets``: sizes as ``jmem plan --budget`` takes them (a bare number is GiB:
+  ``16,80``; or with a unit: ``16GiB,800MiB``), in GiB."""
+  from jmem import planner  # pylint: disable=g-import-not-at-top
   try:
-    values = tuple(float(s) for s in text.split(",") if s.strip())
-  except ValueError:
+    return tuple(planner.parse_bytes(s.strip()) / 2**30 for s in text.split(",") if s.strip())
+  except ValueError as e:
     raise argparse.ArgumentTypeError(
-        f"expected comma-separated GiB, e.g. 16,80 (or '' for none), got {text!r}") from None
-  return values   # their range: BenchConfig.validate
+        f"expected positive sizes, comma-separated, e.g. 16,80 (GiB) or 16GiB,800MiB (or '' "
+        f"for none), got {text!r}: {e}") from None
 
 
 def _str_list(text: str) -> tuple[str, ...]:
@@ -144,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
   pl.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
   pl.add_argument("--batch-size", type=int, default=256, help="(default: %(default)s)")
   pl.add_argument("--budget", default="16GiB",
-                  help="device memory, e.g. 16GiB, 800MiB, or a share of exact's: 50%% "
+                  help="device memory, e.g. 16GiB, 800MiB, 1.5 (GiB), or a share of exact's: 50%% "
                   "(default: %(default)s)")
   pl.add_argument("--dtype", default="float32", choices=bench.DTYPES)
   pl.add_argument("--target", default=None, metavar="NAME|SPEC",

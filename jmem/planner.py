@@ -160,7 +160,7 @@ from jmem.techniques import register_technique
 __all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share", "step_cost",
            "compile_step", "POLICY_KINDS", "site_ladder"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # A site's ladder (`site_ladder`) has rungs (policy kind, bits); approximate policies first
 # climb these bit widths (`plan(bits=...)` allows some of them).
@@ -191,18 +191,35 @@ def budget_share(budget) -> float | None:
   return None
 
 
-def parse_bytes(budget: int | float | str) -> int:
-  """``16 * 2**30``, ``"16GiB"``, ``"12.5 GB"``, ``"800MiB"`` -> bytes (int)."""
-  if isinstance(budget, numbers.Real) and not isinstance(budget, (bool, np.bool_)):
-    if not math.isfinite(budget) or budget < 1:
-      raise ValueError(f"budget must be at least 1 byte, got {budget!r}.")
+def parse_bytes(budget: int | str) -> int:
+  """A device memory size in bytes (int), one meaning everywhere:
+
+  * an int: bytes (``16 * 2**30``);
+  * a string with a unit: ``"16GiB"``, ``"12.5 GB"``, ``"800MiB"``, ``"1000B"``;
+  * a string of a bare number: GiB (``"1.5"``), as ``jmem plan --budget 1.5`` and ``jmem
+    bench --budgets 16,80`` take it.
+
+  A float is refused (bytes or GiB? say which), as is a size of zero or less.
+  """
+  if isinstance(budget, (bool, np.bool_)):
+    raise ValueError(f"budget must be a size, got {budget!r}.")
+  if isinstance(budget, numbers.Integral):
+    if budget < 1:
+      raise ValueError(f"budget must be more than 0 bytes, got {budget!r}.")
     return int(budget)
+  if isinstance(budget, numbers.Real):
+    raise ValueError(f"budget {budget!r}: a bare float is ambiguous (bytes or GiB?): give "
+                     "bytes as an int (e.g. 16 * 2**30) or a string with a unit ('1.5GiB').")
   if isinstance(budget, str):
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
-    if m and m.group(2).lower() in _UNITS and float(m.group(1)) * _UNITS[m.group(2).lower()] >= 1:
-      return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    m = re.fullmatch(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", budget)
+    if m and (not m.group(2) or m.group(2).lower() in _UNITS):
+      unit = _UNITS[m.group(2).lower()] if m.group(2) else 2**30    # bare: GiB
+      value = float(m.group(1)) * unit
+      if not value >= 1:
+        raise ValueError(f"budget {budget!r} must be more than 0 bytes (at least 1 byte).")
+      return int(value)
   raise ValueError(f"budget {budget!r} is not a size: give bytes (an int) or a string such as "
-                   "'16GiB', '800MiB' or '12GB'.")
+                   "'16GiB', '800MiB', '12GB' or '1.5' (GiB).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1708,11 +1725,23 @@ def _measured_sensitivities(model, paths, batch, x, y) -> tuple[dict[str, float]
     raise ValueError(f"calibration_batch must be (x, y) arrays of at least 2 examples shaped "
                      f"like the example batch's, x (n, {', '.join(map(str, x.shape[1:]))}) and "
                      f"y (n{''.join(f', {d}' for d in y.shape[1:])}); got {got}.")
+  for name, a in (("x", cx), ("y", cy)):
+    a = np.asarray(a)
+    if np.issubdtype(a.dtype, np.inexact) and not np.all(np.isfinite(a)):
+      bad = int(np.sum(~np.isfinite(a)))
+      raise ValueError(f"calibration_batch's {name} holds {bad} non-finite values (NaN or "
+                       "inf): every site's gradient sensitivity would be NaN. Pass real, "
+                       "finite examples (or sensitivities=).")
   params, loss_fn, data = actnn_technique.calibration_problem_on(model, cx, cy,
                                                                  max_values=_CALIBRATION_VALUES)
   where = "|".join(re.escape(p) for p in paths)
   c, _ = surgery.sensitivities(model, loss_fn, params, data, surgery.ActNN("L3", where=where),
                                bits=2)
+  bad = {p: v for p, v in c.items() if p in paths and not math.isfinite(v)}
+  if bad:
+    raise ValueError(f"The gradient sensitivities measured on calibration_batch are not finite "
+                     f"at the sites {sorted(bad)} (the model's loss or gradients on those "
+                     "examples overflow): pass other examples, or sensitivities=.")
   return {p: float(v) for p, v in c.items() if p in paths}, int(data[0].shape[0])
 
 

@@ -468,9 +468,25 @@ def test_budgets_and_bad_input():
   assert plan_lib.parse_bytes("12GB") == 12 * 10**9
   assert plan_lib.parse_bytes(1000) == 1000
   assert plan_lib.parse_bytes(np.int64(1000)) == 1000
-  for bad in ("16 GiBs", "-1GiB", "", 0, 0.5, "0.5", float("nan"), True, "lots"):
-    with pytest.raises(ValueError, match="budget"):
+  # One meaning for a bare number: GiB in a string (the command line's), bytes in an int; a
+  # float is refused as ambiguous, and a size of zero as zero, not as "not a size".
+  assert plan_lib.parse_bytes("1.5") == int(1.5 * 2**30) == plan_lib.parse_bytes("1.5GiB")
+  for bad in ("16 GiBs", "", True, "lots"):
+    with pytest.raises(ValueError, match="is not a size|must be a size"):
       plan_lib.parse_bytes(bad)
+  for bad in ("0GiB", "-1GiB", "0", 0, -5, "1e-12"):
+    with pytest.raises(ValueError, match="more than 0 bytes"):
+      plan_lib.parse_bytes(bad)
+  for bad in (1.5, 0.5, np.float32(16.0), float("nan")):
+    with pytest.raises(ValueError, match="ambiguous"):
+      plan_lib.parse_bytes(bad)
+  # A NaN in the calibration batch would make every sensitivity NaN: refused before compiling.
+  xs, ys = np.ones((4, 8, 8, 3), np.float32), np.zeros((4,), np.int32)
+  xs[1, 2, 3, 0] = np.nan
+  with pytest.raises(ValueError, match="calibration_batch's x holds 1 non-finite"):
+    plan_lib.plan(tp.FunctionalCNN(), (jax.ShapeDtypeStruct((4, 8, 8, 3), jnp.float32),
+                                       jax.ShapeDtypeStruct((4,), jnp.int32)), "1GiB",
+                  calibration_batch=(xs, ys), max_batch=False)
   assert plan_lib.budget_share("50%") == 0.5 and plan_lib.budget_share("16GiB") is None
   for bad in ("0%", "150%", "x%"):
     with pytest.raises(ValueError, match="share"):

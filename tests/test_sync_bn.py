@@ -529,6 +529,27 @@ def test_running_stats_masked_unbalanced_on_eight_devices():
     np.testing.assert_allclose(var, want_var, rtol=1e-5)
 
 
+def test_axes_left_out_under_shard_map_without_varying_types_warn_too():
+  """Under ``shard_map(check_vma=False)`` JAX's types do not say whether x is split: a batch
+  norm whose axis_name leaves out a manual axis warns (it used per-shard statistics, up to
+  0.35 off global BatchNorm, without a word); one over every axis stays quiet."""
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x = jnp.asarray(_data()[0][:, 0])
+  trace = lambda f: jax.make_jaxpr(jax.shard_map(
+      f, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b")), check_vma=False))(x)
+  model = sync_bn.SyncBatchNorm(use_running_average=False)
+  variables = model.init(jax.random.key(0), x)
+  run = lambda name: lambda v: model.clone(axis_name=name).apply(
+      variables, v, mutable=["batch_stats"])[0]
+  for name, left_out in ((None, "['a', 'b']"), ("a", "['b']")):
+    with pytest.warns(sync_bn.LocalStatisticsWarning, match=rf"check_vma=False.*"
+                                                            rf"{re.escape(left_out)}"):
+      trace(run(name))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", sync_bn.LocalStatisticsWarning)
+    trace(run(("a", "b")))
+
+
 def test_non_floating_inputs_are_refused():
   """Integers (or booleans) would come back rounded to the input's dtype: TypeError."""
   xf = jnp.arange(12.0).reshape(4, 3)
