@@ -73,6 +73,29 @@ def group_span(mn: jax.Array, mx: jax.Array) -> jax.Array:
   return (mx - mn) + (jnp.maximum(jnp.abs(mn), jnp.abs(mx)) * 2.0**-22 + 1e-30)
 
 
+_F32_MAX = 3.4028234663852886e38
+
+
+def group_scale(levels, mn: jax.Array, mx: jax.Array) -> jax.Array:
+  """``levels / group_span(mn, mx)`` rounded DOWN to bfloat16 (float32), kept at least at
+  the smallest scale whose top code dequantizes to a finite float32 (``levels / scale``
+  under float32's largest value) and at float32's smallest normal value.
+
+  Without that floor a group whose range nears float32's (finite values around +-2e38, or
+  around +-5e37 at 8 bits) overflowed the span to inf, the scale to 0 (or a flushed
+  subnormal), and every dequantized value of the group to NaN. With it such a group's
+  values beyond ``mn + levels / scale`` are clipped to its top code (finite, but no longer
+  unbiased there); every group whose range float32 holds is as before, bit for bit.
+  ``levels`` may be a traced scalar (`fake_quantize`).
+  """
+  return truncate_to_bfloat16(jnp.maximum(levels / group_span(mn, mx), scale_floor(levels)))
+
+
+def scale_floor(levels) -> jax.Array:
+  """The least scale `group_scale` gives (see there)."""
+  return jnp.maximum(levels / (0.99 * _F32_MAX), 2.0**-126)
+
+
 def truncate_to_bfloat16(v: jax.Array) -> jax.Array:
   """Positive float32 ``v`` rounded DOWN to the nearest bfloat16 value (still float32).
 

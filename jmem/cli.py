@@ -210,7 +210,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="compute dtype (bfloat16: mixed precision, float32 parameters)")
   t.add_argument("--eval-every", type=int, default=100)
   t.add_argument("--checkpoint-dir", default=None)
-  t.add_argument("--checkpoint-every", type=int, default=100)
+  t.add_argument("--checkpoint-every", type=int, default=None,
+                 help="steps between checkpoints (with --checkpoint-dir; default 100)")
   t.add_argument("--resume", action="store_true")
   t.add_argument("--no-progress", action="store_true")
   m = t.add_argument_group(
@@ -459,11 +460,14 @@ def _train(args) -> int:
         f"--local-devices {args.local_devices} cannot take effect: JAX already runs with "
         f"{jax.local_device_count()} CPU devices in this process (the count is read once, "
         "when the backend starts). Start a fresh process.")
+  if args.checkpoint_every is not None and args.checkpoint_dir is None:
+    raise ValueError(f"--checkpoint-every {args.checkpoint_every} saves nothing without "
+                     "--checkpoint-dir: give the directory to write checkpoints to.")
   config = train.TrainConfig(
       steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
       seed=args.seed, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
-      checkpoint_every=args.checkpoint_every, resume=args.resume,
-      progress=not args.no_progress)
+      checkpoint_every=100 if args.checkpoint_every is None else args.checkpoint_every,
+      resume=args.resume, progress=not args.no_progress)
   bench.get_technique(args.technique)    # bad names fail before any work
   bench.check_dtype(args.model, args.dtype)
   dataset = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import numpy as np
 
@@ -79,6 +80,26 @@ def _check_positive(**kw):
       raise ValueError(f"{k} must be a positive integer, got {v!r}.")
 
 
+def _memory_bytes() -> int | None:
+  """This machine's physical memory in bytes (None where it cannot be read)."""
+  try:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def check_fits_in_memory(what: str, values: int, *, flag: str = "--image-size") -> None:
+  """Raises ValueError where ``values`` float32 values (a data set about to be made in
+  host memory) would take more than half of this machine's memory: a clear message instead
+  of an out-of-memory crash deep inside the resize."""
+  total = _memory_bytes()
+  need = 4 * int(values)
+  if total is not None and need > total // 2:
+    raise ValueError(f"{what} would take {need / 2**30:,.1f} GiB of host memory as float32, "
+                     f"more than half of this machine's {total / 2**30:,.1f} GiB: lower "
+                     f"{flag}.")
+
+
 def digits(image_size: int = 8, *, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
   """The 1797 scikit-learn digits, optionally resized, as a train/test `Dataset`.
 
@@ -95,6 +116,8 @@ def digits(image_size: int = 8, *, test_fraction: float = 0.2, seed: int = 0) ->
   if not 0.0 < test_fraction < 1.0:
     raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}.")
   images, labels = _raw_digits()
+  check_fits_in_memory(f"The digits at {image_size}x{image_size}",
+                       2 * len(labels) * image_size**2)      # the resize and the standardised
   tr, te = _split(len(labels), test_fraction, seed, labels)
   images = _resize(images, image_size)
   mean, std = images[tr].mean(), images[tr].std()
@@ -111,6 +134,7 @@ def digits_sample(num: int, image_size: int) -> tuple[np.ndarray, np.ndarray]:
   tr, _ = _split(len(labels), 0.2, 0, labels)
   if num > len(tr):
     raise ValueError(f"num must be at most {len(tr)} (the training digits), got {num}.")
+  check_fits_in_memory(f"{num} digits at {image_size}x{image_size}", 2 * num * image_size**2)
   x = _resize(images[tr[:num]], image_size)
   x = (x - x.mean()) / max(float(x.std()), 1e-6)
   return x[..., None].astype(np.float32), labels[tr[:num]]
@@ -193,6 +217,9 @@ def moving_digits(num_frames: int = 16, *, frame_size: int = 32, digit_size: int
                   speed=speed, num_train=num_train, num_test=num_test)
   if not 1 <= num_directions <= len(DIRECTIONS):
     raise ValueError(f"num_directions must be in [1, {len(DIRECTIONS)}], got {num_directions}.")
+  check_fits_in_memory(f"{num_train + num_test} clips of {num_frames} frames of "
+                       f"{frame_size}x{frame_size}",
+                       (num_train + num_test) * num_frames * frame_size**2)
   images, labels = _raw_digits()
   tr, te = _split(len(labels), 0.2, seed, labels)
   images = _resize(images, digit_size)

@@ -885,7 +885,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if not (np.ndim(x) and np.ndim(y)) or x.shape[0] != y.shape[0]:
     raise ValueError(f"example_batch must be (x, y) with one label (or label map) per example; "
                      f"got x of shape {np.shape(x)} and y of shape {np.shape(y)}.")
-  batch = int(batch_size or x.shape[0])
+  if batch_size is not None and (isinstance(batch_size, bool) or
+                                 not isinstance(batch_size, numbers.Integral) or batch_size < 1):
+    raise ValueError(f"batch_size must be a positive integer (or None: x's batch, "
+                     f"{x.shape[0]}), got {batch_size!r}.")
+  batch = int(x.shape[0] if batch_size is None else batch_size)
   if batch < 1:
     raise ValueError(f"batch_size must be positive, got {batch}.")
   spec = lambda a, b: jax.ShapeDtypeStruct((b,) + tuple(a.shape[1:]), a.dtype)

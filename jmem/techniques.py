@@ -49,6 +49,9 @@ def convert_technique_names() -> tuple[str, ...]:
 def get_technique(name: str) -> BenchTechnique:
   """The registered technique ``name``; ``"<name>:xla"`` / ``"<name>:pallas"`` pick the
   implementation of a technique with kernels."""
+  if not isinstance(name, str):
+    raise TypeError(f"A technique name is a string such as 'actnn-L3' or 'remat' ('exact' for "
+                    f"none); got {name!r}. Registered: {', '.join(_TECHNIQUES)}.")
   base, colon, implementation = name.partition(":")
   if base not in _TECHNIQUES:
     raise ValueError(f"Unknown technique {base!r}; valid techniques: "

@@ -546,6 +546,10 @@ class TrainConfig:
   def validate(self, num_train: int) -> None:
     if not isinstance(self.steps, int) or self.steps < 0:
       raise ValueError(f"steps must be a non-negative integer, got {self.steps!r}.")
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+        0 <= self.seed < 2**32):
+      raise ValueError(f"seed must be an integer from 0 to 2**32 - 1 (--seed), got "
+                       f"{self.seed!r}.")
     if not 0 < self.batch_size <= num_train:
       raise ValueError(
           f"batch_size {self.batch_size} must be between 1 and the number of training "

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16
+from jmem._elementwise import group_scale, hash_uniform
 from pallas_kernels._interpret import resolve_interpret
 
 __all__ = ["Tiles", "quantize_pack", "unpack_dequantize", "supports"]
@@ -86,7 +86,7 @@ def _quantize_kernel(x_ref, seed_ref, codes_ref, mn_ref, sc_ref, *, bits, group_
   # A NaN in a group must not be hidden (min/max reductions may drop it): the stored
   # minimum becomes NaN, and so does every dequantized value of the group.
   mn = jnp.where(jnp.max(bad, axis=1) > 0, jnp.nan, jnp.min(lo, axis=1))
-  sc = truncate_to_bfloat16(levels / group_span(mn, jnp.max(hi, axis=1)))
+  sc = group_scale(levels, mn, jnp.max(hi, axis=1))
   pl_triton.store(mn_ref, mn, mask=valid)
   pl_triton.store(sc_ref, sc.astype(sc_ref.dtype), mask=valid)
   seed = pl_triton.load(seed_ref)[0]

@@ -189,6 +189,23 @@ def test_l0_is_exact_and_l2_gradients_are_close():
     assert np.sqrt(num / den) <= tol, (lv, np.sqrt(num / den))
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_finite_values_near_float32s_limit_round_trip_finite(implementation):
+  """A group whose range nears float32's (finite values around +-5e37 at 8 bits, +-2e38 at
+  2) overflowed the span, zeroed the scale and came back NaN; it is now clipped to its top
+  code, finite, within the group's range."""
+  rng = np.random.default_rng(0)
+  for bits, scale in ((2, 5e37), (2, 1e38), (8, 5e37), (8, 1e38)):
+    x = jnp.asarray(np.clip(rng.normal(size=(3, 256)) * scale, -3.3e38, 3.3e38), jnp.float32)
+    kw = dict(interpret=True) if implementation == "pallas" else {}
+    q = Q.quantize(x, jax.random.key(0), bits=bits, implementation=implementation, **kw)
+    y = Q.dequantize(q, x.shape, x.dtype, bits=bits, implementation=implementation, **kw)
+    assert bool(jnp.all(jnp.isfinite(y))), (bits, scale)
+    lo, hi = np.min(np.asarray(x, np.float64), 1), np.max(np.asarray(x, np.float64), 1)
+    yy = np.asarray(y, np.float64)            # each row one group; the scale rounds down:
+    assert np.all(yy.min(1) >= lo) and np.all(yy.max(1) <= hi + 0.01 * (hi - lo))   # <= 1%
+
+
 def test_bad_input_errors():
   x = _x()
   with pytest.raises(ValueError, match="bits must be one of"):

@@ -11,6 +11,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -49,6 +50,16 @@ ERRORS = {
     "sbp keep_ratio True": (lambda: sbp(jnp.tanh, keep_ratio=True), ValueError, "keep_ratio"),
     "SBP technique keep_ratio 1.5": (
         lambda: jmem.SBP(keep_ratio=1.5, where="block0"), ValueError, "keep_ratio"),
+    # Technique objects and names: an unknown remat policy, a name that is not a string.
+    "Remat policy 'bogus'": (lambda: jmem.Remat(policy="bogus"), TypeError,
+                             "jax.checkpoint_policies function"),
+    "Remat policy by name": (lambda: jmem.Remat(policy="dots_saveable"), TypeError,
+                             r"did you mean jax.checkpoint_policies.dots_saveable"),
+    "technique None": (lambda: jmem.technique(None), TypeError, "'exact' for none"),
+    # plan: a batch size of 0 planned at x's batch before.
+    "plan batch_size 0": (lambda: jmem.plan(
+        nn.Dense(3), (jnp.ones((4, 2)), jnp.zeros((4,), jnp.int32)), "1GiB", batch_size=0),
+        ValueError, "batch_size must be a positive integer"),
     # The quantizer: bits 0, 3, 16, a float, a bool; group sizes; dtypes; empty.
     "bits 0": (lambda: Q.quantize(X, KEY, bits=0), ValueError, "bits must be one of"),
     "bits 3": (lambda: Q.quantize(X, KEY, bits=3), ValueError, "bits must be one of"),

@@ -23,6 +23,18 @@ class Remat(Technique):
 
   policy: Any = None
 
+  def __post_init__(self):
+    super().__post_init__()
+    if self.policy is not None and not callable(self.policy):
+      import jax  # pylint: disable=g-import-not-at-top
+      named = (f" (did you mean jax.checkpoint_policies.{self.policy}?)"
+               if isinstance(self.policy, str) and callable(getattr(jax.checkpoint_policies,
+                                                                    self.policy, None))
+               else "")
+      raise TypeError(f"Remat(policy=...) takes a jax.checkpoint_policies function (e.g. "
+                      f"jax.checkpoint_policies.dots_saveable) or None (save nothing inside "
+                      f"a site), got {self.policy!r}{named}.")
+
 
 BENCH_TECHNIQUES = (
     BenchTechnique("remat", lambda implementation: Remat(),

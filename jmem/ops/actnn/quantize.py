@@ -57,7 +57,7 @@ from jmem import _backends
 from jmem import _window
 from jmem._axes import barrier
 from jmem._context import data_key
-from jmem._elementwise import group_span, hash_uniform, truncate_to_bfloat16  # pylint: disable=unused-import
+from jmem._elementwise import group_scale, group_span, hash_uniform, scale_floor, truncate_to_bfloat16  # pylint: disable=unused-import
 from jmem._technique import EXACT_RESIDUAL
 from jmem._technique import IMPLEMENTATIONS  # pylint: disable=unused-import
 
@@ -182,8 +182,7 @@ def group_statistics(x: jax.Array, *, bits: int, group_size: int):
   levels = float(2**bits - 1)
   grouped = _range_safe_groups(x, group_size)
   mn = jnp.min(grouped, axis=-1)
-  span = group_span(mn, jnp.max(grouped, axis=-1))
-  return grouped, mn, truncate_to_bfloat16(levels / span).astype(jnp.bfloat16)
+  return grouped, mn, group_scale(levels, mn, jnp.max(grouped, axis=-1)).astype(jnp.bfloat16)
 
 
 def dither_seed(key: jax.Array) -> jax.Array:
@@ -257,7 +256,7 @@ def _quantize_pack_xla(groups, seed, *, bits, interpret=None):
   levels = float(2**bits - 1)
   grouped = groups.astype(jnp.float32)
   mn = jnp.min(grouped, axis=-1)
-  scale = truncate_to_bfloat16(levels / group_span(mn, jnp.max(grouped, axis=-1)))
+  scale = group_scale(levels, mn, jnp.max(grouped, axis=-1))
   v = (grouped - mn[:, None]) * scale[:, None]
   index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
   q = jnp.clip(jnp.floor(v + hash_uniform(index, seed)), 0.0, levels).astype(jnp.uint8)
@@ -709,7 +708,9 @@ def fake_quantize(x: jax.Array, levels: jax.Array, seed: jax.Array, *,
   """
   grouped = _range_safe_groups(x, group_size)
   mn = jnp.min(grouped, axis=-1, keepdims=True)
-  scale = jnp.maximum(levels, 1.0) / group_span(mn, jnp.max(grouped, axis=-1, keepdims=True))
+  used = jnp.maximum(levels, 1.0)      # not rounded to bfloat16: a probe, not stored
+  scale = jnp.maximum(used / group_span(mn, jnp.max(grouped, axis=-1, keepdims=True)),
+                      scale_floor(used))
   index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
   q = jnp.floor((grouped - mn) * scale + hash_uniform(index, seed))
   return jnp.where(levels > 0, _ungroup(q / scale + mn, x.shape, x.dtype), x)
