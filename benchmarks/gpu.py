@@ -184,7 +184,9 @@ def _slope(memory: dict, batches) -> dict:
 
 def predict_row(group: dict, technique: str, target="h100") -> dict:
   """One row compiled for ``target`` (`jmem.measure.fit_step`): memory at both batch sizes,
-  the slope, and the largest batch within the target's limit, compiled to confirm it."""
+  the slope, and the largest batch within the target's limit, compiled to confirm it (with
+  any `jmem.measure.TargetFallbackWarning` the compiles gave, in ``fallbacks``)."""
+  import warnings  # pylint: disable=g-import-not-at-top
   from jmem import measure  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   built = {}
@@ -196,7 +198,11 @@ def predict_row(group: dict, technique: str, target="h100") -> dict:
     return abstract, x, y
   step = _build(group, technique, group["batches"][0])[0]
   on = measure.target(target)
-  fit = measure.fit_step(step, args_at, target=on, batch_sizes=tuple(group["batches"]))
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always", measure.TargetFallbackWarning)
+    fit = measure.fit_step(step, args_at, target=on, batch_sizes=tuple(group["batches"]))
+  fallbacks = sorted({str(w.message) for w in seen
+                      if issubclass(w.category, measure.TargetFallbackWarning)})
   limit = on.memory_limit
   best = fit.max_batch[limit]
   return dict(
@@ -209,7 +215,7 @@ def predict_row(group: dict, technique: str, target="h100") -> dict:
       flops_lowered=fit.flops, max_batch=best, over_budget=fit.over_budget[limit],
       max_batch_confirmed=best is not None and best in fit.memory and
       fit.memory[best].total_bytes <= limit, memory_limit=limit, compiles=fit.compiles,
-      seconds=time.perf_counter() - t0)
+      fallbacks=fallbacks, seconds=time.perf_counter() - t0)
 
 
 def predict(args) -> int:
@@ -285,6 +291,8 @@ def _write_predicted(out: dict, path: str) -> None:
         continue
       mb = r["max_batch"]
       conf = "" if r["max_batch_confirmed"] else " (not confirmed)"
+      conf += " (some compiles with cuBLAS matrix products: see fallbacks)" if r.get(
+          "fallbacks") else ""
       fl = "-" if not r.get("flops_lowered") else f"{r['flops_lowered'] / 1e9 / b0:.2f}"
       lines.append(f"| {t} | {r['memory'][str(b0)]['temp_bytes'] / 2**30:.3f} | "
                    f"{r['memory'][str(b1)]['temp_bytes'] / 2**30:.3f} | "

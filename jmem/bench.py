@@ -303,7 +303,7 @@ def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0), *, targe
 
   def compile_at(b):
     lowered = on.lower(step, *_placed(fns, abstract, spec(x_spec, b), spec(y_spec, b)))
-    return lowered.compile(), lowered
+    return on.compile_lowered(lowered), lowered
   b = x_spec.shape[0]
   budgets = ([int(g * measure.GIB) for g in budgets_gib] if budgets is None
              else [int(v) for v in budgets])

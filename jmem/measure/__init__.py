@@ -45,6 +45,7 @@ from jmem.measure._residuals import saved_residuals as saved_residuals
 from jmem.measure.targets import TARGETS as TARGETS
 from jmem.measure.targets import Target as Target
 from jmem.measure.targets import TargetError as TargetError
+from jmem.measure.targets import TargetFallbackWarning as TargetFallbackWarning
 from jmem.measure.targets import target as target
 
 __all__ = [
@@ -53,5 +54,6 @@ __all__ = [
     "fit_step", "device_bytes_and_flops", "step_flops", "lowered_flops", "platform_of",
     "platform_of_args", "module_path", "PeakBuffer", "PeakReport", "peak_buffers",
     "HeapBuffer", "HeapLayout", "heap_layout", "DumpUnavailableError", "collective_counts",
-    "time_steps", "COLLECTIVE_OPS", "GIB", "Target", "TargetError", "TARGETS", "target",
+    "time_steps", "COLLECTIVE_OPS", "GIB", "Target", "TargetError", "TargetFallbackWarning",
+    "TARGETS", "target",
 ]

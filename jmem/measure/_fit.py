@@ -199,7 +199,7 @@ def fit_step(step: Callable[..., Any], args_at: Callable[[int], tuple], *,
       raise TypeError(f"args_at({b}) must return a tuple of the step's positional "
                       f"arguments, got {type(args).__name__}.")
     lowered = on.lower(step, *args)
-    return lowered.compile(), lowered
+    return on.compile_lowered(lowered), lowered
 
   fit = fit_batch(compile_at, batch_sizes, [limit], max_compiles=max_compiles)
   return dataclasses.replace(fit, target=on.name)
