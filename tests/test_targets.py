@@ -127,6 +127,32 @@ def test_the_h100_target_takes_the_kernels_a_gpu_takes():
   assert "__gpu$xla.gpu.triton" not in texts["xla"] + texts["cpu"]
 
 
+def test_a_deviceless_compile_without_triton_tiling_retries_with_cublas_and_says_so():
+  """jaxlib 0.10.2's deviceless XLA:GPU finds no Triton tiling for some large products
+  (the video ViT's at batch 128): the target compiles again with Triton's matrix products
+  off and warns; any other error, or on a device, is raised as it is."""
+
+  class Lowered:
+    def __init__(self, message):
+      self.message, self.calls = message, []
+
+    def compile(self, compiler_options=None):
+      self.calls.append(compiler_options)
+      if compiler_options is None:
+        raise RuntimeError(self.message)
+      return "compiled"
+  h100 = measure.target("h100")
+  tiling = Lowered("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot.1 = "
+                   "f32[100352,384]{1,0} dot(%a, %b), metadata={...}")
+  with pytest.warns(measure.TargetFallbackWarning, match="xla_gpu_enable_triton_gemm=False"):
+    assert h100.compile_lowered(tiling) == "compiled"
+  assert tiling.calls == [None, {"xla_gpu_enable_triton_gemm": False}]
+  with pytest.raises(RuntimeError, match="out of memory"):
+    h100.compile_lowered(Lowered("RESOURCE_EXHAUSTED: out of memory"))
+  with pytest.raises(RuntimeError, match="output tile sizes"):
+    measure.target().compile_lowered(Lowered("Couldn't find output tile sizes"))
+
+
 def test_unknown_target_and_bad_spec_files_are_refused(tmp_path):
   with pytest.raises(measure.TargetError, match="Unknown target 'b9000'.*h100"):
     measure.target("b9000")
