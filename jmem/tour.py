@@ -205,8 +205,9 @@ def format_tour(rows) -> str:
       acc = f"{r['quoted_accuracy']}, from {r['source']}"
     else:
       acc = "-"
+    technique = r["technique"] + (" (calibrated)" if r.get("calibrated") else "")
     lines.append(
-        f"| {r['section']} | {r['technique']} | {r['model']} | "
+        f"| {r['section']} | {technique} | {r['model']} | "
         f"{_cell(r.get('max_batch_ratio'), '.2f')}x | "
         f"{_cell(r['per_example_temp_bytes'] / 2**20, '.3g')} | "
         f"{_cell(r.get('flops_ratio'), '.3f')} | "

@@ -196,6 +196,40 @@ def test_missing_or_mismatched_plugin_says_what_to_install(monkeypatch):
     measure.target("h100")
 
 
+def test_a_jaxlib_other_than_the_pinned_one_is_refused(monkeypatch):
+  """The target's figures are checked against the H100 for one compiler; another jaxlib is
+  refused with the extra's pip line, or taken as it is when the environment says so."""
+  assert measure.PINNED_JAXLIB == targets._jaxlib_version()  # CI installs the extra's pin
+  with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as f:
+    assert f'"jaxlib=={measure.PINNED_JAXLIB}"' in f.read()
+  monkeypatch.setattr(targets, "_jaxlib_version", lambda: "0.9.0")
+  monkeypatch.delenv("JMEM_TARGET_ANY_JAXLIB", raising=False)
+  with pytest.raises(measure.TargetError,
+                     match=rf"jaxlib {measure.PINNED_JAXLIB} only.*jaxlib 0\.9\.0.*"
+                           r"pip install 'jmem\[gpu-target\]'.*JMEM_TARGET_ANY_JAXLIB=1"):
+    measure.target("h100")
+  monkeypatch.setenv("JMEM_TARGET_ANY_JAXLIB", "1")
+  # Past the pin, the plugin check still holds: jax-cuda12-plugin is at the real jaxlib's.
+  with pytest.raises(measure.TargetError, match="exactly the installed jaxlib's version, 0.9.0"):
+    measure.target("h100")
+
+
+def test_a_cuda13_plugin_gets_its_own_pip_line(monkeypatch):
+  real = importlib.metadata.version
+
+  def cuda13_only(name):
+    if name == "jax-cuda13-plugin":
+      return "0.0.1"
+    if name.startswith("jax-cuda"):
+      raise importlib.metadata.PackageNotFoundError(name)
+    return real(name)
+  monkeypatch.setattr(importlib.metadata, "version", cuda13_only)
+  with pytest.raises(measure.TargetError,
+                     match=rf"pip install jax-cuda13-plugin=={measure.PINNED_JAXLIB} "
+                           r"nvidia-cuda-nvcc \("):
+    measure.target("h100")
+
+
 def test_a_gpu_target_needs_jax_platforms_cpu():
   """In a process whose JAX platforms are not just cpu, the target says how to fix it (the
   CUDA plugin would try to open a GPU), and the command line sets them itself."""

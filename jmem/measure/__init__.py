@@ -42,6 +42,7 @@ from jmem.measure._residuals import Residual as Residual
 from jmem.measure._residuals import ResidualReport as ResidualReport
 from jmem.measure._residuals import module_path as module_path
 from jmem.measure._residuals import saved_residuals as saved_residuals
+from jmem.measure.targets import PINNED_JAXLIB as PINNED_JAXLIB
 from jmem.measure.targets import TARGETS as TARGETS
 from jmem.measure.targets import Target as Target
 from jmem.measure.targets import TargetError as TargetError
@@ -55,5 +56,5 @@ __all__ = [
     "platform_of_args", "module_path", "PeakBuffer", "PeakReport", "peak_buffers",
     "HeapBuffer", "HeapLayout", "heap_layout", "DumpUnavailableError", "collective_counts",
     "time_steps", "COLLECTIVE_OPS", "GIB", "Target", "TargetError", "TargetFallbackWarning",
-    "TARGETS", "target",
+    "TARGETS", "target", "PINNED_JAXLIB",
 ]

@@ -18,9 +18,11 @@ figures are the GPU's: on a real H100 (JAX 0.11.2) jmem's ResNet-50 step at batc
 5,963,010,656 temp bytes; this target gives 5,962,633,824 on jaxlib 0.10.2 (0.006% less:
 no autotuning runs here, so cuDNN's workspaces are not chosen the same way).
 
-What a GPU target needs (``pip install 'jmem[gpu-target]'``): ``jax-cuda12-plugin`` at
-exactly the installed jaxlib's version and ``nvidia-cuda-nvcc-cu12`` (ptxas and libdevice,
-for the Pallas kernels' Triton code); and JAX's platforms set to ``cpu`` before JAX starts
+What a GPU target needs (``pip install 'jmem[gpu-target]'``): jaxlib `PINNED_JAXLIB`
+(the compiler whose figures were checked against the device; another is refused unless
+``JMEM_TARGET_ANY_JAXLIB=1``), ``jax-cuda12-plugin`` at exactly the installed jaxlib's
+version and ``nvidia-cuda-nvcc-cu12`` (ptxas and libdevice, for the Pallas kernels' Triton
+code); and JAX's platforms set to ``cpu`` before JAX starts
 (``JAX_PLATFORMS=cpu``; the ``jmem`` command line does it for ``--target``), else the
 plugin tries to open a GPU. Each missing piece is a `TargetError` saying what to do: a
 GPU target never falls back to the host's figures.
@@ -47,7 +49,8 @@ import jax
 
 from jmem.measure._compiled import CompiledMemory, _memory_of, jit
 
-__all__ = ["Target", "TargetError", "TargetFallbackWarning", "TARGETS", "target", "DEFAULT"]
+__all__ = ["Target", "TargetError", "TargetFallbackWarning", "TARGETS", "target", "DEFAULT",
+           "PINNED_JAXLIB"]
 
 DEFAULT = "default"
 _SPEC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
@@ -73,6 +76,13 @@ TARGETS = (DEFAULT, *_SPECS)
 _PATH_MEMORY_FRACTION = 0.9
 _PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 _EXTRA = "pip install 'jmem[gpu-target]'"
+# The jaxlib whose deviceless XLA:GPU figures were checked against a real H100 (test_targets:
+# 5,962,633,824 temp bytes against the device's 5,963,010,656), and the version the
+# gpu-target extra pins jax, jaxlib and the plugin to. Another compiler assigns buffers its
+# own way, so a GPU target refuses another jaxlib unless JMEM_TARGET_ANY_JAXLIB=1 says to
+# take that compiler's figures.
+PINNED_JAXLIB = "0.10.2"
+_ANY_JAXLIB = "JMEM_TARGET_ANY_JAXLIB"
 
 
 class TargetError(ValueError):
@@ -211,13 +221,22 @@ def _jaxlib_version() -> str:
   return jaxlib.__version__
 
 
-def _plugin_line(version: str) -> str:
-  return f"pip install jax-cuda12-plugin=={version} nvidia-cuda-nvcc-cu12"
+def _plugin_line(version: str, plugin: str = "jax-cuda12-plugin") -> str:
+  # CUDA 13's compiler wheel carries no -cu13 suffix (jax-cuda13-plugin's own with-cuda extra).
+  nvcc = "nvidia-cuda-nvcc" if "cuda13" in plugin else "nvidia-cuda-nvcc-cu12"
+  return f"pip install {plugin}=={version} {nvcc}"
 
 
 def _check_install() -> None:
   """Raises `TargetError` unless a CUDA plugin at jaxlib's version and ptxas are here."""
   jaxlib_version = _jaxlib_version()
+  if jaxlib_version != PINNED_JAXLIB and os.environ.get(_ANY_JAXLIB) != "1":
+    raise TargetError(
+        f"A GPU target's figures are checked against a real H100 with jaxlib {PINNED_JAXLIB} "
+        f"only, and this environment has jaxlib {jaxlib_version}, whose XLA may assign "
+        f"buffers differently: {_EXTRA} (it pins jax, jaxlib and jax-cuda12-plugin to "
+        f"{PINNED_JAXLIB}), or set {_ANY_JAXLIB}=1 to take jaxlib {jaxlib_version}'s figures "
+        "as they are.")
   found = {}
   for name in _PLUGINS:
     try:
@@ -233,14 +252,23 @@ def _check_install() -> None:
     raise TargetError(
         f"JAX's CUDA plugin must be exactly the installed jaxlib's version, {jaxlib_version}; "
         f"this environment has {have}. Install the matching one: "
-        f"{_plugin_line(jaxlib_version)} (or {_EXTRA}, which pins jax, jaxlib and the plugin "
-        "together).")
-  if importlib.util.find_spec("nvidia") is None or (
-      importlib.util.find_spec("nvidia.cuda_nvcc") is None and shutil.which("ptxas") is None):
+        f"{_plugin_line(jaxlib_version, next(iter(found)))} (or {_EXTRA}, which pins jax, "
+        "jaxlib and the plugin together).")
+  if shutil.which("ptxas") is None and not any(
+      _has_module(m) for m in ("nvidia.cuda_nvcc", "nvidia.cu13")):
+    nvcc = ("nvidia-cuda-nvcc" if found.get("jax-cuda13-plugin") == jaxlib_version
+            else "nvidia-cuda-nvcc-cu12")
     raise TargetError(
         "A GPU target compiles the Pallas kernels' Triton code with ptxas, which is not "
         "installed here (XLA would say 'No PTX compilation provider is available'): "
-        f"pip install nvidia-cuda-nvcc-cu12 (or {_EXTRA}).")
+        f"pip install {nvcc} (or {_EXTRA}).")
+
+
+def _has_module(name: str) -> bool:
+  try:
+    return importlib.util.find_spec(name) is not None
+  except ModuleNotFoundError:  # its parent package is missing
+    return False
 
 
 def _check_platforms() -> None:
@@ -328,8 +356,9 @@ def target(name: str | Target | None = None, *, memory_limit: int | None = None)
 
   Raises:
     TargetError: (a ValueError) an unknown name, a spec file that does not parse, a GPU
-      target without its packages (``pip install 'jmem[gpu-target]'``) or with a CUDA
-      plugin of another version than jaxlib, or a process whose JAX platforms are not
+      target without its packages (``pip install 'jmem[gpu-target]'``), with a CUDA
+      plugin of another version than jaxlib, with a jaxlib other than `PINNED_JAXLIB`
+      (unless the environment sets ``JMEM_TARGET_ANY_JAXLIB=1``), or a process whose JAX platforms are not
       just ``cpu``.
   """
   if isinstance(name, Target):
