@@ -18,7 +18,9 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
+import signal
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -40,7 +42,8 @@ __all__ = [
     "ModelFns", "TrainState", "TrainConfig", "TrainResult", "model_fns", "init_state",
     "abstract_state",
     "check_batch", "make_loss", "make_train_step", "evaluate", "default_optimizer", "train",
-    "override_params", "check_learning_rate", "takes_train",
+    "override_params", "check_learning_rate", "takes_train", "CheckpointFallbackWarning",
+    "Interrupted",
 ]
 
 
@@ -583,6 +586,114 @@ class TrainResult(NamedTuple):
   resumed_from: int
 
 
+class Interrupted(KeyboardInterrupt):
+  """`train` stopped on SIGINT (Ctrl-C) or SIGTERM, after any checkpoint it was writing (a
+  KeyboardInterrupt, so code that catches Ctrl-C still does).
+
+  Attributes:
+    signal: the signal's name (``"SIGINT"`` or ``"SIGTERM"``).
+    step: the steps done when it stopped.
+    steps: the steps the run was for.
+    checkpoint: the newest checkpoint step written, or None.
+    checkpoint_dir: where the checkpoints are, or None.
+  """
+
+  def __init__(self, signal_name: str, step: int, steps: int, checkpoint: int | None,
+               checkpoint_dir: str | None):
+    self.signal, self.step, self.steps = signal_name, step, steps
+    self.checkpoint, self.checkpoint_dir = checkpoint, checkpoint_dir
+    if checkpoint_dir is None:
+      then = "no checkpoint was written (no checkpoint_dir / --checkpoint-dir)"
+    elif checkpoint is None:
+      then = f"no checkpoint was written yet in {checkpoint_dir}"
+    else:
+      then = (f"the newest checkpoint is step {checkpoint} in {checkpoint_dir} (resume with "
+              f"--resume --checkpoint-dir {checkpoint_dir})")
+    super().__init__(f"interrupted by {signal_name} at step {step} of {steps}; {then}")
+
+
+class _Stop:
+  """SIGINT and SIGTERM for the training loop: either stops it at once (raising
+  `Interrupted`), or, while a checkpoint is being written, once the write is done, so that
+  no half-written step is left behind. Installed only in the main thread (where Python
+  delivers signals); the previous handlers come back on exit."""
+
+  _SIGNALS = tuple(s for s in ("SIGINT", "SIGTERM") if hasattr(signal, s))
+
+  def __init__(self, status: Callable[[], tuple[int, int | None]], steps: int,
+               directory: str | None):
+    self._status, self._steps, self._directory = status, steps, directory
+    self.requested: str | None = None
+    self._deferring = False
+    self._previous: dict[int, Any] = {}
+
+  # A signal whose Python handler has not run after this long means the main thread is
+  # blocked in native code (a collective waiting for a peer that is gone, say), where Python
+  # runs no handler: the watchdog then ends the process as the signal's default would.
+  GRACE_SECONDS = 10.0
+
+  def __enter__(self) -> "_Stop":
+    import threading  # pylint: disable=g-import-not-at-top
+    if threading.current_thread() is not threading.main_thread():
+      return self
+    for name in self._SIGNALS:
+      num = getattr(signal, name)
+      self._previous[num] = signal.signal(num, self._handle)
+    self._read, write = os.pipe()
+    os.set_blocking(write, False)
+    self._wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    self._write = write
+    threading.Thread(target=self._watch, name="jmem-signal-watchdog", daemon=True).start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if not self._previous:
+      return
+    signal.set_wakeup_fd(self._wakeup)
+    previous, self._previous = self._previous, {}
+    for num, handler in previous.items():
+      signal.signal(num, handler)
+    os.close(self._write)        # ends the watchdog's read
+
+  def _watch(self) -> None:
+    import time  # pylint: disable=g-import-not-at-top
+    try:
+      while data := os.read(self._read, 16):
+        signum = data[0]
+        deadline = time.monotonic() + self.GRACE_SECONDS
+        while self.requested is None and time.monotonic() < deadline:
+          time.sleep(0.1)
+        if self.requested is None and self._previous:
+          name = signal.Signals(signum).name
+          os.write(2, (f"jmem: {name} received but the training loop has not answered in "
+                       f"{self.GRACE_SECONDS:.0f} s (blocked in native code, e.g. a "
+                       "collective waiting for a process that is gone): exiting now\n").encode())
+          os._exit(128 + signum)
+    finally:
+      os.close(self._read)
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    self.requested = signal.Signals(signum).name
+    if not self._deferring:
+      self.raise_()
+
+  def raise_(self) -> None:
+    step, checkpoint = self._status()
+    raise Interrupted(self.requested, step, self._steps, checkpoint, self._directory)
+
+  @contextlib.contextmanager
+  def deferred(self) -> Iterator[None]:
+    """A signal inside takes effect when the block is done."""
+    self._deferring = True
+    try:
+      yield
+    finally:
+      self._deferring = False
+    if self.requested:
+      self.raise_()
+
+
 # ---------------------------------------------------------------- checkpointing (orbax)
 
 def _is_key(x) -> bool:
@@ -618,14 +729,54 @@ def _place(state: TrainState, sharding) -> TrainState:
   return jax.tree.map(put, state)
 
 
+def _host_value(a) -> np.ndarray:
+  """The whole value of a savable leaf on this host (every process computes the same)."""
+  if isinstance(a, jax.Array) and not a.is_fully_addressable:
+    if a.is_fully_replicated:
+      return np.asarray(a.addressable_data(0))
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+  return np.asarray(a)
+
+
+def _digests(leaves: list[Any]) -> list[str]:
+  """A SHA-256 (first 16 hex digits) of each array's dtype, shape and bytes."""
+  out = []
+  for a in leaves:
+    v = np.ascontiguousarray(_host_value(a))
+    h = hashlib.sha256(f"{v.dtype.str}{v.shape}".encode())
+    h.update(v.tobytes())
+    out.append(h.hexdigest()[:16])
+  return out
+
+
+def _nonfinite(leaves: list[Any]) -> list[int]:
+  """Indices of the floating arrays that hold a NaN or an infinity."""
+  bad = []
+  for i, a in enumerate(leaves):
+    v = _host_value(a)
+    if np.issubdtype(v.dtype, np.inexact) or v.dtype == jnp.bfloat16:
+      if not np.isfinite(v.astype(np.float32)).all():
+        bad.append(i)
+  return bad
+
+
+class CheckpointFallbackWarning(UserWarning):
+  """A resume skipped the newest checkpoint(s), which did not verify, for an older one."""
+
+
 class _Checkpoints:
   """The orbax checkpoints of one run in one directory.
 
   Each step holds two items: ``state`` (the `TrainState` leaves) and ``run`` (a JSON record
   of what the state means: model, technique, data, batch size, seed, optimiser settings, the
-  state's size and a digest of its shapes and dtypes). A resume compares the record with the new run's and refuses any
-  difference, and a fresh run refuses a directory that already holds checkpoints (orbax
-  would silently skip every step it already has).
+  state's size and a digest of its shapes and dtypes), and ``integrity`` (a SHA-256 of every
+  saved array, computed from the values saved). A resume compares the record with the new
+  run's and refuses any difference; it restores the newest step whose every array matches
+  its digest and is finite, moving any newer step that does not aside (``<step>.unverified``)
+  with a `CheckpointFallbackWarning`, and refuses to resume when no step verifies. A fresh
+  run refuses a directory that already holds checkpoints (orbax would silently skip every
+  step it already has).
   """
 
   def __init__(self, directory: str, every: int, *, resume: bool):
@@ -658,25 +809,27 @@ class _Checkpoints:
           "--resume (resume=True) to continue that run, or start fresh in an empty "
           "--checkpoint-dir (or delete those steps).")
 
-  def _unreadable(self, step: int, why: str) -> ValueError:
-    earlier = [s for s in self.steps if s < step]
-    fix = (f"Delete {os.path.join(self.directory, str(step))!r} to resume from step "
-           f"{earlier[-1]}, or start" if earlier else "Start")
-    self.close()
-    return ValueError(f"Checkpoint step {step} in {self.directory!r} is unreadable ({why}). "
-                      f"{fix} fresh in an empty --checkpoint-dir without --resume.")
-
   def check_record(self, record: dict[str, Any]) -> None:
-    """Raises a ValueError unless the latest step was written by a run with ``record``."""
-    step, ocp = self.steps[-1], self._ocp
-    if not os.path.isdir(os.path.join(self.directory, str(step), "run")):
-      raise self._unreadable(step, "it has no run record: written by an earlier jmem, or "
-                             "incomplete")
-    try:
-      saved = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))
-      saved = dict(saved["run"])
-    except Exception as e:  # pylint: disable=broad-except  (tensorstore raises Exception)
-      raise self._unreadable(step, _first_line(e)) from e
+    """Raises a ValueError unless the newest step with a readable record was written by a
+    run with ``record`` (a step whose record cannot be read is left to `restore`, which
+    falls back past it)."""
+    ocp = self._ocp
+    for step in reversed(self.steps):
+      if not os.path.isdir(os.path.join(self.directory, str(step), "run")):
+        continue
+      try:
+        saved = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))
+        saved = dict(saved["run"])
+      except Exception:  # pylint: disable=broad-except  (tensorstore raises Exception)
+        continue
+      break
+    else:
+      self.close()
+      raise ValueError(
+          f"Cannot resume from {self.directory!r}: none of its checkpoints (steps "
+          f"{', '.join(map(str, self.steps))}) has a readable run record (written by an "
+          "earlier jmem, or incomplete, or corrupted). Start fresh in an empty "
+          "--checkpoint-dir without --resume.")
     show = lambda r, k: repr(r[k]) if k in r else "not recorded"
     diffs = [f"{k}: {show(saved, k)} there, {show(record, k)} now"
              for k in {**saved, **record} if saved.get(k) != record.get(k)]
@@ -688,29 +841,91 @@ class _Checkpoints:
           "with, or start fresh in an empty --checkpoint-dir without --resume.")
 
   def restore(self, like: TrainState, sharding=None) -> TrainState:
-    """The latest step's state, with the structure, shapes and dtypes of ``like``, on
-    ``sharding`` (every leaf; None: the default device)."""
-    step, ocp = self.steps[-1], self._ocp
+    """The newest step's state that verifies, with the structure, shapes and dtypes of
+    ``like``, on ``sharding`` (every leaf; None: the default device)."""
     # A target sharding always: orbax refuses to guess one for a checkpoint written by
     # another topology (a different number of processes or devices).
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
               for x in _to_savable(like)]
-    try:
-      saved = self._manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-    except Exception as e:  # pylint: disable=broad-except  (tensorstore raises Exception)
-      raise self._unreadable(step, _first_line(e)) from e
-    return _from_savable(list(saved), like)
+    failed: dict[int, str] = {}
+    for step in reversed(self.steps):
+      saved, why = self._restore_verified(step, target)
+      if saved is not None:
+        break
+      failed[step] = why
+    else:
+      listing = "; ".join(f"step {s}: {w}" for s, w in failed.items())
+      self.close()
+      raise ValueError(
+          f"Cannot resume from {self.directory!r}: no checkpoint in it verifies ({listing}). "
+          "Start fresh in an empty --checkpoint-dir without --resume.")
+    if failed:
+      self._set_aside(failed)
+      warnings.warn(
+          f"Resuming from checkpoint step {step} in {self.directory!r}, not from the newer "
+          + ", ".join(f"step {s} ({w})" for s, w in failed.items())
+          + ", which did not verify; moved aside as "
+          + ", ".join(f"{s}.unverified" for s in failed) + ".",
+          CheckpointFallbackWarning, stacklevel=3)
+    return _from_savable(saved, like)
 
-  def save(self, step: int, state: TrainState, record: dict[str, Any], *, force: bool) -> None:
+  def _restore_verified(self, step: int, target) -> tuple[list[Any] | None, str]:
+    """Step ``step``'s arrays if they match their digests and are finite, else the reason."""
     ocp = self._ocp
+    if not os.path.isdir(os.path.join(self.directory, str(step), "integrity")):
+      return None, ("it has no integrity record (written by a jmem before checksums, or "
+                    "incomplete)")
+    try:
+      got = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), integrity=ocp.args.JsonRestore()))
+      saved, integrity = list(got["state"]), dict(got["integrity"])
+    except Exception as e:  # pylint: disable=broad-except  (tensorstore raises Exception)
+      return None, f"unreadable, {_first_line(e)}"
+    expected = integrity.get("sha256", [])
+    digests = _digests(saved)
+    if len(expected) != len(digests):
+      return None, f"its integrity record lists {len(expected)} arrays, the state has {len(digests)}"
+    changed = [i for i, (a, b) in enumerate(zip(digests, expected)) if a != b]
+    if changed:
+      return None, (f"{len(changed)} of {len(digests)} arrays differ from the checksums "
+                    f"written with them (array {changed[0]} first): corrupted on disk")
+    nonfinite = _nonfinite(saved)
+    if nonfinite:
+      return None, (f"{len(nonfinite)} of {len(saved)} arrays hold NaN or inf (array "
+                    f"{nonfinite[0]} first): the run had diverged when it was saved")
+    return saved, ""
+
+  def _set_aside(self, steps) -> None:
+    """Renames the given steps' folders ``<step>.unverified`` (process 0), so that the run
+    can write those steps again and a later resume does not meet them."""
+    if jax.process_index() == 0:
+      for step in steps:
+        src = os.path.join(self.directory, str(step))
+        dst, n = src + ".unverified", 1
+        while os.path.exists(dst):
+          n += 1
+          dst = f"{src}.unverified{n}"
+        os.rename(src, dst)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("jmem checkpoint set aside")
+    self._manager.reload()
+    self.steps = sorted(self._manager.all_steps())
+
+  def save(self, step: int, state: TrainState, record: dict[str, Any], *, force: bool) -> bool:
+    ocp = self._ocp
+    if not (force or self._manager.should_save(step)):
+      return False
+    leaves = _to_savable(state)
+    integrity = {"sha256": _digests(leaves)}
     saved = self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_to_savable(state)), run=ocp.args.JsonSave(record)),
-                               force=force)
+        state=ocp.args.StandardSave(leaves), run=ocp.args.JsonSave(record),
+        integrity=ocp.args.JsonSave(integrity)), force=force)
     if saved and jax.process_index() == 0:   # the path a restart needs, at every save
       _LOG.info("checkpoint: step %d saved in %s (resume with --resume --checkpoint-dir %s)",
                 step, os.path.join(self.directory, str(step)), self.directory)
+    return bool(saved)
 
   def close(self) -> None:
     self._manager.wait_until_finished()
@@ -828,24 +1043,31 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
 
   from rich.progress import Progress  # pylint: disable=g-import-not-at-top
   show = config.progress and jax.process_index() == 0
-  with Progress(disable=not show, transient=True) as bar:
-    task = bar.add_task(f"train {dataset.name}", total=config.steps, completed=start)
-    metrics = None
-    for step in range(start, end):
-      idx = data_lib.batch_indices(len(x_all), config.batch_size, step, seed=config.seed)
-      x, y, mask = global_batch(fns, x_all, y_all, idx, size)
-      state, metrics = (step_fn(state, x, y) if mask is None else step_fn(state, x, y, mask))
-      done = step + 1
-      if checkpoints is not None and (done % config.checkpoint_every == 0
-                                      or done == config.steps):
-        checkpoints.save(done, state, record, force=done == config.steps)
-      if config.eval_every and done % config.eval_every == 0 and done != config.steps:
-        history.append({"step": done, "loss": float(metrics["loss"]),
-                        "train_accuracy": float(metrics["accuracy"]),
-                        "test_accuracy": evaluate(fns, state, dataset.x_test, dataset.y_test)})
-      bar.update(task, completed=done)
-  if checkpoints is not None:
-    checkpoints.close()
+  done, saved_step = start, (start if config.resume else None)
+  stop = _Stop(lambda: (done, saved_step), config.steps, None if checkpoints is None
+               else checkpoints.directory)
+  try:
+    with stop, Progress(disable=not show, transient=True) as bar:
+      task = bar.add_task(f"train {dataset.name}", total=config.steps, completed=start)
+      metrics = None
+      for step in range(start, end):
+        idx = data_lib.batch_indices(len(x_all), config.batch_size, step, seed=config.seed)
+        x, y, mask = global_batch(fns, x_all, y_all, idx, size)
+        state, metrics = (step_fn(state, x, y) if mask is None else step_fn(state, x, y, mask))
+        done = step + 1
+        if checkpoints is not None and (done % config.checkpoint_every == 0
+                                        or done == config.steps):
+          with stop.deferred():     # a signal meanwhile stops the run after the write
+            if checkpoints.save(done, state, record, force=done == config.steps):
+              saved_step = done
+        if config.eval_every and done % config.eval_every == 0 and done != config.steps:
+          history.append({"step": done, "loss": float(metrics["loss"]),
+                          "train_accuracy": float(metrics["accuracy"]),
+                          "test_accuracy": evaluate(fns, state, dataset.x_test, dataset.y_test)})
+        bar.update(task, completed=done)
+  finally:
+    if checkpoints is not None:
+      checkpoints.close()
   if stop_after is not None and end < config.steps:
     return TrainResult(state, float("nan"), history, start)
   acc = evaluate(fns, state, dataset.x_test, dataset.y_test)

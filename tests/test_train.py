@@ -3,6 +3,7 @@
 import collections
 import contextlib
 import dataclasses
+import shutil
 
 import flax.linen as nn
 import jax
@@ -74,6 +75,61 @@ def test_resume_is_bit_identical(kind, digits8, tmp_path):
            else resnet("resnet8", 10, num_filters=8))
   with pytest.raises(ValueError, match="different run.*state: '[0-9]+ arrays"):
     train.train(other, digits8, train.TrainConfig(**cfg, checkpoint_dir=ckpt, resume=True))
+
+
+def _flip_bytes(step_dir):
+  """Inverts 8 bytes in the middle of the largest data file of a checkpoint step, as a bad
+  disk or copy would: orbax still reads it."""
+  files = [p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"]
+  big = max(files, key=lambda p: p.stat().st_size)
+  with open(big, "r+b") as f:
+    f.seek(big.stat().st_size // 2)
+    chunk = f.read(8)
+    f.seek(big.stat().st_size // 2)
+    f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def test_resume_falls_back_past_a_corrupted_checkpoint(digits8, tmp_path):
+  """Issue 50: a byte flip in the newest checkpoint resumed silently into NaN. Now its
+  checksums fail, the run resumes from the step before (saying so, the bad step moved
+  aside) and ends bit-identical to an uninterrupted run; with every step corrupted it
+  refuses to resume."""
+  def make():
+    return resnet("resnet8", 10, num_filters=8)
+  cfg = dict(steps=7, batch_size=32, progress=False, checkpoint_every=3)
+  full = train.train(make(), digits8, train.TrainConfig(**cfg))
+  ckpt = tmp_path / "ckpt"
+  train.train(make(), digits8, train.TrainConfig(**cfg, checkpoint_dir=str(ckpt)), stop_after=7)
+  assert sorted(p.name for p in ckpt.iterdir()) == ["6", "7"]
+  both = tmp_path / "both"
+  shutil.copytree(ckpt, both)
+  _flip_bytes(ckpt / "7")
+  with pytest.warns(train.CheckpointFallbackWarning,
+                    match=r"from checkpoint step 6 .* not from the newer step 7 \(1 of 108 "
+                          r"arrays differ from the checksums.*moved aside as 7.unverified"):
+    resumed = train.train(make(), digits8,
+                          train.TrainConfig(**cfg, checkpoint_dir=str(ckpt), resume=True))
+  assert resumed.resumed_from == 6
+  _same_tree(full.state, resumed.state)
+  assert sorted(p.name for p in ckpt.iterdir()) == ["6", "7", "7.unverified"]
+  for step in ("6", "7"):
+    _flip_bytes(both / step)
+  with pytest.raises(ValueError, match=r"no checkpoint in it verifies \(step 7: 1 of 108 "
+                                       r"arrays differ.*; step 6: 1 of 108 arrays differ"):
+    train.train(make(), digits8, train.TrainConfig(**cfg, checkpoint_dir=str(both), resume=True))
+
+
+def test_resume_refuses_a_state_that_is_not_finite(digits8, tmp_path):
+  """A run saved after it diverged (its checksums hold) is not resumed from."""
+  def nan_fns():
+    fns = _tiny_fns((2, 3))
+    return fns._replace(init=lambda key, x: ({"w": jnp.full((2, 3), jnp.nan)}, {}))
+  cfg = dict(steps=2, batch_size=8, progress=False, checkpoint_dir=str(tmp_path / "c"),
+             checkpoint_every=1)
+  train.train(nan_fns(), digits8, train.TrainConfig(**cfg))
+  with pytest.raises(ValueError, match=r"no checkpoint in it verifies \(step 2: \d+ of 6 "
+                                       r"arrays hold NaN or inf.*diverged"):
+    train.train(nan_fns(), digits8, train.TrainConfig(**cfg, resume=True))
 
 
 def _tiny_fns(shape):
