@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 
 __all__ = ["main"]
@@ -541,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
     return {"bench": _bench, "train": _train, "plan": _plan}[args.command](args)
   except ValueError as e:
     parser.exit(2, f"jmem {args.command}: error: {e}\n")
+  except KeyboardInterrupt as e:   # SIGINT outside the training loop (train.Interrupted within)
+    from jmem import train  # pylint: disable=g-import-not-at-top
+    if isinstance(e, train.Interrupted):
+      sys.stderr.write(f"jmem {args.command}: {e}\n")
+      return 128 + int(getattr(signal, e.signal))
+    sys.stderr.write(f"jmem {args.command}: interrupted by SIGINT\n")
+    return 128 + int(signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,131 @@
+"""Stopping a run: SIGINT (Ctrl-C) and SIGTERM end `jmem train` with one line, after any
+checkpoint being written, never leaving a half-written step; a process blocked in native
+code (where Python runs no signal handler) still ends on the signal. Issue 50, item 3."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmem import data, train
+
+TRAIN = ["train", "--model", "resnet8", "--image-size", "8", "--batch-size", "16",
+         "--steps", "400", "--checkpoint-every", "2", "--no-progress"]
+
+
+def _fns():
+  """A tiny linear classifier (compiles in a moment)."""
+  def init(key, x):
+    return {"w": jax.random.normal(key, (x[0].size, 10)) * 0.01}, {}
+
+  def apply(params, model_state, x, *, train, rng=None):
+    del train, rng
+    return x.reshape(x.shape[0], -1) @ params["w"], model_state
+  return train.ModelFns(init, apply, None)
+
+
+def _tmp_folders(directory):
+  return [p for p in os.listdir(directory) if "tmp" in p]
+
+
+def test_a_signal_during_a_save_stops_after_it(tmp_path, monkeypatch):
+  """SIGINT arriving while step 4 is written: the write finishes, then `Interrupted`
+  names step 4; resuming from it ends bit-identical to a run never stopped."""
+  digits = data.digits(8)
+  cfg = dict(steps=6, batch_size=16, progress=False, checkpoint_every=2)
+  full = train.train(_fns(), digits, train.TrainConfig(**cfg))
+  real_save = train._Checkpoints.save
+
+  def save_and_get_interrupted(self, step, *args, **kwargs):
+    if step == 4:
+      os.kill(os.getpid(), signal.SIGINT)        # delivered while the save runs
+    return real_save(self, step, *args, **kwargs)
+  monkeypatch.setattr(train._Checkpoints, "save", save_and_get_interrupted)
+  ckpt = str(tmp_path / "ckpt")
+  with pytest.raises(train.Interrupted) as stopped:
+    train.train(_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt))
+  assert (stopped.value.signal, stopped.value.step, stopped.value.checkpoint) == ("SIGINT", 4, 4)
+  assert f"resume with --resume --checkpoint-dir {ckpt}" in str(stopped.value)
+  assert sorted(os.listdir(ckpt)) == ["2", "4"]
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handlers restored
+  monkeypatch.setattr(train._Checkpoints, "save", real_save)
+  resumed = train.train(_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt,
+                                                          resume=True))
+  assert resumed.resumed_from == 4
+  for a, b in zip(jax.tree.leaves(full.state.params), jax.tree.leaves(resumed.state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_jmem_train_stops_on_a_real_signal_with_one_line(sig, tmp_path):
+  ckpt = str(tmp_path / "ckpt")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  proc = subprocess.Popen([sys.executable, "-m", "jmem.cli", *TRAIN, "--checkpoint-dir", ckpt],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  try:
+    for line in proc.stderr:                    # checkpoint lines go to stderr
+      if "step 4 saved" in line:
+        proc.send_signal(getattr(signal, sig))
+        break
+    out, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  err = [l for l in err.splitlines() if "cudart_stub" not in l and "absl::" not in l]
+  assert proc.returncode == 128 + getattr(signal, sig), err
+  assert "Traceback" not in "\n".join(err) and out == ""
+  assert len(err) <= 2, err                     # a checkpoint line or none, then the one line
+  assert err[-1].startswith(f"jmem train: interrupted by {sig} at step "), err
+  assert f"(resume with --resume --checkpoint-dir {ckpt})" in err[-1]
+  assert not _tmp_folders(ckpt) and "4" in os.listdir(ckpt)
+
+
+_BLOCKED = r"""
+import ctypes, jax, jax.numpy as jnp
+from jmem import data, train
+train._Stop.GRACE_SECONDS = 2.0
+libc = ctypes.CDLL(None)
+mutex = ctypes.create_string_buffer(64)         # a pthread_mutex_t, zeroed: a normal mutex
+libc.pthread_mutex_init(mutex, None)
+real_indices = data.batch_indices
+
+def batch_indices(n, batch_size, step, *, seed):
+  if step == 2:                                 # the main thread waits in native code,
+    print("blocked", flush=True)                # which no signal interrupts
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+  return real_indices(n, batch_size, step, seed=seed)
+data.batch_indices = batch_indices
+
+def init(key, x):
+  return {"w": jnp.zeros((x[0].size, 10))}, {}
+
+def apply(params, model_state, x, *, train, rng=None):
+  return x.reshape(x.shape[0], -1) @ params["w"], model_state
+
+train.train(train.ModelFns(init, apply, None), data.digits(8),
+            train.TrainConfig(steps=4, batch_size=8, progress=False))
+"""
+
+
+def test_a_process_blocked_in_native_code_still_ends_on_sigterm():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  proc = subprocess.Popen([sys.executable, "-c", _BLOCKED], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env)
+  try:
+    assert proc.stdout.readline().strip() == "blocked"
+    time.sleep(0.5)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    waited = time.monotonic() - sent
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert "SIGTERM received but the training loop has not answered in 2 s" in err, err
+  assert waited < 30, waited
