@@ -533,6 +533,10 @@ class TrainConfig:
     resume: continue from the latest checkpoint in ``checkpoint_dir``; there must be one,
       written by a run with the same model, data and settings (see `train`).
     progress: show a progress bar.
+    wait_each_step: wait for each step to finish before dispatching the next (one step in
+      flight, not JAX's asynchronous queue). ``None``: where the backend needs it, XLA:CPU
+      with the step on several devices, whose collectives with many steps in flight
+      aborted (exit 134) or hung a run; elsewhere (a GPU) steps stay asynchronous.
   """
 
   steps: int = 300
@@ -545,6 +549,7 @@ class TrainConfig:
   checkpoint_every: int = 100
   resume: bool = False
   progress: bool = True
+  wait_each_step: bool | None = None
 
   def validate(self, num_train: int) -> None:
     if not isinstance(self.steps, int) or self.steps < 0:
@@ -584,6 +589,16 @@ class TrainResult(NamedTuple):
   test_accuracy: float
   history: list[dict[str, float]]
   resumed_from: int
+
+
+def _collectives_need_waiting(state) -> bool:
+  """Whether the step's collectives need one step in flight at a time: XLA:CPU's, on several
+  devices (or processes), aborted or hung with JAX's queue of asynchronous steps (a plain
+  JAX data-parallel loop too); waiting for each step let every run finish."""
+  devices = {d for a in jax.tree.leaves(state) if isinstance(a, jax.Array)
+             for d in a.sharding.device_set}
+  return (jax.process_count() > 1 or len(devices) > 1) and all(
+      d.platform == "cpu" for d in devices)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -1043,6 +1058,9 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
 
   from rich.progress import Progress  # pylint: disable=g-import-not-at-top
   show = config.progress and jax.process_index() == 0
+  wait = config.wait_each_step
+  if wait is None:
+    wait = _collectives_need_waiting(state)
   done, saved_step = start, (start if config.resume else None)
   stop = _Stop(lambda: (done, saved_step), config.steps, None if checkpoints is None
                else checkpoints.directory)
@@ -1054,6 +1072,8 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
         idx = data_lib.batch_indices(len(x_all), config.batch_size, step, seed=config.seed)
         x, y, mask = global_batch(fns, x_all, y_all, idx, size)
         state, metrics = (step_fn(state, x, y) if mask is None else step_fn(state, x, y, mask))
+        if wait:
+          jax.block_until_ready(metrics)
         done = step + 1
         if checkpoints is not None and (done % config.checkpoint_every == 0
                                         or done == config.steps):

@@ -293,3 +293,25 @@ def test_evaluate_on_a_data_axis_any_test_set_size():
   state = train.init_state(plain, train.default_optimizer(1e-3, 10), jax.random.key(0),
                            jnp.asarray(x[:1]))
   assert train.evaluate(fns, state, x, y) == train.evaluate(plain, state, x, y)
+
+
+def test_steps_wait_for_each_other_where_xla_cpu_collectives_need_it(digits8, monkeypatch):
+  """Issue 50: XLA:CPU's collectives with many steps in flight aborted (exit 134) or hung a
+  multi-device run; `train` waits for each step there (benchmarks/soak_multiprocess.py runs
+  the README's two-process command), and keeps JAX's asynchronous queue elsewhere."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("data",))
+  on_mesh = jax.device_put(jnp.ones(8), jax.sharding.NamedSharding(mesh, jax.P()))
+  assert train._collectives_need_waiting({"w": on_mesh})
+  assert not train._collectives_need_waiting({"w": jnp.ones(8)})        # one device
+  waited = []
+  real = jax.block_until_ready
+  monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(1) or real(x))
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  fns = _tiny_fns((2, 3))._replace(sharding=replicated)
+  cfg = dict(steps=3, batch_size=8, progress=False)
+  train.train(fns, digits8, train.TrainConfig(**cfg))
+  assert len(waited) == 3
+  train.train(fns, digits8, train.TrainConfig(**cfg, wait_each_step=False))
+  assert len(waited) == 3
+  train.train(_tiny_fns((2, 3)), digits8, train.TrainConfig(**cfg))
+  assert len(waited) == 3
