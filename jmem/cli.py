@@ -228,7 +228,8 @@ def _parser() -> argparse.ArgumentParser:
   m.add_argument("--num-processes", type=int, default=None)
   m.add_argument("--process-id", type=int, default=None)
   m.add_argument("--heartbeat-timeout", type=int, default=100, metavar="SECONDS",
-                 help="stop the others this long after a process goes silent (default 100)")
+                 help="stop the others this long after a process goes silent, or every "
+                 "process this long after steps stop finishing (default 100)")
   m.add_argument("--local-devices", type=int, default=None, metavar="N",
                  help="CPU only: simulate N devices in this process")
   return p
@@ -468,7 +469,9 @@ def _train(args) -> int:
       steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
       seed=args.seed, eval_every=args.eval_every, checkpoint_dir=args.checkpoint_dir,
       checkpoint_every=100 if args.checkpoint_every is None else args.checkpoint_every,
-      resume=args.resume, progress=not args.no_progress)
+      resume=args.resume, progress=not args.no_progress,
+      # A stalled collective (every process alive) ends within the heartbeat's time too.
+      stall_timeout=float(args.heartbeat_timeout) if jax.process_count() > 1 else None)
   bench.get_technique(args.technique)    # bad names fail before any work
   bench.check_dtype(args.model, args.dtype)
   dataset = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,

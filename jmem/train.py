@@ -537,6 +537,11 @@ class TrainConfig:
       flight, not JAX's asynchronous queue). ``None``: where the backend needs it, XLA:CPU
       with the step on several devices, whose collectives with many steps in flight
       aborted (exit 134) or hung a run; elsewhere (a GPU) steps stay asynchronous.
+    stall_timeout: seconds after which a run whose steps have stopped finishing is ended
+      (one line on stderr, exit status 1; the limit is at least 10x the longest step so
+      far, checkpoint writes and evaluations not counted): a stalled collective, every
+      process alive, would hold it for good. ``None``: 120 s where steps run on several
+      devices of XLA:CPU or in several processes, else off; 0: off.
   """
 
   steps: int = 300
@@ -550,8 +555,13 @@ class TrainConfig:
   resume: bool = False
   progress: bool = True
   wait_each_step: bool | None = None
+  stall_timeout: float | None = None
 
   def validate(self, num_train: int) -> None:
+    if self.stall_timeout is not None and not (
+        isinstance(self.stall_timeout, (int, float)) and 0 <= self.stall_timeout < math.inf):
+      raise ValueError(f"stall_timeout must be a number of seconds >= 0 (0: off), got "
+                       f"{self.stall_timeout!r}.")
     if not isinstance(self.steps, int) or self.steps < 0:
       raise ValueError(f"steps must be a non-negative integer, got {self.steps!r}.")
     if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
@@ -707,6 +717,71 @@ class _Stop:
       self._deferring = False
     if self.requested:
       self.raise_()
+
+
+class _StallWatch:
+  """Ends a run whose steps have stopped finishing: a stalled collective (every process alive,
+  none answering, so no heartbeat fires) would otherwise hold it for good. After the first
+  step (compiling), a thread checks that a step finishes within ``max(floor, 10 x the
+  longest step so far)``; checkpoint writes and evaluations are not counted. On a stall it
+  writes one line and exits the process with status 1."""
+
+  def __init__(self, floor: float | None, status: Callable[[], tuple[int, int | None]],
+               directory: str | None):
+    self._floor, self._status, self._directory = floor, status, directory
+    self._last: float | None = None
+    self._longest = 0.0
+    self._paused = 0
+    self._done = False
+
+  def __enter__(self) -> "_StallWatch":
+    if self._floor:
+      import threading  # pylint: disable=g-import-not-at-top
+      threading.Thread(target=self._watch, name="jmem-stall-watch", daemon=True).start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._done = True
+
+  def beat(self) -> None:
+    """A step finished."""
+    import time  # pylint: disable=g-import-not-at-top
+    now = time.monotonic()
+    if self._last is not None:
+      self._longest = max(self._longest, now - self._last)
+    self._last = now
+
+  @contextlib.contextmanager
+  def paused(self) -> Iterator[None]:
+    self._paused += 1
+    try:
+      yield
+    finally:
+      self._paused -= 1
+      if self._last is not None:     # the wait restarts; the pause is no step's time
+        import time  # pylint: disable=g-import-not-at-top
+        self._last = time.monotonic()
+
+  def limit(self) -> float:
+    return max(self._floor, 10 * self._longest)
+
+  def _watch(self) -> None:
+    import time  # pylint: disable=g-import-not-at-top
+    while not self._done:
+      time.sleep(0.5)
+      last = self._last
+      if self._done or self._paused or last is None:
+        continue
+      waited = time.monotonic() - last
+      if waited > self.limit():
+        step, checkpoint = self._status()
+        then = ("" if checkpoint is None else f"; the newest checkpoint is step {checkpoint} "
+                f"in {self._directory} (restart every process with --resume)")
+        os.write(2, (f"jmem: no training step finished in {waited:.0f} s after step {step} "
+                     f"(the longest before took {self._longest:.1f} s): the run is stalled, "
+                     "most likely in a collective waiting for a process that no longer "
+                     f"answers; exiting{then}\n").encode())
+        os._exit(1)
 
 
 # ---------------------------------------------------------------- checkpointing (orbax)
@@ -1064,8 +1139,13 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
   done, saved_step = start, (start if config.resume else None)
   stop = _Stop(lambda: (done, saved_step), config.steps, None if checkpoints is None
                else checkpoints.directory)
+  floor = config.stall_timeout
+  if floor is None:
+    floor = 120.0 if (wait or jax.process_count() > 1) else 0.0
+  watch = _StallWatch(floor, lambda: (done, saved_step), None if checkpoints is None
+                      else checkpoints.directory)
   try:
-    with stop, Progress(disable=not show, transient=True) as bar:
+    with stop, watch, Progress(disable=not show, transient=True) as bar:
       task = bar.add_task(f"train {dataset.name}", total=config.steps, completed=start)
       metrics = None
       for step in range(start, end):
@@ -1075,15 +1155,19 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
         if wait:
           jax.block_until_ready(metrics)
         done = step + 1
+        watch.beat()
         if checkpoints is not None and (done % config.checkpoint_every == 0
                                         or done == config.steps):
-          with stop.deferred():     # a signal meanwhile stops the run after the write
+          # A signal meanwhile stops the run after the write.
+          with stop.deferred(), watch.paused():
             if checkpoints.save(done, state, record, force=done == config.steps):
               saved_step = done
         if config.eval_every and done % config.eval_every == 0 and done != config.steps:
-          history.append({"step": done, "loss": float(metrics["loss"]),
-                          "train_accuracy": float(metrics["accuracy"]),
-                          "test_accuracy": evaluate(fns, state, dataset.x_test, dataset.y_test)})
+          with watch.paused():
+            history.append({"step": done, "loss": float(metrics["loss"]),
+                            "train_accuracy": float(metrics["accuracy"]),
+                            "test_accuracy": evaluate(fns, state, dataset.x_test,
+                                                      dataset.y_test)})
         bar.update(task, completed=done)
   finally:
     if checkpoints is not None:

@@ -129,3 +129,54 @@ def test_a_process_blocked_in_native_code_still_ends_on_sigterm():
   assert proc.returncode == 128 + signal.SIGTERM, err
   assert "SIGTERM received but the training loop has not answered in 2 s" in err, err
   assert waited < 30, waited
+
+
+_STALLED = r"""
+import ctypes, jax, jax.numpy as jnp
+from jmem import data, train
+libc = ctypes.CDLL(None)
+mutex = ctypes.create_string_buffer(64)
+libc.pthread_mutex_init(mutex, None)
+real_indices = data.batch_indices
+
+def batch_indices(n, batch_size, step, *, seed):
+  if step == 3:                                 # as a collective whose peer never answers
+    print("stalled", flush=True)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+  return real_indices(n, batch_size, step, seed=seed)
+data.batch_indices = batch_indices
+
+def init(key, x):
+  return {"w": jnp.zeros((x[0].size, 10))}, {}
+
+def apply(params, model_state, x, *, train, rng=None):
+  return x.reshape(x.shape[0], -1) @ params["w"], model_state
+
+train.train(train.ModelFns(init, apply, None), data.digits(8),
+            train.TrainConfig(steps=6, batch_size=8, progress=False, stall_timeout=2))
+"""
+
+
+def test_a_stalled_run_ends_with_a_clear_error():
+  """Issue 50: two processes stalled in a collective (both alive at 0% CPU, so no heartbeat
+  fired) held a run for good. Steps that stop finishing end the run with one line."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  proc = subprocess.Popen([sys.executable, "-c", _STALLED], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env)
+  try:
+    assert proc.stdout.readline().strip() == "stalled"
+    started = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    waited = time.monotonic() - started
+  finally:
+    proc.kill()
+  assert proc.returncode == 1, err
+  assert "jmem: no training step finished in 2 s after step 3" in err, err
+  assert "the run is stalled" in err and 1.5 < waited < 30, (waited, err)
+
+
+def test_stall_timeout_is_checked():
+  with pytest.raises(ValueError, match="stall_timeout must be a number of seconds >= 0"):
+    train.train(_fns(), data.digits(8), train.TrainConfig(steps=1, batch_size=8,
+                                                           stall_timeout=-1, progress=False))
