@@ -27,3 +27,19 @@ from jmem.planner import Plan as Plan
 from jmem.planner import plan as plan
 
 __version__ = "0.1.0"
+
+# The submodules `import jmem` does not load itself, loaded on first use (PEP 562):
+# ``jmem.models.create_model(...)`` after a bare ``import jmem`` raised AttributeError.
+_LAZY = frozenset({"bench", "cli", "data", "measure", "models", "ops", "parallel", "planner",
+                   "surgery", "techniques", "tour", "train"})
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module(f"jmem.{name}")
+  raise AttributeError(f"module 'jmem' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | _LAZY)

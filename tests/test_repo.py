@@ -75,3 +75,20 @@ def test_imports_point_down():
       assert not {m for m in got if _under(m, others + list(ABOVE))}, (path, got)
       if path.stem not in ("technique", "modules", "remat"):
         assert not {m for m in got if _under(m, ("jmem.train",))}, (path, got)
+
+
+def test_a_bare_import_reaches_every_public_submodule():
+  """Issue 48, defect 8: ``import jmem; jmem.models.create_model(...)`` raised
+  AttributeError (``jmem.models`` was not imported by ``import jmem``)."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import jmem\n"
+          "assert type(jmem.models.create_model('resnet8', 10)).__name__ == 'ResNet'\n"
+          "assert jmem.data.digits and jmem.train.train and jmem.parallel.data_parallel\n"
+          "assert {'models', 'train', 'bench'} <= set(dir(jmem))\n"
+          "try:\n  jmem.not_a_module\nexcept AttributeError as e:\n  print(e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120, cwd=ROOT)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "module 'jmem' has no attribute 'not_a_module'"
