@@ -134,6 +134,7 @@ import json
 import math
 import numbers
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -158,7 +159,7 @@ from jmem.parallel.data_parallel import data_parallel
 from jmem.techniques import register_technique
 
 __all__ = ["plan", "Plan", "SiteChoice", "parse_bytes", "budget_share", "step_cost",
-           "compile_step", "POLICY_KINDS", "site_ladder"]
+           "compile_step", "POLICY_KINDS", "site_ladder", "BudgetNotMetWarning"]
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -881,7 +882,18 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                      f"has {taken}: plan the model before converting it with block techniques "
                      "(Remat, ActNN, Policy, SBP); BatchNorm techniques may come first, and "
                      "jmem.Spatial comes with mesh= or devices=.")
+  if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
+    raise ValueError(
+        "example_batch must be (x, y), the inputs and their integer labels (arrays or "
+        f"jax.ShapeDtypeStructs), got {type(example_batch).__name__}"
+        f"{' ' + str(example_batch.shape) if hasattr(example_batch, 'shape') else ''}: e.g. "
+        "jmem.plan(model, (x, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)), budget).")
   x, y = example_batch
+  if hasattr(y, "dtype") and not jnp.issubdtype(y.dtype, jnp.integer):
+    raise ValueError(
+        f"jmem.plan trains with integer class labels (softmax cross-entropy), but the labels "
+        f"y have dtype {y.dtype}: give class indices (e.g. y.astype(jnp.int32), or a "
+        "jax.ShapeDtypeStruct of int32); a regression or another loss cannot be planned yet.")
   if not (np.ndim(x) and np.ndim(y)) or x.shape[0] != y.shape[0]:
     raise ValueError(f"example_batch must be (x, y) with one label (or label map) per example; "
                      f"got x of shape {np.shape(x)} and y of shape {np.shape(y)}.")
@@ -1247,10 +1259,22 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if on_top:
     front += (tuple(map(float, costs[top])),)      # on_top: the top rung was compiled
   index = len(front) - 1 if on_top else index
-  return Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
-              exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
-              base + under, tuple(measured), layout.shards, layout.mesh,
-              layout.specs(x, y), on_top, estimates, device.name, device.label)
+  result = Plan(budget_bytes, batch, choices, int(device_bytes), int(exact_bytes), flops,
+                exact_flops, fits, best, exact_best, compiles, front, index, tuple(notes),
+                base + under, tuple(measured), layout.shards, layout.mesh,
+                layout.specs(x, y), on_top, estimates, device.name, device.label)
+  if not fits:
+    warnings.warn(
+        f"jmem.plan: nothing found fits the budget of {_size(budget_bytes)} at batch {batch}: "
+        f"the returned plan (fits=False) is the smallest step compiled, "
+        f"{_size(device_bytes)} ({_size(device_bytes - budget_bytes)} over). Raise the "
+        "budget, plan a smaller batch_size, or allow more policies (plan.table() shows each "
+        "site's).", BudgetNotMetWarning, stacklevel=2)
+  return result
+
+
+class BudgetNotMetWarning(UserWarning):
+  """`jmem.plan` returned a plan that does not fit its budget (``Plan.fits`` is False)."""
 
 
 @dataclasses.dataclass(frozen=True)

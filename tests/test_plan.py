@@ -508,8 +508,16 @@ def test_budgets_and_bad_input():
   assert fits.fits and not fits.techniques and any("block sites hold" in n for n in fits.notes)
   with pytest.raises(ValueError, match="one label"):
     plan_lib.plan(tp.FunctionalCNN(), (X, jax.ShapeDtypeStruct((8,), jnp.int32)), "50%")
+  # No labels, or float ones (issue 48): said before any compile, with the fix.
+  with pytest.raises(ValueError, match=r"example_batch must be \(x, y\).*got "
+                                       r"ShapeDtypeStruct \(64, 32, 32, 3\)"):
+    plan_lib.plan(tp.FunctionalCNN(), X, "50%")
+  with pytest.raises(ValueError, match="integer class labels.*dtype float32.*astype"):
+    plan_lib.plan(tp.FunctionalCNN(), (X, jax.ShapeDtypeStruct((64,), jnp.float32)), "50%")
   # A budget under what does not grow with the batch: the plan says no batch is likely to.
-  tiny = plan_lib.plan(tp.FunctionalCNN(), (X, Y), 10_000, max_batch=False, max_compiles=3)
+  with pytest.warns(plan_lib.BudgetNotMetWarning,
+                    match=r"nothing found fits the budget of 9\.8 KiB at batch 64.*over"):
+    tiny = plan_lib.plan(tp.FunctionalCNN(), (X, Y), 10_000, max_batch=False, max_compiles=3)
   assert not tiny.fits and any(
       n.startswith("the exact step's line through batch 32 and 64 puts") and
       n.endswith("so no batch is likely to fit") for n in tiny.notes), tiny.notes
