@@ -669,3 +669,49 @@ def test_a_detached_module_named_like_the_top_and_inplace_abn_in_one():
   want, got = (jax.grad(loss(m))(v["params"]) for m in (net, abn))
   scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4 * scale), got, want)
+
+
+class _FieldBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.relu(nn.Dense(32)(x))
+
+
+class _ZooNet(nn.Module):
+  """A zoo's layout: the blocks are a dataclass field, not made in setup or __call__."""
+  blocks: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return nn.Dense(4)(x)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Sequential([_FieldBlock(), _FieldBlock()]),
+    lambda: _ZooNet((_FieldBlock(), _FieldBlock()))], ids=["nn.Sequential", "field"])
+def test_blocks_held_in_dataclass_fields_are_block_sites(make):
+  """Issue 48, defect 2: submodules held in a field had paths under the wrapper's attribute
+  (``model/layers_0``), so the default sites, ``where=r"layers_\\d+"`` and the registered
+  ``"actnn-L3"`` matched nothing (NothingMatched) though their variables sit at
+  ``layers_0``. Now the paths are the variables' and each technique applies."""
+  model = make()
+  x = jax.random.normal(jax.random.key(1), (64, 32))
+  variables = model.init(jax.random.key(0), x)
+  names = sorted(variables["params"])
+  loss = lambda m: jax.grad(lambda p: jnp.sum(m.apply({"params": p}, x, rngs={
+      "actnn": jax.random.key(2)}) ** 2))(variables["params"])
+  exact = loss(model)
+  field = names[0].split("_")[0]
+  for technique in (jmem.Remat(), jmem.Remat(where=rf"{field}_\d+")):
+    converted = jmem.convert(model, technique)
+    assert sorted(converted.init(jax.random.key(0), x)["params"]) == names
+    jaxpr = str(jax.make_jaxpr(lambda: loss(converted))())
+    assert "remat" in jaxpr or "checkpoint" in jaxpr, technique
+    assert_same(loss(converted), exact)
+  for technique in (jmem.technique("actnn-L3"), jmem.ActNN("L3")):
+    got = loss(jmem.convert(model, technique))       # 2 bits: close, not equal
+    err = max(float(jnp.max(jnp.abs(a - b)))
+              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(exact)))
+    assert 0 < err < 0.5 * max(float(jnp.max(jnp.abs(a))) for a in jax.tree.leaves(exact))

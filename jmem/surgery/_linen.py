@@ -59,7 +59,18 @@ def _lift(transform):
 
 
 def _path(module, root: tuple) -> str:
-  path = tuple(module.scope.path)
+  """``module``'s path under the converted model, as its variables are laid out. A
+  submodule held in a dataclass field of the top model (``nn.Sequential([Block(),
+  Block()])``, a zoo's ``blocks: Sequence[Module]``) has a scope path under the wrapper's
+  attribute (``model/layers_0``) while its variables sit at ``layers_0``: the path is taken
+  along the parents up to the model's scope."""
+  names, m = [], module
+  while isinstance(m, nn.Module) and m.scope is not None:
+    if tuple(m.scope.path) == root:
+      return "/".join(reversed(names))
+    names.append(m.name)
+    m = m.parent
+  path = tuple(module.scope.path)         # a lifted transform's copy: its scope's path
   return "/".join(path[len(root):])
 
 
