@@ -167,6 +167,9 @@ def _parser() -> argparse.ArgumentParser:
                   "--exact-only; "
                   "8,4 keeps at least 4 bits; recomputation is from a 2-bit input, or the "
                   "fewest bits allowed above 1)")
+  pl.add_argument("--where", default=None, metavar="REGEX",
+                  help="the block sites to plan: a regular expression over module paths "
+                  "(default: jmem.convert's default block sites)")
   pl.add_argument("--no-inplace-abn", action="store_true",
                   help="do not try InPlace-ABN alone where the exact step does not fit")
   pl.add_argument("--max-compiles", type=int, default=8,
@@ -372,7 +375,8 @@ def _plan(args) -> int:
     result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
                            max_compiles=args.max_compiles, calibration_batch=calibration,
                            mesh=mesh, policies=args.policies, bits=args.bits,
-                           inplace_abn=not args.no_inplace_abn, target=args.target, **axes)
+                           inplace_abn=not args.no_inplace_abn, target=args.target,
+                           where=args.where, **axes)
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:

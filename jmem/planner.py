@@ -779,7 +779,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
          mesh=None, spatial_axes: tuple | None = ("h", "w"),
          data_axis: str | None = None, devices=None,
          policies: Sequence[str] | None = None,
-         bits: Sequence[int] | int | None = None, target=None) -> Plan:
+         bits: Sequence[int] | int | None = None, target=None, where=None) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
@@ -848,6 +848,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       machine, XLA:GPU's buffer assignment, the kernels chosen as there; default: JAX's
       default backend). A GPU target is one device: ``mesh=`` and ``devices=`` are refused
       with it. Gradient sensitivities (``calibration_batch=``) are measured on this machine.
+    where: the block sites to plan, as ``jmem.convert``'s ``where=`` takes them (a module
+      class, or a regular expression over module paths such as ``r"layer\d+/\d+"``);
+      default: jmem.convert's default block sites (the direct children of the top module
+      but its Dense layers).
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -920,10 +924,18 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   trace_batch = max(2, min(int(x.shape[0]), 8))
   xs, ys = spec(x, trace_batch), spec(y, trace_batch)
   abstract = train_lib.abstract_state(fns, optimizer, x)
-  paths = _default_sites(model, jnp.zeros(xs.shape, xs.dtype))
+  try:
+    paths = _default_sites(model, jnp.zeros(xs.shape, xs.dtype), where=where)
+  except surgery.NothingMatched as e:
+    if where is None:
+      raise
+    raise surgery.NothingMatched(f"jmem.plan(where={where!r}) matched no module call of the "
+                                 f"model: {e}") from e
   if not paths:
     raise ValueError("jmem.plan found no block site in the model (jmem.convert's default "
-                     "sites: the direct children of the top module but its Dense layers).")
+                     "sites: the direct children of the top module but its Dense layers); "
+                     "name them with where= (a module class or a regular expression over "
+                     "module paths).")
   sites, outside = _estimate_sites(model, optimizer, xs, ys, paths)
   paths, sites, outside, split = _split_dominant(model, optimizer, xs, ys, paths, sites,
                                                  outside)

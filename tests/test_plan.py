@@ -1157,3 +1157,15 @@ def test_the_front_is_the_estimate_through_the_compiled_points():
       (15.0, 4.0), (15.0, 5.0))
   assert plan_lib._calibrated([(100.0, 1.0), (-20.0, 2.0)], {0: (100, 1)}) == (
       (100.0, 1.0), (0.0, 2.0))
+
+
+def test_plan_takes_where():
+  """Issue 48, defect 3: jmem.plan raised NothingMatched '... Give where=' on a zoo's model
+  but took no where=. It plans the sites ``where=`` names, and says when it names none."""
+  model = tp.ThirdPartyResNet(stage_sizes=(1, 1, 1))
+  with pytest.raises(jmem.surgery.NothingMatched, match=r"jmem.plan\(where='Block_.*\) matched no "
+                                                         r"module call.*BottleneckBlock_0"):
+    plan_lib.plan(model, (X, Y), "50%", where=r"Block_\d+")
+  p = plan_lib.plan(model, (X, Y), "50%", where=r"BottleneckBlock_[01]", max_batch=False,
+                    max_compiles=3, inplace_abn=False)
+  assert {c.path for c in p.choices} == {"BottleneckBlock_0", "BottleneckBlock_1"}, p.table()
