@@ -40,7 +40,7 @@ __all__ = [
     "Technique", "IMPLEMENTATIONS", "BenchConfig", "register_technique", "get_technique", "technique_names",
     "run_bench", "write_results", "format_table", "step_memory", "saved_bytes", "batch_fit",
     "calibration_problem", "make_dataset", "min_frame_size", "default_image_size",
-    "techniques_for", "build_model", "caption",
+    "techniques_for", "build_model", "caption", "source_commit",
 ]
 
 
@@ -494,11 +494,29 @@ def check_output_dir(path: str) -> str:
   return path
 
 
+def source_commit() -> str | None:
+  """The git commit of jmem's source checkout (``+changes`` when its tracked files differ
+  from it), or None for an installed copy: every result file names what produced it."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, timeout=10)
+    if head.returncode != 0:
+      return None
+    dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=10)
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
 def write_results(rows: Sequence[dict[str, Any]], output_dir: str, *, stem: str = "bench",
                   meta: dict[str, Any] | None = None) -> dict[str, str]:
   """Writes ``<stem>.json``, ``<stem>.md`` and ``<stem>_memory.png``; returns their paths."""
   output_dir = check_output_dir(output_dir)
   meta = dict(meta or {})
+  meta.setdefault("commit", source_commit())
   meta.setdefault("jax_version", jax.__version__)
   meta.setdefault("backend", jax.default_backend())
   meta.setdefault("device", str(jax.devices()[0].device_kind))

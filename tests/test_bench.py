@@ -4,6 +4,7 @@ import contextlib
 import functools
 import io
 import json
+import re
 import os
 import shutil
 
@@ -379,3 +380,7 @@ def test_every_model_trains_and_benches_with_the_default_image_size(capsys, tmp_
   capsys.readouterr()
   written = json.loads((out / "bench.json").read_text())
   assert written["meta"]["config"]["image_size"] == 24, written["meta"]
+  # Every result names the commit that wrote it (this checkout's; None for an installed copy).
+  assert written["meta"]["commit"] == bench.source_commit(), written["meta"]
+  assert bench.source_commit() is None or re.fullmatch(r"[0-9a-f]{7,}(\+changes)?",
+                                                       bench.source_commit())
