@@ -35,7 +35,7 @@ def _tmp_folders(directory):
 
 
 def test_a_signal_during_a_save_stops_after_it(tmp_path, monkeypatch):
-  """SIGINT arriving while step 4 is written: the write finishes, then `Interrupted`
+  """SIGTERM arriving while step 4 is written: the write finishes, then `Interrupted`
   names step 4; resuming from it ends bit-identical to a run never stopped."""
   digits = data.digits(8)
   cfg = dict(steps=6, batch_size=16, progress=False, checkpoint_every=2)
@@ -44,16 +44,17 @@ def test_a_signal_during_a_save_stops_after_it(tmp_path, monkeypatch):
 
   def save_and_get_interrupted(self, step, *args, **kwargs):
     if step == 4:
-      os.kill(os.getpid(), signal.SIGINT)        # delivered while the save runs
+      os.kill(os.getpid(), signal.SIGTERM)       # delivered while the save runs
     return real_save(self, step, *args, **kwargs)
   monkeypatch.setattr(train._Checkpoints, "save", save_and_get_interrupted)
   ckpt = str(tmp_path / "ckpt")
   with pytest.raises(train.Interrupted) as stopped:
     train.train(_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt))
-  assert (stopped.value.signal, stopped.value.step, stopped.value.checkpoint) == ("SIGINT", 4, 4)
+  assert (stopped.value.signal, stopped.value.step, stopped.value.checkpoint) == ("SIGTERM", 4, 4)
   assert f"resume with --resume --checkpoint-dir {ckpt}" in str(stopped.value)
   assert sorted(os.listdir(ckpt)) == ["2", "4"]
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handlers restored
+  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
   monkeypatch.setattr(train._Checkpoints, "save", real_save)
   resumed = train.train(_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt,
                                                           resume=True))
@@ -62,8 +63,10 @@ def test_a_signal_during_a_save_stops_after_it(tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_jmem_train_stops_on_a_real_signal_with_one_line(sig, tmp_path):
+def test_jmem_train_stops_on_a_real_sigint_with_one_line(tmp_path):
+  """Issue 50: Ctrl-C printed 110-120 lines of orbax tracebacks and left a tmp folder.
+  (SIGTERM, exit 143, is the in-process test's.)"""
+  sig = "SIGINT"
   ckpt = str(tmp_path / "ckpt")
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   proc = subprocess.Popen([sys.executable, "-m", "jmem.cli", *TRAIN, "--checkpoint-dir", ckpt],
