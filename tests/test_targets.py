@@ -158,10 +158,21 @@ def test_unknown_target_and_bad_spec_files_are_refused(tmp_path):
     measure.target("b9000")
   with pytest.raises(measure.TargetError, match="No GPU spec file"):
     measure.target(str(tmp_path / "missing.txtpb"))
-  bad = tmp_path / "bad.txtpb"
-  bad.write_text("gpu_device_info { warp_drive: 9 }\n")
+  shipped = os.path.join(os.path.dirname(targets.__file__), "specs", "h100_sxm.txtpb")
+  with open(shipped) as f:
+    text = f.read()
+  bad = tmp_path / "bad.txtpb"        # a field this jaxlib does not know (as a newer file's)
+  bad.write_text(text.replace("gpu_device_info {", "gpu_device_info {\n  warp_drive: 9", 1))
   with pytest.raises(measure.TargetError, match="could not use the GPU spec file.*delete"):
     measure.target(str(bad))
+  # A file that parses but describes no GPU: XLA took it and then crashed Python in a
+  # compile (a floating point exception); refused before.
+  for name, content in (("empty.txtpb", ""), ("no_memory.txtpb",
+                                               text.replace("device_memory_size", "# was"))):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(measure.TargetError, match="does not describe a GPU: it has no "
+                       + ("gpu_device_info" if not content else "device_memory_size")):
+      measure.target(str(tmp_path / name))
   with pytest.raises(measure.TargetError, match="memory_limit"):
     measure.target("h100", memory_limit=0)
 

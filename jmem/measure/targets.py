@@ -40,6 +40,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -290,6 +291,16 @@ def _compile_only_devices(spec_path: str):
       text = f.read()
   except OSError as e:
     raise TargetError(f"Cannot read the GPU spec file {spec_path!r}: {e.strerror}.") from None
+  # XLA takes a spec without the device's description (an empty file, say) and then fails
+  # in native code when compiling (a floating point exception, killing Python).
+  missing = [f for f in ("gpu_device_info", "device_memory_size", "cuda_compute_capability",
+                         "device_description_str") if not re.search(rf"^\s*{f}\b", text, re.M)]
+  if missing:
+    raise TargetError(
+        f"The GPU spec file {spec_path!r} does not describe a GPU: it has no "
+        f"{', '.join(missing)}. Use one of openxla/xla's "
+        "xla/backends/gpu/target_config/specs/*.txtpb (a GpuTargetConfigProto in text "
+        "format), or a target name: " + ", ".join(TARGETS) + ".")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   try:
     topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
