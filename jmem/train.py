@@ -684,7 +684,10 @@ class _Stop:
     import time  # pylint: disable=g-import-not-at-top
     try:
       while data := os.read(self._read, 16):
-        signum = data[0]
+        ours = [n for n in data if n in self._previous]   # set_wakeup_fd writes every
+        if not ours:                                      # signal Python handles (a user's
+          continue                                        # SIGUSR1 too): those are not ours
+        signum = ours[0]
         deadline = time.monotonic() + self.GRACE_SECONDS
         while self.requested is None and time.monotonic() < deadline:
           time.sleep(0.1)
@@ -757,10 +760,10 @@ class _StallWatch:
     try:
       yield
     finally:
-      self._paused -= 1
-      if self._last is not None:     # the wait restarts; the pause is no step's time
-        import time  # pylint: disable=g-import-not-at-top
+      if self._last is not None:     # the wait restarts (before the watch looks again); the
+        import time  # pylint: disable=g-import-not-at-top   pause is no step's time
         self._last = time.monotonic()
+      self._paused -= 1
 
   def limit(self) -> float:
     return max(self._floor, 10 * self._longest)
@@ -769,11 +772,10 @@ class _StallWatch:
     import time  # pylint: disable=g-import-not-at-top
     while not self._done:
       time.sleep(0.5)
-      last = self._last
-      if self._done or self._paused or last is None:
+      if self._done or self._paused or self._last is None:
         continue
-      waited = time.monotonic() - last
-      if waited > self.limit():
+      waited = time.monotonic() - self._last
+      if waited > self.limit() and not self._paused:
         step, checkpoint = self._status()
         then = ("" if checkpoint is None else f"; the newest checkpoint is step {checkpoint} "
                 f"in {self._directory} (restart every process with --resume)")
@@ -845,9 +847,8 @@ def _nonfinite(leaves: list[Any]) -> list[int]:
   bad = []
   for i, a in enumerate(leaves):
     v = _host_value(a)
-    if np.issubdtype(v.dtype, np.inexact) or v.dtype == jnp.bfloat16:
-      if not np.isfinite(v.astype(np.float32)).all():
-        bad.append(i)
+    if jnp.issubdtype(v.dtype, jnp.inexact) and not np.isfinite(v).all():
+      bad.append(i)
   return bad
 
 
@@ -950,6 +951,16 @@ class _Checkpoints:
       raise ValueError(
           f"Cannot resume from {self.directory!r}: no checkpoint in it verifies ({listing}). "
           "Start fresh in an empty --checkpoint-dir without --resume.")
+    if jax.process_count() > 1:     # every process must resume from the same step
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      chosen = np.asarray(multihost_utils.process_allgather(np.int64(step))).ravel()
+      if len(set(chosen.tolist())) > 1:
+        self.close()
+        raise ValueError(
+            f"Cannot resume from {self.directory!r}: the processes found different newest "
+            f"checkpoints that verify (steps {chosen.tolist()} by process; this one's "
+            f"failures: {failed or 'none'}). Check the storage every process reads, or "
+            "start fresh in an empty --checkpoint-dir without --resume.")
     if failed:
       self._set_aside(failed)
       warnings.warn(

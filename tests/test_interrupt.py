@@ -183,3 +183,40 @@ def test_stall_timeout_is_checked():
   with pytest.raises(ValueError, match="stall_timeout must be a number of seconds >= 0"):
     train.train(_fns(), data.digits(8), train.TrainConfig(steps=1, batch_size=8,
                                                            stall_timeout=-1, progress=False))
+
+
+_OTHER_SIGNAL = r"""
+import os, signal, time, jax.numpy as jnp
+from jmem import data, train
+train._Stop.GRACE_SECONDS = 1.0
+got = []
+signal.signal(signal.SIGUSR1, lambda *a: got.append(1))   # e.g. a scheduler's notice
+real_indices = data.batch_indices
+
+def batch_indices(n, batch_size, step, *, seed):
+  if step == 2:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(3)                               # past the watchdog's grace
+  return real_indices(n, batch_size, step, seed=seed)
+data.batch_indices = batch_indices
+
+def init(key, x):
+  return {"w": jnp.zeros((x[0].size, 10))}, {}
+
+def apply(params, model_state, x, *, train, rng=None):
+  return x.reshape(x.shape[0], -1) @ params["w"], model_state
+
+train.train(train.ModelFns(init, apply, None), data.digits(8),
+            train.TrainConfig(steps=4, batch_size=8, progress=False))
+print("done", len(got), flush=True)
+"""
+
+
+def test_a_signal_of_the_users_own_is_left_to_its_handler():
+  """The watchdog answers SIGINT and SIGTERM only: a SIGUSR1 the program handles itself
+  (a scheduler's preemption notice) once ended the run after the grace period."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  out = subprocess.run([sys.executable, "-c", _OTHER_SIGNAL], capture_output=True, text=True,
+                       env=env, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip().splitlines()[-1] == "done 1"
