@@ -540,6 +540,13 @@ def promote_input(x, out_dtype):
   return x.astype(jnp.promote_types(x.dtype, out_dtype))
 
 
+# flax.linen.BatchNorm's fields that a BatchNorm-like module may leave out (their defaults,
+# as flax.linen.BatchNorm has them): use_running_average can come with the call instead.
+LINEN_BN_OPTIONAL = {"use_running_average": None, "scale_init": nn.initializers.ones,
+                     "bias_init": nn.initializers.zeros, "param_dtype": jnp.float32,
+                     "dtype": None}
+
+
 def linen_norm_call(module, x, use_running_average, mask, *, train_fn, eval_fn, use_scale,
                     use_bias, unbiased_running_var=False):
   """Body of a linen BatchNorm-like ``__call__`` (variables named as flax.linen.BatchNorm).
@@ -547,15 +554,19 @@ def linen_norm_call(module, x, use_running_average, mask, *, train_fn, eval_fn, 
   While initialising, statistics are local (``train_fn`` is built so) and no
   `LocalStatisticsWarning` is issued: ``init`` may run inside a shard_map.
   """
-  use_ra = nn.merge_param("use_running_average", module.use_running_average,
+  # A BatchNorm look-alike named in where= may lack the fields that only set defaults:
+  # flax.linen.BatchNorm's defaults stand in (LINEN_BN_OPTIONAL).
+  field = lambda name: getattr(module, name, LINEN_BN_OPTIONAL.get(name))
+  use_ra = nn.merge_param("use_running_average", field("use_running_average"),
                           use_running_average)
   c = x.shape[module.axis]
   ra_mean = module.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), (c,))
   ra_var = module.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), (c,))
-  scale = (module.param("scale", module.scale_init, (c,), module.param_dtype)
+  scale = (module.param("scale", field("scale_init"), (c,), field("param_dtype"))
            if use_scale else None)
-  bias = module.param("bias", module.bias_init, (c,), module.param_dtype) if use_bias else None
-  out_dtype = output_dtype(module.dtype, x, scale, bias)
+  bias = (module.param("bias", field("bias_init"), (c,), field("param_dtype"))
+          if use_bias else None)
+  out_dtype = output_dtype(field("dtype"), x, scale, bias)
   with _quiet_local_statistics() if module.is_initializing() else contextlib.nullcontext():
     y, new_mean, new_var = normalize_with_state(
         promote_input(x, out_dtype), axis=module.axis, scale=scale, bias=bias, running_mean=ra_mean.value,

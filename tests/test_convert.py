@@ -715,3 +715,41 @@ def test_blocks_held_in_dataclass_fields_are_block_sites(make):
     err = max(float(jnp.max(jnp.abs(a - b)))
               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(exact)))
     assert 0 < err < 0.5 * max(float(jnp.max(jnp.abs(a))) for a in jax.tree.leaves(exact))
+
+
+def test_a_zoos_batch_norm_named_in_where_is_taken_and_no_batch_norm_is_said():
+  """Issue 48, defect 6: flaxmodels' own BatchNorm class (flax's fields but param_dtype) was
+  refused when named in where=, for lacking param_dtype; the fields that only set defaults
+  may now be left out. A model with no BatchNorm hears that, not a list of paths."""
+  from flaxmodels.resnet import ops as zoo  # pylint: disable=g-import-not-at-top
+
+  class ZooNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+      x = nn.Conv(8, (3, 3))(x)
+      x = nn.relu(zoo.BatchNorm(use_running_average=not train, name="norm")(x))
+      return nn.Dense(3)(x.mean((1, 2)))
+
+  model, x = ZooNet(), jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
+  variables = model.init(jax.random.key(1), x)
+  with pytest.raises(ValueError, match="flaxmodels.resnet.ops.BatchNorm at 'norm'.*where="):
+    jmem.convert(model, jmem.SyncBN(axis_name=None)).init(jax.random.key(1), x)
+  converted = jmem.convert(model, jmem.SyncBN(where=zoo.BatchNorm, axis_name=None))
+  assert jax.tree.map(jnp.shape, converted.init(jax.random.key(1), x)) == jax.tree.map(
+      jnp.shape, variables)
+  (want, want_stats), (got, got_stats) = (
+      m.apply(variables, x, mutable=["batch_stats"]) for m in (model, converted))
+  assert_same(got, want)
+  assert_same(got_stats, want_stats)
+  grads = lambda m: jax.grad(lambda p: jnp.sum(m.apply(
+      {**variables, "params": p}, x, mutable=["batch_stats"])[0] ** 2))(variables["params"])
+  assert_same(grads(converted), grads(model))
+
+  class NoNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+      return nn.Dense(3)(nn.Conv(4, (3, 3))(x).mean((1, 2)))
+  for technique in (jmem.SyncBN(), jmem.InPlaceABN()):
+    with pytest.raises(jmem.surgery.NothingMatched, match=f"{type(technique).__name__}: there "
+                       "is no BatchNorm in this model.*Conv_0.*name it in where="):
+      jmem.convert(NoNorm(), technique).init(jax.random.key(0), x)

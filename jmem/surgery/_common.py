@@ -413,6 +413,13 @@ def check_all_matched(techniques, hits, seen_paths, what: str) -> None:
   for i, t in enumerate(techniques):
     if hits.get(i) or (isinstance(t, ActNN) and t.resolved_level().name == "L0"):
       continue
+    paths = (f"Module paths: {', '.join(p or '<top>' for p in seen_paths[:12])}"
+             f"{' ...' if len(seen_paths) > 12 else ''}")
+    if t.where is None and type(t).__name__ in ("SyncBN", "InPlaceABN"):
+      raise NothingMatched(
+          f"{type(t).__name__}: there is no BatchNorm in this model (flax.linen.BatchNorm, "
+          f"nnx.BatchNorm or a subclass), so it would do nothing. {paths}. A BatchNorm-like "
+          "module of your own: name it in where= (its class or path).")
     where = "where=" + repr(t.where) if t.where is not None else "its default sites"
     raise NothingMatched(
         f"{type(t).__name__}: {where} matched no {what} of this model, so it would do nothing. "

@@ -20,6 +20,7 @@ from flax.core.scope import Scope
 from flax.linen.module import TestScope
 from flax.linen import transforms as nn_transforms
 
+from jmem import _bn_core as bn_core
 from jmem.ops.actnn.technique import ActNN
 from jmem.ops.inplace_abn import core as abn_lib
 from jmem.ops.inplace_abn.technique import InPlaceABN
@@ -135,12 +136,16 @@ class _Trace:
               f"{type(t).__name__}: where= matches {c.describe(mod)} at {path or '<top>'!r} "
               "only through a base class, and it overrides BatchNorm's __call__; name its "
               "own class or path in where= to have it replaced.")
-        missing = [f for f in c.LINEN_BN_FIELDS if not hasattr(mod, f)]
+        missing = [f for f in c.LINEN_BN_FIELDS
+                   if not hasattr(mod, f) and f not in bn_core.LINEN_BN_OPTIONAL]
         if missing:
           raise ValueError(
               f"{type(t).__name__}: {c.describe(mod)} at {path or '<top>'!r} lacks BatchNorm's "
-              f"fields {missing}; jmem replaces a BatchNorm-like module's call using "
-              "flax.linen.BatchNorm's fields and variable names.")
+              f"fields {missing} (of flax.linen.BatchNorm's, only "
+              f"{sorted(bn_core.LINEN_BN_OPTIONAL)} may be left out: their defaults stand in); "
+              "jmem replaces a BatchNorm-like module's call using those fields and "
+              "flax.linen.BatchNorm's variable names (batch_stats mean/var, params "
+              "scale/bias). Add the fields to the class, or replace it by nn.BatchNorm.")
         found.append((i, t))
     if len(found) > 1:
       kinds = {type(t) for _, t in found}
