@@ -552,13 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     return {"bench": _bench, "train": _train, "plan": _plan}[args.command](args)
   except ValueError as e:
     parser.exit(2, f"jmem {args.command}: error: {e}\n")
-  except KeyboardInterrupt as e:   # SIGINT outside the training loop (train.Interrupted within)
+  except KeyboardInterrupt as e:
     from jmem import train  # pylint: disable=g-import-not-at-top
-    if isinstance(e, train.Interrupted):
-      sys.stderr.write(f"jmem {args.command}: {e}\n")
-      return 128 + int(getattr(signal, e.signal))
-    sys.stderr.write(f"jmem {args.command}: interrupted by SIGINT\n")
-    return 128 + int(signal.SIGINT)
+    if not isinstance(e, train.Interrupted):
+      raise                       # Ctrl-C outside the training loop: Python's own
+    sys.stderr.write(f"jmem {args.command}: {e}\n")
+    return 128 + int(getattr(signal, e.signal))
 
 
 if __name__ == "__main__":

@@ -849,7 +849,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       default backend). A GPU target is one device: ``mesh=`` and ``devices=`` are refused
       with it. Gradient sensitivities (``calibration_batch=``) are measured on this machine.
     where: the block sites to plan, as ``jmem.convert``'s ``where=`` takes them (a module
-      class, or a regular expression over module paths such as ``r"layer\d+/\d+"``);
+      class, or a regular expression over module paths such as ``"layer1/.*"``);
       default: jmem.convert's default block sites (the direct children of the top module
       but its Dense layers).
 

@@ -3,6 +3,7 @@ checkpoint being written, never leaving a half-written step; a process blocked i
 code (where Python runs no signal handler) still ends on the signal. Issue 50, item 3."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,13 +49,14 @@ def test_a_signal_during_a_save_stops_after_it(tmp_path, monkeypatch):
     return real_save(self, step, *args, **kwargs)
   monkeypatch.setattr(train._Checkpoints, "save", save_and_get_interrupted)
   ckpt = str(tmp_path / "ckpt")
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
   with pytest.raises(train.Interrupted) as stopped:
     train.train(_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt))
   assert (stopped.value.signal, stopped.value.step, stopped.value.checkpoint) == ("SIGTERM", 4, 4)
   assert f"resume with --resume --checkpoint-dir {ckpt}" in str(stopped.value)
   assert sorted(os.listdir(ckpt)) == ["2", "4"]
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handlers restored
-  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+  # The handlers are restored (pytest-xdist's workers ignore SIGINT: whatever they were).
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
   monkeypatch.setattr(train._Checkpoints, "save", real_save)
   resumed = train.train(_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt,
                                                           resume=True))
@@ -82,9 +84,10 @@ def test_jmem_train_stops_on_a_real_sigint_with_one_line(tmp_path):
   err = [l for l in err.splitlines() if "cudart_stub" not in l and "absl::" not in l]
   assert proc.returncode == 128 + getattr(signal, sig), err
   assert "Traceback" not in "\n".join(err) and out == ""
-  assert len(err) <= 2, err                     # a checkpoint line or none, then the one line
-  assert err[-1].startswith(f"jmem train: interrupted by {sig} at step "), err
-  assert f"(resume with --resume --checkpoint-dir {ckpt})" in err[-1]
+  ours = [l for l in err if l.startswith("jmem")]   # (XLA may add a slow-compile alarm)
+  assert len(ours) <= 2, err                    # a checkpoint line or none, then the one line
+  assert ours[-1].startswith(f"jmem train: interrupted by {sig} at step "), err
+  assert f"(resume with --resume --checkpoint-dir {ckpt})" in ours[-1]
   assert not _tmp_folders(ckpt) and "4" in os.listdir(ckpt)
 
 
@@ -175,7 +178,8 @@ def test_a_stalled_run_ends_with_a_clear_error():
   finally:
     proc.kill()
   assert proc.returncode == 1, err
-  assert "jmem: no training step finished in 2 s after step 3" in err, err
+  # The limit is at least 2 s, more where the steps before were slow (a loaded machine).
+  assert re.search(r"jmem: no training step finished in \d+ s after step 3", err), err
   assert "the run is stalled" in err and 1.5 < waited < 30, (waited, err)
 
 
