@@ -43,6 +43,9 @@ def main(argv=None) -> int:
   ap.add_argument("--from", dest="source", default=None,
                   help="a finished bench's output folder (default: run the bench into "
                   f"{os.path.relpath(BENCH_DIR)})")
+  ap.add_argument("--bench-commit", default=None,
+                  help="the commit a --from bench ran at, where its bench.json names none "
+                  "(written before bench results were stamped)")
   args = ap.parse_args(argv)
   source = args.source or BENCH_DIR
   if args.source is None:
@@ -62,8 +65,11 @@ def main(argv=None) -> int:
                  "gap_percent": (None if on_h100 is None
                                  else round(100 * (target - on_h100) / on_h100, 2))})
   within = all(r["gap_percent"] is not None and abs(r["gap_percent"]) <= 1 for r in rows)
-  result = {"bench": {"source": os.path.relpath(source, _common.RESULTS),
-                      **{k: bench["meta"].get(k) for k in ("commit", "jax_version")},
+  commit = bench["meta"].get("commit")
+  if commit is None and args.bench_commit:
+    commit = f"{args.bench_commit} (given: its bench.json names none)"
+  result = {"bench": {"source": os.path.relpath(source, _common.RESULTS), "commit": commit,
+                      "jax_version": bench["meta"].get("jax_version"),
                       "target": bench["rows"][0].get("target_label")},
             "h100": {k: h100["meta"][k] for k in ("device", "jax_version", "commit", "date")},
             "rows": rows, "all_within_1_percent": within}
