@@ -90,32 +90,44 @@ def test_jmem_train_stops_on_a_real_sigint_with_one_line(tmp_path):
   assert not _tmp_folders(ckpt) and "4" in os.listdir(ckpt)
 
 
-_BLOCKED = r"""
-import ctypes, jax, jax.numpy as jnp
+def _program(step: int, action: str, config: str, setup: str = "", end: str = "") -> str:
+  """A process that trains a tiny linear model and, where step ``step``'s batch is drawn (in
+  the main thread, inside the loop), runs ``action`` (indented code)."""
+  return f"""
+import ctypes, os, signal, time, jax.numpy as jnp
 from jmem import data, train
-train._Stop.GRACE_SECONDS = 2.0
 libc = ctypes.CDLL(None)
 mutex = ctypes.create_string_buffer(64)         # a pthread_mutex_t, zeroed: a normal mutex
 libc.pthread_mutex_init(mutex, None)
+{setup}
 real_indices = data.batch_indices
 
 def batch_indices(n, batch_size, step, *, seed):
-  if step == 2:                                 # the main thread waits in native code,
-    print("blocked", flush=True)                # which no signal interrupts
-    libc.pthread_mutex_lock(mutex)
-    libc.pthread_mutex_lock(mutex)
+  if step == {step}:
+{action}
   return real_indices(n, batch_size, step, seed=seed)
 data.batch_indices = batch_indices
 
 def init(key, x):
-  return {"w": jnp.zeros((x[0].size, 10))}, {}
+  return {{"w": jnp.zeros((x[0].size, 10))}}, {{}}
 
 def apply(params, model_state, x, *, train, rng=None):
   return x.reshape(x.shape[0], -1) @ params["w"], model_state
 
 train.train(train.ModelFns(init, apply, None), data.digits(8),
-            train.TrainConfig(steps=4, batch_size=8, progress=False))
+            train.TrainConfig(batch_size=8, progress=False, {config}))
+{end}
 """
+
+
+# The main thread waits in native code, which no signal interrupts (as in a collective whose
+# peer never answers): a mutex locked twice.
+_WAIT_IN_NATIVE_CODE = """\
+    print("{}", flush=True)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)"""
+_BLOCKED = _program(2, _WAIT_IN_NATIVE_CODE.format("blocked"), "steps=4",
+                    setup="train._Stop.GRACE_SECONDS = 2.0")
 
 
 def test_a_process_blocked_in_native_code_still_ends_on_sigterm():
@@ -136,31 +148,7 @@ def test_a_process_blocked_in_native_code_still_ends_on_sigterm():
   assert waited < 30, waited
 
 
-_STALLED = r"""
-import ctypes, jax, jax.numpy as jnp
-from jmem import data, train
-libc = ctypes.CDLL(None)
-mutex = ctypes.create_string_buffer(64)
-libc.pthread_mutex_init(mutex, None)
-real_indices = data.batch_indices
-
-def batch_indices(n, batch_size, step, *, seed):
-  if step == 3:                                 # as a collective whose peer never answers
-    print("stalled", flush=True)
-    libc.pthread_mutex_lock(mutex)
-    libc.pthread_mutex_lock(mutex)
-  return real_indices(n, batch_size, step, seed=seed)
-data.batch_indices = batch_indices
-
-def init(key, x):
-  return {"w": jnp.zeros((x[0].size, 10))}, {}
-
-def apply(params, model_state, x, *, train, rng=None):
-  return x.reshape(x.shape[0], -1) @ params["w"], model_state
-
-train.train(train.ModelFns(init, apply, None), data.digits(8),
-            train.TrainConfig(steps=6, batch_size=8, progress=False, stall_timeout=2))
-"""
+_STALLED = _program(3, _WAIT_IN_NATIVE_CODE.format("stalled"), "steps=6, stall_timeout=2")
 
 
 def test_a_stalled_run_ends_with_a_clear_error():
@@ -188,31 +176,15 @@ def test_stall_timeout_is_checked():
                                                            stall_timeout=-1, progress=False))
 
 
-_OTHER_SIGNAL = r"""
-import os, signal, time, jax.numpy as jnp
-from jmem import data, train
+_OTHER_SIGNAL = _program(
+    2, """\
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(3)                               # past the watchdog's grace""", "steps=4",
+    setup="""\
 train._Stop.GRACE_SECONDS = 1.0
 got = []
-signal.signal(signal.SIGUSR1, lambda *a: got.append(1))   # e.g. a scheduler's notice
-real_indices = data.batch_indices
-
-def batch_indices(n, batch_size, step, *, seed):
-  if step == 2:
-    os.kill(os.getpid(), signal.SIGUSR1)
-    time.sleep(3)                               # past the watchdog's grace
-  return real_indices(n, batch_size, step, seed=seed)
-data.batch_indices = batch_indices
-
-def init(key, x):
-  return {"w": jnp.zeros((x[0].size, 10))}, {}
-
-def apply(params, model_state, x, *, train, rng=None):
-  return x.reshape(x.shape[0], -1) @ params["w"], model_state
-
-train.train(train.ModelFns(init, apply, None), data.digits(8),
-            train.TrainConfig(steps=4, batch_size=8, progress=False))
-print("done", len(got), flush=True)
-"""
+signal.signal(signal.SIGUSR1, lambda *a: got.append(1))   # e.g. a scheduler's notice""",
+    end='print("done", len(got), flush=True)')
 
 
 def test_a_signal_of_the_users_own_is_left_to_its_handler():
