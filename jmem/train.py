@@ -19,6 +19,8 @@ import logging
 import math
 import os
 import signal
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -658,7 +660,6 @@ class _Stop:
   GRACE_SECONDS = 10.0
 
   def __enter__(self) -> "_Stop":
-    import threading  # pylint: disable=g-import-not-at-top
     if threading.current_thread() is not threading.main_thread():
       return self
     for name in self._SIGNALS:
@@ -681,7 +682,6 @@ class _Stop:
     os.close(self._write)        # ends the watchdog's read
 
   def _watch(self) -> None:
-    import time  # pylint: disable=g-import-not-at-top
     try:
       while data := os.read(self._read, 16):
         ours = [n for n in data if n in self._previous]   # set_wakeup_fd writes every
@@ -739,8 +739,7 @@ class _StallWatch:
 
   def __enter__(self) -> "_StallWatch":
     if self._floor:
-      import threading  # pylint: disable=g-import-not-at-top
-      threading.Thread(target=self._watch, name="jmem-stall-watch", daemon=True).start()
+        threading.Thread(target=self._watch, name="jmem-stall-watch", daemon=True).start()
     return self
 
   def __exit__(self, *exc) -> None:
@@ -748,7 +747,6 @@ class _StallWatch:
 
   def beat(self) -> None:
     """A step finished."""
-    import time  # pylint: disable=g-import-not-at-top
     now = time.monotonic()
     if self._last is not None:
       self._longest = max(self._longest, now - self._last)
@@ -761,15 +759,13 @@ class _StallWatch:
       yield
     finally:
       if self._last is not None:     # the wait restarts (before the watch looks again); the
-        import time  # pylint: disable=g-import-not-at-top   pause is no step's time
-        self._last = time.monotonic()
+        self._last = time.monotonic()  # pause is no step's time
       self._paused -= 1
 
   def limit(self) -> float:
     return max(self._floor, 10 * self._longest)
 
   def _watch(self) -> None:
-    import time  # pylint: disable=g-import-not-at-top
     while not self._done:
       time.sleep(0.5)
       if self._done or self._paused or self._last is None:
@@ -831,22 +827,21 @@ def _host_value(a) -> np.ndarray:
   return np.asarray(a)
 
 
-def _digests(leaves: list[Any]) -> list[str]:
-  """A SHA-256 (first 16 hex digits) of each array's dtype, shape and bytes."""
+def _digests(values: list[np.ndarray]) -> list[str]:
+  """A SHA-256 (first 16 hex digits) of each host array's dtype, shape and bytes."""
   out = []
-  for a in leaves:
-    v = np.ascontiguousarray(_host_value(a))
+  for v in values:
+    v = np.ascontiguousarray(v)
     h = hashlib.sha256(f"{v.dtype.str}{v.shape}".encode())
     h.update(v.tobytes())
     out.append(h.hexdigest()[:16])
   return out
 
 
-def _nonfinite(leaves: list[Any]) -> list[int]:
-  """Indices of the floating arrays that hold a NaN or an infinity."""
+def _nonfinite(values: list[np.ndarray]) -> list[int]:
+  """Indices of the floating host arrays that hold a NaN or an infinity."""
   bad = []
-  for i, a in enumerate(leaves):
-    v = _host_value(a)
+  for i, v in enumerate(values):
     if jnp.issubdtype(v.dtype, jnp.inexact) and not np.isfinite(v).all():
       bad.append(i)
   return bad
@@ -984,14 +979,15 @@ class _Checkpoints:
     except Exception as e:  # pylint: disable=broad-except  (tensorstore raises Exception)
       return None, f"unreadable, {_first_line(e)}"
     expected = integrity.get("sha256", [])
-    digests = _digests(saved)
+    values = [_host_value(a) for a in saved]      # one copy to the host, for both checks
+    digests = _digests(values)
     if len(expected) != len(digests):
       return None, f"its integrity record lists {len(expected)} arrays, the state has {len(digests)}"
     changed = [i for i, (a, b) in enumerate(zip(digests, expected)) if a != b]
     if changed:
       return None, (f"{len(changed)} of {len(digests)} arrays differ from the checksums "
                     f"written with them (array {changed[0]} first): corrupted on disk")
-    nonfinite = _nonfinite(saved)
+    nonfinite = _nonfinite(values)
     if nonfinite:
       return None, (f"{len(nonfinite)} of {len(saved)} arrays hold NaN or inf (array "
                     f"{nonfinite[0]} first): the run had diverged when it was saved")
@@ -1019,7 +1015,7 @@ class _Checkpoints:
     if not (force or self._manager.should_save(step)):
       return False
     leaves = _to_savable(state)
-    integrity = {"sha256": _digests(leaves)}
+    integrity = {"sha256": _digests([_host_value(a) for a in leaves])}
     saved = self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(leaves), run=ocp.args.JsonSave(record),
         integrity=ocp.args.JsonSave(integrity)), force=force)
