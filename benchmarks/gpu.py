@@ -646,20 +646,10 @@ def _stamp(extra: dict) -> dict:
   """Commit, date and versions every result file names."""
   import jax  # pylint: disable=g-import-not-at-top
   import jaxlib  # pylint: disable=g-import-not-at-top
-  return {"commit": _git_commit(), "date": datetime.date.today().isoformat(),
+  from jmem import bench  # pylint: disable=g-import-not-at-top
+  return {"commit": bench.source_commit(), "date": datetime.date.today().isoformat(),
           "jax": jax.__version__, "jaxlib": jaxlib.__version__,
           **{k: v for k, v in extra.items() if k not in ("jax", "jaxlib")}}
-
-
-def _git_commit() -> str | None:
-  try:
-    out = subprocess.run(["git", "-C", os.path.dirname(HERE), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True, timeout=10)
-    dirty = subprocess.run(["git", "-C", os.path.dirname(HERE), "status", "--porcelain",
-                            "--untracked-files=no"], capture_output=True, text=True, timeout=10)
-    return out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "") or None
-  except Exception:  # pylint: disable=broad-except
-    return None
 
 
 def _slug(kind: str) -> str:

@@ -117,13 +117,14 @@ def main(argv=None) -> int:
                   help="also time this many steps with and without waiting (0: skip)")
   args = ap.parse_args(argv)
   import jax  # pylint: disable=g-import-not-at-top
+  from jmem import bench  # pylint: disable=g-import-not-at-top
   runs = []
   for i in range(args.runs):
     runs.append(soak_run(args.steps, args.timeout))
     r = runs[-1]
     print(f"run {i + 1}/{args.runs}: {'complete' if r['complete'] else 'FAILED'} "
           f"{r['exit_codes']} in {r['seconds']} s", flush=True)
-  result = {"commit": _common_commit(), "date": datetime.date.today().isoformat(),
+  result = {"commit": bench.source_commit(), "date": datetime.date.today().isoformat(),
             "jax": jax.__version__, "device": "CPU, 2 processes x 4 simulated devices",
             "command": "jmem " + " ".join(COMMAND) + f" --steps {args.steps}",
             "runs": runs, "complete": sum(r["complete"] for r in runs)}
@@ -147,17 +148,6 @@ def main(argv=None) -> int:
               for m in ("wait", "async")]
   _common.write_report("soak_multiprocess", result, lines)
   return 0 if result["complete"] == len(runs) else 1
-
-
-def _common_commit():
-  try:
-    head = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, timeout=10).stdout.strip()
-    dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, timeout=10).stdout.strip()
-    return head + ("+changes" if dirty else "")
-  except Exception:  # pylint: disable=broad-except
-    return None
 
 
 if __name__ == "__main__":
