@@ -384,3 +384,15 @@ def test_every_model_trains_and_benches_with_the_default_image_size(capsys, tmp_
   assert written["meta"]["commit"] == bench.source_commit(), written["meta"]
   assert bench.source_commit() is None or re.fullmatch(r"[0-9a-f]{7,}(\+changes)?",
                                                        bench.source_commit())
+
+
+def test_source_commit_of_a_copy_without_git_is_the_named_one(monkeypatch):
+  """A checkout's files copied where git has no repository (a GPU machine) name the commit
+  they came from in ``JMEM_SOURCE_COMMIT``; without it they name none."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  no_repo = lambda *a, **k: subprocess.CompletedProcess(a, 128, "", "not a git repository")
+  monkeypatch.setattr(subprocess, "run", no_repo)
+  monkeypatch.delenv("JMEM_SOURCE_COMMIT", raising=False)
+  assert bench.source_commit() is None
+  monkeypatch.setenv("JMEM_SOURCE_COMMIT", "51d1694")
+  assert bench.source_commit() == "51d1694"
