@@ -498,22 +498,24 @@ def source_commit() -> str | None:
   """The git commit of jmem's source checkout (``+changes`` when its tracked files differ
   from it), or None for an installed copy: every result file names what produced it.
 
-  A copy without git (a checkout's files sent to a GPU machine) names the commit it was
-  copied from in ``JMEM_SOURCE_COMMIT``; that value is returned where git has none.
+  ``JMEM_SOURCE_COMMIT``, where set, is returned as it is: a checkout's files copied to
+  another machine (a GPU's) name the commit they were copied from, whatever git there says.
   """
   import subprocess  # pylint: disable=g-import-not-at-top
   here = os.path.dirname(os.path.abspath(__file__))
   named = os.environ.get("JMEM_SOURCE_COMMIT") or None
+  if named:
+    return named
   try:
     head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, timeout=10)
     if head.returncode != 0:
-      return named
+      return None
     dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True, timeout=10)
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
   except (OSError, subprocess.SubprocessError):
-    return named
+    return None
 
 
 def write_results(rows: Sequence[dict[str, Any]], output_dir: str, *, stem: str = "bench",

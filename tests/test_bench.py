@@ -386,9 +386,9 @@ def test_every_model_trains_and_benches_with_the_default_image_size(capsys, tmp_
                                                        bench.source_commit())
 
 
-def test_source_commit_of_a_copy_without_git_is_the_named_one(monkeypatch):
-  """A checkout's files copied where git has no repository (a GPU machine) name the commit
-  they came from in ``JMEM_SOURCE_COMMIT``; without it they name none."""
+def test_source_commit_of_a_copy_is_the_named_one(monkeypatch):
+  """A checkout's files copied to another machine (a GPU's, where git may have no
+  repository or another base) name the commit they came from in ``JMEM_SOURCE_COMMIT``."""
   import subprocess  # pylint: disable=g-import-not-at-top
   no_repo = lambda *a, **k: subprocess.CompletedProcess(a, 128, "", "not a git repository")
   monkeypatch.setattr(subprocess, "run", no_repo)
@@ -396,3 +396,6 @@ def test_source_commit_of_a_copy_without_git_is_the_named_one(monkeypatch):
   assert bench.source_commit() is None
   monkeypatch.setenv("JMEM_SOURCE_COMMIT", "51d1694")
   assert bench.source_commit() == "51d1694"
+  monkeypatch.undo()
+  monkeypatch.setenv("JMEM_SOURCE_COMMIT", "2bdf73e")
+  assert bench.source_commit() == "2bdf73e"     # named, whatever this checkout's git says
