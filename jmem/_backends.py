@@ -103,8 +103,8 @@ def check_implementation(implementation, op_names: Sequence[str], what: str) -> 
   names = implementations(*op_names)
   if implementation is not None and (not isinstance(implementation, str)
                                      or implementation not in names):
-    raise ValueError(f"{what}: implementation must be one of {names} or None (the kernels "
-                     f"on a GPU, XLA elsewhere), got {implementation!r}.")
+    raise ValueError(f"{what}: implementation must be one of {names} or None (the "
+                     f"automatic choice), got {implementation!r}.")
 
 
 def get(op: str, implementation: str) -> Callable:
@@ -135,8 +135,8 @@ def choose(implementation, op_names: Sequence[str], what: str, **config) -> str:
 
   ``implementation`` is validated (`check_implementation`). ``None`` is the automatic
   choice: XLA unless the default backend is a GPU (or inside
-  `pallas_kernels.compiled_kernels`, lowering for one); there, the ops' GPU default when
-  it takes ``config`` (and no `automatic_xla` context says otherwise), else XLA with a
+  `pallas_kernels.compiled_kernels`, lowering for one); there, the ops' GPU default (XLA
+  where none is registered: ActNN's, whose kernels make a step slower) when it takes ``config`` (and no `automatic_xla` context says otherwise), else XLA with a
   warning saying why (a slower path is never taken silently). A named backend that cannot take ``config`` raises ValueError.
   """
   check_implementation(implementation, op_names, what)

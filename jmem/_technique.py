@@ -36,8 +36,8 @@ def keep_exact(x):
   return checkpoint_name(x, EXACT_RESIDUAL)
 
 
-# The built-in kernel backends of a technique with kernels (None: the kernels on a GPU, XLA
-# elsewhere). Which names an op takes is `jmem._backends`' registry: these and any added.
+# The built-in kernel backends of a technique with kernels (None: the automatic choice of
+# `jmem._backends.choose`). Which names an op takes is `jmem._backends`' registry: these and any added.
 IMPLEMENTATIONS = ("xla", "pallas")
 
 Where = Union[None, type, str, tuple]
@@ -105,7 +105,7 @@ class BenchTechnique:
       batch first (`jmem.surgery.calibrate`), else at the level's bits everywhere.
     has_kernels: the technique has Pallas kernels; ``convert`` then takes an
       implementation chosen with a name suffix: ``"actnn-L3:pallas"``,
-      ``"inplace-abn:xla"`` (no suffix: the kernels on a GPU, XLA elsewhere).
+      ``"inplace-abn:xla"`` (no suffix: the automatic choice, `jmem._backends.choose`).
     kernel_ops: the `jmem._backends` ops its kernels implement: a suffix must name an
       implementation registered for all of them (empty: one of `IMPLEMENTATIONS`).
     implementation: the suffix's implementation (None: automatic).

@@ -8,7 +8,7 @@
 * Average pooling is linear: it saves nothing (and stays an average, never a max).
 
 Shapes are channels last; ``key`` (optional) seeds the stochastic rounding;
-``implementation`` (``"xla"``, ``"pallas"``, ``None`` = the kernels on a GPU) picks the
+``implementation`` (``"xla"``, ``"pallas"``, ``None`` = automatic: XLA) picks the
 quantizer's backend (`jmem.ops.actnn.quantize.quantize`).
 
 References:

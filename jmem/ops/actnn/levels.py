@@ -130,7 +130,7 @@ def compressed(target, *, bits: int = 2, group_size: int = 256, offload: bool = 
   module paths ("/"-joined scope names, e.g. ``"stage1_block0"``) to their own bits (see
   `calibrate`); other instances use ``bits``. Static (non-array) arguments of the wrapped
   method must be passed as module attributes. ``implementation`` (``"xla"``, ``"pallas"``,
-  ``None`` = the kernels on a GPU) picks the quantizer's backend
+  ``None`` = automatic: XLA) picks the quantizer's backend
   (`jmem.ops.actnn.quantize.quantize`).
   """
   layer_bits = dict(layer_bits or {})

@@ -33,7 +33,8 @@ no ``select_and_scatter`` (`jmem._window.indexed_max_pool`).
 Implementations (`jmem._backends`, ops `QUANTIZE_PACK` and `UNPACK_DEQUANTIZE`):
 ``implementation="xla"`` (pure JAX, the reference and the default off GPUs), ``"pallas"``
 (the fused kernels; in interpret mode, with a warning, off GPUs), any other registered
-backend, or ``None`` (the kernels on a GPU where they take the configuration, else XLA).
+backend, or ``None`` (automatic: XLA, on GPUs too, where a whole step with the kernels is
+slower and bigger; see the registration below).
 
 References:
   Chen et al., ActNN: Reducing Training Memory Footprint via 2-Bit Activation Compressed
@@ -200,8 +201,8 @@ def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 2
     group_size: values per group (``group_size * bits`` a multiple of 8).
     implementation: ``"xla"``, ``"pallas"`` (the fused statistics + quantize + pack kernel
       of `pallas_kernels.quantize`; bit-identical codes in interpret mode), another name
-      registered in `jmem._backends`, or ``None`` (`resolve_implementation`: the kernel on
-      a GPU).
+      registered in `jmem._backends`, or ``None`` (`resolve_implementation`: XLA, on a
+      GPU too).
     interpret: Pallas interpret mode (``None``: on non-GPU backends, with a warning).
 
   Returns:
@@ -291,10 +292,16 @@ def _triton_blocks(*, bits, group_size):
 
 _backends.register(_backends.QUANTIZE_PACK, "xla", _quantize_pack_xla)
 _backends.register(_backends.UNPACK_DEQUANTIZE, "xla", _unpack_dequantize_xla)
+# The kernels are not the GPU default: alone they move more bytes per second than the XLA
+# path, but a step built with them is slower and bigger, since each is a custom call that XLA
+# cannot fuse with the op producing or consuming the residual. ResNet-50 224² at batch 128 on
+# an H200 (benchmarks/results/gpu/gpu_nvidia_h200_2026-11-28.md): L3 steps at 1.21x exact's
+# time with XLA against 1.44x with the kernels in float32, 1.52x against 1.91x in bfloat16,
+# with 19.8 against 23.0 MiB per example (H100 target); an H100 gave the same order.
 _backends.register(_backends.QUANTIZE_PACK, "pallas", _quantize_pack_pallas,
-                   unsupported=_triton_blocks, gpu_default=True)
+                   unsupported=_triton_blocks)
 _backends.register(_backends.UNPACK_DEQUANTIZE, "pallas", _unpack_dequantize_pallas,
-                   unsupported=_triton_blocks, gpu_default=True)
+                   unsupported=_triton_blocks)
 
 
 def packed_nbytes(shape: tuple[int, ...], *, bits: int = 2, group_size: int = 256) -> int:
@@ -565,7 +572,7 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
       inputs = jax.tree.leaves(args) if arguments_only else None
       key = data_key(jax.tree.leaves(args)) if key is None else key
       # Resolved here, where the kernels first run (so a wrapper built outside
-      # `lowering_for_gpu` still picks the kernels inside it); the backward reuses it.
+      # `lowering_for_gpu` makes the choice for a GPU inside it); the backward reuses it.
       impl = (implementation if bits is None or implementation else
               resolve_implementation(None, bits=bits, group_size=group_size))
       layout["kw"] = kw = dict(kernel_kw, implementation=impl,
