@@ -78,6 +78,7 @@ from flax import nnx
 from jmem.ops.actnn import levels as actnn_lib
 from jmem.ops.actnn import quantize as quantize_lib
 from jmem.surgery import _common
+from jmem.surgery._common import CoverageWarning as CoverageWarning
 from jmem.surgery._common import NothingMatched as NothingMatched
 from jmem.surgery._common import batch_mask as batch_mask
 from jmem.surgery._common import rngs as rngs
@@ -99,7 +100,7 @@ __all__ = ["convert", "Technique", "TECHNIQUE_TYPES", "Remat", "ActNN", "Policy"
            "InPlaceABN", "SBP", "Spatial", "technique", "technique_names", "batch_mask", "rngs",
            "sites", "inplace_abn_sites", "inplace_abn_params", "sensitivities", "calibrate",
            "gradient_noise",
-           "convert_nnx", "NothingMatched"]
+           "convert_nnx", "NothingMatched", "CoverageWarning"]
 
 
 # What `convert` takes (tests/test_pairs.py holds every pair of them to a test).

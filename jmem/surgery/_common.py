@@ -25,10 +25,10 @@ from jmem.ops.sbp.technique import SBP
 _WARNED: set = set()
 
 
-def warn_once(tag: str, message: str) -> None:
+def warn_once(tag: str, message: str, category: type[Warning] = UserWarning) -> None:
   if tag not in _WARNED:
     _WARNED.add(tag)
-    _warn.warn(message)
+    _warn.warn(message, category)
 
 
 def no_sbp_key_warning():
@@ -426,6 +426,73 @@ def check_all_matched(techniques, hits, seen_paths, what: str) -> None:
         f"Module paths: {', '.join(p or '<top>' for p in seen_paths[:12])}"
         f"{' ...' if len(seen_paths) > 12 else ''}. Give where= a module class or a regular "
         "expression over these paths.")
+
+
+class CoverageWarning(UserWarning):
+  """A technique took fewer of the model's layers than it looks like it would: what it left
+  out, why, and how to include it (`check_coverage`)."""
+
+
+_CONTAINERS = (nn.Sequential, nnx.Sequential)
+
+
+def is_single_layer(cls) -> bool:
+  """A layer of Flax's own (``nn.Conv``, ``nnx.BatchNorm``, ...), not a block of several."""
+  return cls.__module__.startswith("flax.") and not issubclass(cls, _CONTAINERS)
+
+
+def conv_like(kernel) -> bool:
+  """A parameter shaped like a 2-D convolution's kernel (``[kh, kw, in, out]``)."""
+  return getattr(kernel, "ndim", 0) == 4
+
+
+def check_coverage(techniques, hits, layers, model_name: str) -> None:
+  """Warns (`CoverageWarning`, once per technique and model class) where a technique's
+  sites leave most of what it is for out, saying what, why and how to include it.
+
+  ``layers``: ``{path: (class, owns a 4-D kernel)}`` of every module call (linen) or
+  module (NNX). Two cases: `Remat` (or a recomputing `Policy`) on its default sites where
+  those are all single Flax layers (a flat model: recomputing one layer saves next to
+  nothing, its input being saved anyway as the previous layer's output); `Spatial` where
+  modules with a convolution kernel are not its sites (a module computing its own
+  convolution with ``lax.conv_general_dilated``, which it cannot see).
+  """
+  from jmem.ops.policy import Policy  # pylint: disable=g-import-not-at-top
+  from jmem.ops.remat import Remat  # pylint: disable=g-import-not-at-top
+  from jmem.parallel.spatial.technique import Spatial  # pylint: disable=g-import-not-at-top
+  for i, t in enumerate(techniques):
+    taken = list(dict.fromkeys(hits.get(i) or ()))
+    name = type(t).__name__
+    recomputes = isinstance(t, Remat) or (isinstance(t, Policy) and
+                                          t.kind in ("recompute", "recompute_compressed"))
+    if recomputes and t.where is None and taken and all(
+        p in layers and is_single_layer(layers[p][0]) for p in taken):
+      shown = ", ".join(f"{p} ({layers[p][0].__name__})" for p in taken[:5])
+      warn_once(f"coverage-{name}-{model_name}", (
+          f"jmem.{name} on {model_name}: its default sites, the top module's direct "
+          f"children, are single layers here ({len(taken)}: {shown}"
+          f"{', ...' if len(taken) > 5 else ''}), and recomputing one layer saves next to "
+          "nothing (its input is saved anyway, as the previous layer's output). "
+          "Recomputation needs blocks, modules holding several layers (nn.Sequential / "
+          "nnx.Sequential, or modules of your own): build the model from them, or name "
+          "deeper ones in where= (a class, or a regular expression over module paths)."),
+          CoverageWarning)
+    if isinstance(t, Spatial) and t.where is None:
+      convs = [p for p, (_, k) in layers.items() if k]
+      left = [p for p in convs if p not in taken]
+      if left:
+        shown = ", ".join(f"{p} ({layers[p][0].__name__})" for p in left[:5])
+        warn_once(f"coverage-{name}-{model_name}", (
+            f"jmem.Spatial on {model_name} took {len(set(convs) - set(left))} of the "
+            f"{len(convs)} modules with a convolution kernel; not {len(left)}: {shown}"
+            f"{', ...' if len(left) > 5 else ''}. "
+            "Spatial shards the 2-D convolutions of flax.linen.Conv / nnx.Conv calls only; "
+            "these are other modules (a module of your own computing its convolution, e.g. "
+            "with lax.conv_general_dilated, or a transposed convolution), which it leaves: "
+            "XLA partitions those as it can (jmem.collective_counts of the compiled step "
+            "shows the collectives). To include one, build it from nn.Conv / nnx.Conv (a "
+            "depthwise convolution is Conv(C, kernel, feature_group_count=C)); where= says "
+            "which convolutions you mean and silences this."), CoverageWarning)
 
 
 def is_head(module) -> bool:

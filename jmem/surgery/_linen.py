@@ -106,6 +106,7 @@ class _Trace:
   calls: list = dataclasses.field(default_factory=list)      # paths of the calls running
   roots: list = dataclasses.field(default_factory=list)      # (path, id) of detached roots
   covering: list = dataclasses.field(default_factory=list)   # block sites the call is in
+  layers: dict = dataclasses.field(default_factory=dict)     # path -> (class, conv kernel)
 
   # ------------------------------------------------------------------ classification
   def _bn_techniques(self):
@@ -535,11 +536,22 @@ class Converted(nn.Module):
         return next_fun(*a, **kw)
       finally:
         trace.calls.pop()
+        if p not in trace.layers:
+          trace.layers[p] = (type(mod), c.conv_like(_own_kernel(mod)))
 
     with nn.intercept_methods(record), nn.intercept_methods(trace.intercept):
       y = call()
     c.check_all_matched(self.techniques, trace.hits, trace.seen, "module call")
+    c.check_coverage(self.techniques, trace.hits, trace.layers, type(self.model).__name__)
     return y
+
+
+def _own_kernel(mod: nn.Module):
+  """The module's own ``kernel`` parameter (None where it has none)."""
+  try:
+    return mod.get_variable("params", "kernel")
+  except Exception:  # pylint: disable=broad-except  (an unbound or detached scope)
+    return None
 
 
 class _MethodOf:

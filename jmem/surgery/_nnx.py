@@ -284,6 +284,9 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
       hits[i].append(name(p))
 
   c.check_all_matched(techniques, hits, seen, "module")
+  c.check_coverage(techniques, hits, {
+      name(p): (type(m), c.conv_like(getattr(getattr(m, "kernel", None), "value", None)))
+      for p, m in modules}, type(model).__name__)
   for action in actions:
     action()
   return model
