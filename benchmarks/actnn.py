@@ -16,7 +16,7 @@ technique): each site's GACT sensitivity, weight and bits, and the measured grad
 """
 
 
-from _common import RESULTS, parser, write_report
+from _common import parser, write_bench, write_report
 from jmem import bench, data, models
 from jmem.ops import actnn
 from jmem.ops.actnn import technique as actnn_technique
@@ -29,7 +29,7 @@ def resnet50():
                                           techniques=LEVELS, memory_only=True), progress=False)
   for r in r50:
     r["saved_reduction_x"] = r["baseline_saved_bytes"] / r["saved_bytes"]
-  bench.write_results(r50, RESULTS, stem="actnn_resnet50")
+  write_bench(r50, "actnn_resnet50")
   print(bench.format_table(r50))
 
 
@@ -38,14 +38,14 @@ def digits(seeds, steps):
                                           steps=steps), progress=False)
   for r in acc:
     r["accuracy_minus_exact"] = r["accuracy"] - acc[0]["accuracy"]
-  bench.write_results(acc, RESULTS, stem="actnn_digits", meta=dict(seeds=list(seeds)))
+  write_bench(acc, "actnn_digits", meta=dict(seeds=list(seeds)))
   print(bench.format_table(acc))
 
 
 def timing(seeds, steps):
   rows = bench.run_bench(bench.BenchConfig(techniques=("actnn-L1", "actnn-L4", "actnn-L5"),
                                            seeds=seeds[:1], steps=steps), progress=False)
-  bench.write_results(rows, RESULTS, stem="actnn_digits_timing")
+  write_bench(rows, "actnn_digits_timing")
   print(bench.format_table(rows))
 
 
