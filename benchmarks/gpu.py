@@ -14,7 +14,7 @@ ResNet-50 224² in float32 and bfloat16, a ResNet-50 jmem did not write (flaxmod
 assignment computed on this machine) at two batch sizes (the slope: what one more example
 costs) and at the largest batch the slope puts within the H100's memory limit (confirmed
 fitting by that compile), and writes ``results/gpu/h100_target.{json,md}``: the memory
-columns of the README's table. Commit it: a GPU run reads it.
+columns of the README's and docs/gpu.md's tables. Commit it: a GPU run reads it.
 
 On a GPU it works in two phases within ``--time-budget``, writing its results after every
 row: (1) every row compiled at both batch sizes in parallel processes that fill a persistent
