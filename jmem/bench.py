@@ -547,7 +547,8 @@ def write_results(rows: Sequence[dict[str, Any]], output_dir: str, *, stem: str 
 def _plot(rows, path):
   """Left: the largest batch per technique at each budget (what a user buys); right: the
   saved activation and compiled temp bytes at the bench's batch."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  from jmem import _extras  # pylint: disable=g-import-not-at-top
+  matplotlib = _extras.require("matplotlib", "The bench's figures")
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   names = [r["technique"] for r in rows]

@@ -12,6 +12,8 @@ import signal
 import sys
 import warnings
 
+from jmem import _extras
+
 __all__ = ["main"]
 
 
@@ -550,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     _target_platforms(args)
     _simulate_host_devices(argv, getattr(args, "local_devices", None), _plan_devices(args))
     return {"bench": _bench, "train": _train, "plan": _plan}[args.command](args)
-  except ValueError as e:
+  except (ValueError, _extras.MissingExtra) as e:
     parser.exit(2, f"jmem {args.command}: error: {e}\n")
   except KeyboardInterrupt as e:
     from jmem import train  # pylint: disable=g-import-not-at-top

@@ -46,8 +46,8 @@ class Dataset:
 
 @functools.cache
 def _raw_digits() -> tuple[np.ndarray, np.ndarray]:
-  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
-  d = load_digits()
+  from jmem import _extras  # pylint: disable=g-import-not-at-top
+  d = _extras.require("sklearn.datasets", "jmem.data's digits").load_digits()
   return d.images.astype(np.float32) / 16.0, d.target.astype(np.int32)
 
 
@@ -68,7 +68,8 @@ def _resize(images: np.ndarray, size: int) -> np.ndarray:
   """Bilinear resize of ``[N, h, w]`` images to ``[N, size, size]``."""
   if images.shape[-1] == size:
     return images
-  from scipy import ndimage  # pylint: disable=g-import-not-at-top
+  from jmem import _extras  # pylint: disable=g-import-not-at-top
+  ndimage = _extras.require("scipy.ndimage", "Resizing the digits")
   zoom = (1.0, size / images.shape[1], size / images.shape[2])
   out = ndimage.zoom(images, zoom, order=1, mode="nearest", grid_mode=True)
   return np.clip(out, 0.0, 1.0).astype(np.float32)

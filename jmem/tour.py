@@ -230,7 +230,8 @@ def write_tour(rows, output_dir: str, meta: dict | None = None) -> dict[str, str
     f.write("# jmem bench: the tour\n\n" + (f"Memory figures for: {label}.\n\n" if label else "")
             + "".join(f"- {k}: {v}\n" for k, v in (meta or {}).items()) + "\n"
             + format_tour(rows) + "\n")
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  from jmem import _extras  # pylint: disable=g-import-not-at-top
+  matplotlib = _extras.require("matplotlib", "The bench's figures")
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(6.5, 4.5))

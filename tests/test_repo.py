@@ -37,6 +37,7 @@ def _jmem_imports(path: pathlib.Path) -> set[str]:
 
 # Private shared modules, below every technique: they import only each other.
 LOW = {"jmem._axes", "jmem._backends", "jmem._bn_core", "jmem._context", "jmem._elementwise",
+       "jmem._extras",
        "jmem._technique", "jmem._warn", "jmem._window"}
 # One package (or module) per technique.
 TECHNIQUES = ("jmem.ops.actnn", "jmem.ops.inplace_abn", "jmem.ops.sbp", "jmem.ops.remat",
