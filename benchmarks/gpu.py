@@ -14,7 +14,7 @@ ResNet-50 224² in float32 and bfloat16, a ResNet-50 jmem did not write (flaxmod
 assignment computed on this machine) at two batch sizes (the slope: what one more example
 costs) and at the largest batch the slope puts within the H100's memory limit (confirmed
 fitting by that compile), and writes ``results/gpu/h100_target.{json,md}``: the memory
-columns of the README's table. Commit it: a GPU run reads it.
+columns of the README's and docs/gpu.md's tables. Commit it: a GPU run reads it.
 
 On a GPU it works in two phases within ``--time-budget``, writing its results after every
 row: (1) every row compiled at both batch sizes in parallel processes that fill a persistent
@@ -43,6 +43,9 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
 RESULTS = os.path.join(HERE, "results", "gpu")
 PREDICTED = os.path.join(RESULTS, "h100_target.json")
 
@@ -651,13 +654,12 @@ def _vs_exact(rows: dict, batches) -> None:
 
 
 def _stamp(extra: dict) -> dict:
-  """Commit, date and versions every result file names."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  from jmem import bench  # pylint: disable=g-import-not-at-top
-  return {"commit": bench.source_commit(), "date": datetime.date.today().isoformat(),
-          "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-          **{k: v for k, v in extra.items() if k not in ("jax", "jaxlib")}}
+  """Commit, date, versions, device and target every result file names (`_common.stamp`),
+  without touching a backend in this process: the device is the workers' (``device_kind``),
+  or none where the steps are compiled for a target."""
+  extra = {k: v for k, v in extra.items() if k not in ("jax", "jaxlib")}
+  device = extra.get("device_kind") or "CPU (compile only)"
+  return _common.stamp(extra.pop("target", None) or device, device=device, **extra)
 
 
 def _slug(kind: str) -> str:

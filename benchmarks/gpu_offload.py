@@ -61,6 +61,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _common  # pylint: disable=g-import-not-at-top,wrong-import-position
 import gpu  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 VARIANTS = ("exact", "offload", "offload-no-barrier", "offload-remat")
@@ -238,8 +239,8 @@ def main(argv=None) -> int:
   t0 = time.time()
   log = lambda m: print(f"[{time.time() - t0:6.1f}s] {m}", flush=True)
   device = jax.devices()[0].device_kind
-  out = {"group": args.group, "batch": args.batch, "device": device, "jax": jax.__version__,
-         "rows": {}}
+  out = {"meta": _common.stamp(device, device=device), "group": args.group,
+         "batch": args.batch, "device": device, "jax": jax.__version__, "rows": {}}
   rows, steps = out["rows"], {}
   # Written after every compile and run on a GPU: a run cut short keeps what it measured.
   save = (lambda: None) if platform == "cpu" else (lambda: _write(out, args, t0))
@@ -315,7 +316,8 @@ def _write(out: dict, args, t0: float) -> None:
   per = lambda f: "-" if f is None else f"{f / args.batch / 1e9:.2f}"
   lines = [f"# Host offload on {out['device']}: {args.group}, batch {args.batch}", "",
            "Written by `benchmarks/gpu_offload.py` (JAX " + out["jax"] + f", {out['wall_s']:.0f}"
-           " s). temp: the compiled step's temp bytes; to host, back: bytes its schedule "
+           f" s; commit {out['meta']['commit']}, {out['meta']['date']}). temp: the compiled "
+           "step's temp bytes; to host, back: bytes its schedule "
            "copies to host memory and back; held: the most device bytes that unfinished "
            "copies to the host hold at once; done in bwd: bytes whose copy to the host ends "
            "only in the backward pass; back in fwd: bytes whose copy back starts in the "

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
   lines += [f"| {r['technique']} | {r['target_mib_per_example']:.2f} | "
             f"{r['h100_mib_per_example']} | {r['gap_percent']:+.2f}% |" for r in rows]
   lines += ["", f"Every row within 1%: {'yes' if within else 'no'}."]
-  _common.write_report("h100_target_check", result, lines)
+  _common.write_report("h100_target_check", result, lines, target="h100")
   return 0
 
 

@@ -13,14 +13,12 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 
-import json  # noqa: E402
-
 import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
 
-from _common import RESULTS, parser  # noqa: E402
+from _common import RESULTS, parser, write_bench, write_report  # noqa: E402
 from jmem import bench, tour  # noqa: E402
 from jmem.parallel import sync_bn  # noqa: E402
+
 
 def inplace_abn_rows(seeds, steps):
   if "bn-leaky" not in bench.technique_names():
@@ -68,9 +66,6 @@ def main(argv=None):
 def write_sync_bn():
   sync = (sync_bn_rows() + sync_bn_rows((5, 1, 3, 8, 1, 2, 2, 7))
           + sync_bn_rows((5, 1, 3, 8, 1, 2, 2, 7), mean=1e4, std=1e-2))
-  with open(os.path.join(RESULTS, "sync_bn.json"), "w") as f:
-    json.dump({"meta": {"devices": "8 simulated CPU",
-                        "jax": jax.__version__}, "rows": sync}, f, indent=2)
   lines = ["# SyncBN vs flax.linen.BatchNorm: masked, unbalanced batch over 8 devices", "",
            "Oracle: plain BN on the concatenated valid samples. Forward+backward is the gradient "
            "of a local loss (no loss psum), so every collective counted (in the compiled HLO) "
@@ -85,16 +80,14 @@ def write_sync_bn():
                  f"{r['nan_outputs']} "
                  f"| {r['running_mean_error']:.3g} | {_format_counts(r['collectives_forward'])} | "
                  f"{_format_counts(r['collectives_forward_backward'])} |")
-  with open(os.path.join(RESULTS, "sync_bn.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  write_report("sync_bn", {"meta": {"devices": "8 simulated CPU"}, "rows": sync}, lines)
 
 
 def write_inplace_abn(seeds, steps):
   config, rows = inplace_abn_rows(seeds, steps)
-  bench.write_results(rows, RESULTS, stem="inplace_abn",
-                      meta={"config": vars(config) | {"seeds": list(seeds)},
-                            "twin": "bn-leaky (BN + leaky_relu 0.01, same preact20)"})
+  write_bench(rows, "inplace_abn",
+              meta={"config": vars(config) | {"seeds": list(seeds)},
+                    "twin": "bn-leaky (BN + leaky_relu 0.01, same preact20)"})
   extra = ["", "| technique | saved / twin | temp / twin | step time / twin | accuracy - twin |",
            "|---|---:|---:|---:|---:|"]
   for r in rows:

@@ -16,7 +16,6 @@ results/plan_resnet50_data{N}.{json,md}.
 """
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -35,7 +34,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jmem  # noqa: E402
 from jmem import data, models, planner as plan_lib, train  # noqa: E402
-from _common import RESULTS  # noqa: E402
+from _common import write_report  # noqa: E402
 
 GIB = 2**30
 UNIFORM = {
@@ -116,13 +115,8 @@ def main():
            "| site | policy |", "|---|---|"]
     md += [f"| {c['path']} | {c['policy']} |" for c in r["plan"]["choices"]]
     md += [""]
-  os.makedirs(RESULTS, exist_ok=True)
   stem = "plan_resnet50" + (f"_data{args.data}" if mesh else "")
-  with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
-    json.dump(rows, f, indent=1, default=str)
-  with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
-    f.write("\n".join(md) + "\n")
-  print("\n".join(md))
+  write_report(stem, rows, md)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ Writes benchmarks/results/sbp_memory.*, sbp_stt.*, sbp_vit.* and sbp_{stt,vit}_p
   python benchmarks/sbp.py [--seeds 0,1,2] [--steps 800] [--train-clips 8192]
       [--learning-rate 2e-3] [--pretrain-steps 1000] [--test-clips 256]
       [--parts memory,stt-resnet8,video-vit,stt-pretrained,video-vit-pretrained]
+      [--stem-suffix _1200steps]
+
+The video transformer's accuracy that the tour and docs quote (results/
+sbp_vit_pretrained_1200steps.*): ``--parts video-vit-pretrained --steps 1200 --test-clips
+1024 --stem-suffix _1200steps``.
 
 (1) compile-only memory of the StT model (per-frame ResNet-8 + temporal transformer) at
 keep ratios 0.5, 0.25, 0.125 against exact, with the paper's whole-step memory model
@@ -22,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from _common import RESULTS, parser
+from _common import RESULTS, parser, write_bench, write_report
 import jmem
 from jmem import bench, data, measure, models, train
 from jmem.models import video
@@ -48,7 +53,7 @@ def memory(common):
     keep = 1.0 if r["technique"] == "exact" else float(r["technique"].split("-")[1])
     r["paper_model_ratio"] = (keep * ms + (total - ms)) / total
     r["spatial_saved_share_of_exact"] = ms / total
-  bench.write_results(mem, RESULTS, stem="sbp_memory", meta=dict(
+  write_bench(mem, "sbp_memory", meta=dict(
       note="compile-only; paper_model_ratio = (r Ms + Mc)/(Ms + Mc) with Ms the per-frame "
            "CNN's saved bytes in exact training"))
   print(json.dumps([{k: r[k] for k in ("technique", "saved_ratio", "temp_ratio",
@@ -60,7 +65,7 @@ def accuracy(name, common, **train):
                                            **train), progress=False)
   rows[1]["accuracy_minus_exact"] = rows[1]["accuracy"] - rows[0]["accuracy"]
   stem = {"stt-resnet8": "sbp_stt", "video-vit": "sbp_vit"}[name]
-  bench.write_results(rows, RESULTS, stem=stem, meta=dict(
+  write_bench(rows, stem, meta=dict(
       seeds=list(train["seeds"]), steps=train["steps"], train_clips=train["train_clips"],
       learning_rate=train["learning_rate"]))
   print(bench.format_table(rows))
@@ -72,11 +77,12 @@ PRETRAINED = {"stt-pretrained": ("stt-resnet8", "sbp_stt_pretrained", 0.1),
 
 
 def pretrained(part, seeds, steps, train_clips, learning_rate, pretrain_steps=1000,
-               test_clips=256):
+               test_clips=256, stem_suffix=""):
   """The paper's setting: the spatial part pretrained on single frames (as the paper's
   per-frame ResNets and Video Swin were on ImageNet), then exact vs SBP r = 0.25 from the
   same weights, seeds and steps. The StT CNN is fine-tuned at 0.1x the learning rate."""
   name, stem, lr_scale = PRETRAINED[part]
+  stem += stem_suffix
   clips = data.moving_digits(16, frame_size=24, digit_size=8, num_train=train_clips,
                              num_test=test_clips)
   frames = data.frames_of(clips)
@@ -115,8 +121,6 @@ def pretrained(part, seeds, steps, train_clips, learning_rate, pretrain_steps=10
                        f"(digit labels), {pretrain_steps} steps, batch 128, seed 0; "
                        f"{pretrain_s:.0f} s; frame test accuracy {100 * frame_acc:.2f}%",
               backend=jax.default_backend())
-  with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
-    json.dump(dict(meta=meta, rows=rows), f, indent=1)
   lines = [f"# SBP, {name} with a pretrained spatial part (the paper's setting)", ""]
   lines += [f"- {k}: {v}" for k, v in meta.items()]
   lines += ["", "| technique | test accuracy (mean) | per seed | train s / seed |",
@@ -126,9 +130,7 @@ def pretrained(part, seeds, steps, train_clips, learning_rate, pretrain_steps=10
                  f"{', '.join(f'{100 * a:.2f}' for a in r['accuracy_per_seed'])} | "
                  f"{statistics.mean(r['train_seconds_per_seed']):.0f} |")
   lines += ["", f"SBP minus exact: {100 * rows[1]['accuracy_minus_exact']:+.2f} points."]
-  with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  write_report(stem, dict(meta=meta, rows=rows), lines)
 
 
 def main():
@@ -141,6 +143,8 @@ def main():
   p.add_argument("--test-clips", type=int, default=256,
                  help="held-out clips to evaluate on (*-pretrained)")
   p.add_argument("--parts", default="memory,stt-resnet8,video-vit")
+  p.add_argument("--stem-suffix", default="",
+                 help="appended to a *-pretrained part's results name")
   args = p.parse_args()
   common = dict(batch_size=32, image_size=24, num_frames=16)
   for part in args.parts.split(","):
@@ -148,7 +152,8 @@ def main():
       memory(common)
     elif part in PRETRAINED:
       pretrained(part, args.seeds, args.steps, args.train_clips,
-                 args.learning_rate, args.pretrain_steps, args.test_clips)
+                 args.learning_rate, args.pretrain_steps, args.test_clips,
+                 args.stem_suffix)
     else:
       accuracy(part, common, seeds=args.seeds, steps=args.steps,
                train_clips=args.train_clips, learning_rate=args.learning_rate)

@@ -1,4 +1,4 @@
-"""Soak: the README's two-process command, run again and again, must finish every time.
+"""Soak: the two-process command of docs/devices.md, run again and again, must finish every time.
 
 Issue 50: `jmem train --model resnet8 --technique sync-bn --mesh 8 --local-devices 4` in 2
 processes on 127.0.0.1 (2 x 4 simulated CPU devices) stopped for good in 6 of 9 runs of 400
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
             "runs": runs, "complete": sum(r["complete"] for r in runs)}
   if args.cost_steps:
     result["cost"] = {"steps": args.cost_steps, **cost(args.cost_steps, args.timeout)}
-  lines = ["# Soak: the README's two-process command", "",
+  lines = ["# Soak: the two-process command of docs/devices.md", "",
            f"- commit {result['commit']}, {result['date']}, JAX {result['jax']}, "
            f"{result['device']}",
            f"- command (each process): `{result['command']}`",

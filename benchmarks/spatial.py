@@ -17,7 +17,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -25,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from _common import RESULTS  # noqa: E402
+from _common import write_report  # noqa: E402
 from jmem import measure, models, train  # noqa: E402
 from jmem.parallel import spatial  # noqa: E402
 
@@ -182,19 +181,13 @@ def main():
   sections = [conv_rows(), stage_rows(), weak_scaling_rows()]
   if not args.skip_xl:
     sections.append(xl_rows())
-  meta = dict(jax_version=jax.__version__, backend=jax.default_backend(),
-              device=jax.devices()[0].device_kind, devices=jax.device_count(),
+  meta = dict(devices=jax.device_count(),
               note="8 simulated CPU devices on a 2-core machine: times are relative only")
-  os.makedirs(RESULTS, exist_ok=True)
-  with open(os.path.join(RESULTS, "spatial.json"), "w") as f:
-    json.dump(dict(meta=meta, sections=sections), f, indent=2)
-  with open(os.path.join(RESULTS, "spatial.md"), "w") as f:
-    f.write("# Spatially sharded ConvNeXt vs XLA automatic partitioning\n\n")
-    f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()))
-    for rows in sections:
-      f.write(f"\n## {rows[0]['section']}\n\n{_table(rows)}\n")
-  print(open(os.path.join(RESULTS, "spatial.md")).read())
-
+  lines = ["# Spatially sharded ConvNeXt vs XLA automatic partitioning", ""]
+  lines += [f"- {k}: {v}" for k, v in meta.items()]
+  for rows in sections:
+    lines += ["", f"## {rows[0]['section']}", "", _table(rows)]
+  write_report("spatial", dict(meta=meta, sections=sections), lines)
 
 if __name__ == "__main__":
   main()

@@ -183,7 +183,7 @@ def test_spatial_refuses_what_it_cannot_do():
 ])
 def test_sharded_conv_equals_lax_on_uneven_blocks(shape, kernel, strides, padding, groups):
   """`sharded_conv` on a 2 x 4 mesh against ``lax.conv_general_dilated``: forward and both
-  gradients (a random sweep of 300 cases is benchmarks/spatial_sweep.py)."""
+  gradients (a random sweep of 300 cases: docs/decisions.md, Spatial)."""
   from jmem.parallel.spatial import sharded_conv  # pylint: disable=g-import-not-at-top
   mesh = _mesh()
   x = jax.random.normal(jax.random.key(0), shape)

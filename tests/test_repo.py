@@ -93,3 +93,50 @@ def test_a_bare_import_reaches_every_public_submodule():
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120, cwd=ROOT)
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "module 'jmem' has no attribute 'not_a_module'"
+
+
+def test_readme_is_short_and_narrow():
+  """Issue 48: the README is an entry point (at most 200 lines of at most 100 columns);
+  everything else lives in docs/."""
+  lines = (ROOT / "README.md").read_text().splitlines()
+  assert len(lines) <= 200, len(lines)
+  wide = [(i, len(line)) for i, line in enumerate(lines, 1) if len(line) > 100]
+  assert not wide, wide
+
+
+def _commit(meta) -> str | None:
+  return meta.get("commit") if isinstance(meta, dict) else None
+
+
+def test_every_benchmark_result_names_its_commit():
+  """Every JSON result outside results/gpu/ (GPU runs kept verbatim, with a header) names
+  the commit that wrote it; no benchmark script puts tests/ on its path."""
+  import json  # pylint: disable=g-import-not-at-top
+  results = ROOT / "benchmarks" / "results"
+  unnamed = []
+  for path in sorted(results.rglob("*.json")):
+    if (results / "gpu") in path.parents:
+      continue
+    data = json.loads(path.read_text())
+    if not (isinstance(data, dict) and (_commit(data.get("meta")) or _commit(data))):
+      unnamed.append(str(path.relative_to(results)))
+  assert not unnamed, unnamed
+  for path in (results / "gpu").glob("*.json"):
+    data = json.loads(path.read_text())
+    assert _commit(data.get("header")) or _commit(data.get("meta")), path.name
+  for path in (ROOT / "benchmarks").glob("*.py"):
+    text = path.read_text()
+    assert not re.search(r"sys\.path\.[a-z]+\([^\n]*tests", text), path.name
+
+
+def test_relative_links_in_readme_and_docs_exist():
+  pages = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+  assert len(pages) > 1
+  broken = []
+  for page in pages:
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+      if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        continue
+      if not (page.parent / target.split("#")[0]).exists():
+        broken.append((page.name, target))
+  assert not broken, broken

@@ -298,7 +298,7 @@ def test_evaluate_on_a_data_axis_any_test_set_size():
 def test_steps_wait_for_each_other_where_xla_cpu_collectives_need_it(digits8, monkeypatch):
   """Issue 50: XLA:CPU's collectives with many steps in flight aborted (exit 134) or hung a
   multi-device run; `train` waits for each step there (benchmarks/soak_multiprocess.py runs
-  the README's two-process command), and keeps JAX's asynchronous queue elsewhere."""
+  the two-process command of docs/devices.md), and keeps JAX's asynchronous queue elsewhere."""
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("data",))
   on_mesh = jax.device_put(jnp.ones(8), jax.sharding.NamedSharding(mesh, jax.P()))
   assert train._collectives_need_waiting({"w": on_mesh})

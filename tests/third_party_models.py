@@ -1,7 +1,7 @@
 """Models written as a Flax user would write them: plain flax only, none of jmem's hooks.
 
-They are what `jmem.convert` is tested on (tests/test_convert.py) and measured on
-(benchmarks/any_model.py): their own BatchNorm subclass, stems built inline, functional
+They are what `jmem.convert` is tested on (tests/test_convert.py) and was measured on
+(docs/decisions.md): their own BatchNorm subclass, stems built inline, functional
 activations, global means, ``nn.Sequential`` pairs, attention from Flax.
 """
 
