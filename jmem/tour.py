@@ -20,6 +20,7 @@ cores, most of it compiling; tests/test_tour.py checks the parts).
 from __future__ import annotations
 
 import os
+import textwrap
 from typing import Any
 
 import jax
@@ -217,6 +218,17 @@ def format_tour(rows) -> str:
   return "\n".join(lines)
 
 
+def _models_note(rows) -> str:
+  """What the tour's points compare: each technique with exact on its own model."""
+  models = list(dict.fromkeys(r["model"] for r in rows if r.get("model")))
+  per_device = any("per-device" in r.get("section", "") for r in rows)
+  return (f"Each point compares a technique with exact on the same model; the points span "
+          f"{len(models)} model{'s' if len(models) != 1 else ''} ({', '.join(models)}), so "
+          "compare a technique with exact, not with a technique on another model."
+          + (" Points marked per device are one device's bytes of a step sharded over "
+             "several." if per_device else ""))
+
+
 def write_tour(rows, output_dir: str, meta: dict | None = None) -> dict[str, str]:
   """``tour.json``, ``tour.md`` and ``tour.png`` (max-batch multiplier against FLOPs,
   one point per technique) in ``output_dir``."""
@@ -228,6 +240,7 @@ def write_tour(rows, output_dir: str, meta: dict | None = None) -> dict[str, str
   with open(paths["md"], "w") as f:
     label = next((r["target_label"] for r in rows if r.get("target_label")), "")
     f.write("# jmem bench: the tour\n\n" + (f"Memory figures for: {label}.\n\n" if label else "")
+            + _models_note(rows) + "\n\n"
             + "".join(f"- {k}: {v}\n" for k, v in (meta or {}).items()) + "\n"
             + format_tour(rows) + "\n")
   from jmem import _extras  # pylint: disable=g-import-not-at-top
@@ -247,9 +260,12 @@ def write_tour(rows, output_dir: str, meta: dict | None = None) -> dict[str, str
                 xytext=(5, 3 if i % 2 else -10), fontsize=8)
   ax.set_xlabel("step FLOPs / exact (XLA cost analysis)")
   ax.set_ylabel("max-batch multiplier vs exact")
-  ax.set_title("What each technique buys, and what it costs")
+  ax.set_title("What each technique buys, and what it costs", fontsize=10)
+  label = next((r["target_label"] for r in rows if r.get("target_label")), "XLA:CPU")
+  fig.text(0.01, 0.01, "\n".join(textwrap.wrap(
+      f"{_models_note(rows)} Memory: {label}.", 110)), fontsize=6, va="bottom")
   ax.grid(alpha=0.3)
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.1, 1, 1))
   fig.savefig(paths["png"], dpi=110)
   plt.close(fig)
   return paths

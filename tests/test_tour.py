@@ -55,6 +55,13 @@ def test_tour_table_and_figure(tmp_path):
   assert "| 0.200 |" in tour.format_tour([spatial])
   paths = tour.write_tour(rows, str(tmp_path))
   assert all((tmp_path / f"tour.{e}").exists() for e in ("json", "md", "png")), paths
+  # The figure and table say that each point is against exact on its own model.
+  md = (tmp_path / "tour.md").read_text()
+  assert ("the points span 2 models (resnet20, BatchNorm layer), so compare a technique "
+          "with exact") in md, md
+  assert "per device" not in md
+  assert "Points marked per device" in tour._models_note(  # pylint: disable=protected-access
+      rows + [dict(spatial, section="S (per-device)")])
 
 
 def test_the_tour_gives_the_spatial_row_per_device(monkeypatch):
