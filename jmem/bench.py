@@ -13,8 +13,12 @@ pick it up from the registry.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
+import inspect
 import json
 import os
+import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -24,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax import linen as nn
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmem import data as data_lib
@@ -40,7 +46,8 @@ __all__ = [
     "Technique", "IMPLEMENTATIONS", "BenchConfig", "register_technique", "get_technique", "technique_names",
     "run_bench", "write_results", "format_table", "step_memory", "saved_bytes", "batch_fit",
     "calibration_problem", "make_dataset", "min_frame_size", "default_image_size",
-    "techniques_for", "build_model", "caption", "source_commit",
+    "techniques_for", "build_model", "caption", "source_commit", "is_factory",
+    "load_factory", "check_classifier", "check_input_shape", "digits_at",
 ]
 
 
@@ -53,20 +60,261 @@ DTYPES = ("float32", "bfloat16")
 
 
 def check_dtype(model: str, dtype: str) -> None:
-  """Raises unless ``model`` (a registered name) can compute in ``dtype`` (`DTYPES`)."""
+  """Raises unless ``model`` (a registered name) can compute in ``dtype`` (`DTYPES`). A
+  factory (`is_factory`) is only imported here: whether its model takes ``dtype`` is seen
+  when `create_model` builds it."""
   if dtype not in DTYPES:
     raise ValueError(f"Unknown compute dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+  if is_factory(model):
+    load_factory(model)
+    return
+  _check_model_name(model)
   if dtype != "float32" and not hasattr(models_lib.create_model(model, 10), "dtype"):
     raise ValueError(f"Model {model!r} has no compute dtype field, so it trains in float32 "
                      f"only; drop --dtype {dtype}.")
 
 
-def create_model(name: str, num_classes: int, dtype: str = "float32"):
+def create_model(name: str, num_classes: int, dtype: str = "float32", *, seed: int = 0,
+                 example_shape: Sequence[int] | None = None):
   """The registered model ``name`` computing in ``dtype`` (mixed precision: its parameters
-  stay float32)."""
+  stay float32), or the model of the factory ``name`` names (`is_factory`, `load_factory`).
+
+  A factory is called with those of ``num_classes=``, ``dtype=`` (the compute dtype; float32
+  only where the parameter has no default) and ``rngs=`` (``flax.nnx.Rngs(seed)``, for an
+  NNX module) that its signature names, and nothing else; it returns a ``flax.linen.Module`` or a
+  ``flax.nnx.Module``. A linen module whose factory takes no ``dtype=`` but which has a
+  ``dtype`` field gets it by ``clone``. With ``example_shape`` (one example, e.g. ``(16, 16,
+  1)``), the factory's model is checked to give ``[batch, num_classes]`` logits for it
+  (`check_classifier`); a registered model is not checked.
+
+  Raises:
+    ValueError: for an unknown name, a factory that cannot be imported or called as above
+      or returns no Flax module, or (with ``example_shape``) a model that fails on such a
+      batch or returns other than ``[batch, num_classes]`` logits.
+  """
   check_dtype(name, dtype)
-  overrides = {} if dtype == "float32" else {"dtype": jnp.dtype(dtype)}
-  return models_lib.create_model(name, num_classes, **overrides)
+  if not is_factory(name):
+    overrides = {} if dtype == "float32" else {"dtype": jnp.dtype(dtype)}
+    return models_lib.create_model(name, num_classes, **overrides)
+  model = _call_factory(name, num_classes, dtype, seed)
+  if example_shape is not None:
+    check_classifier(model, example_shape, num_classes, name=name)
+  return model
+
+
+# --- Models from the user's code: --model pkg.module:factory or path/to/file.py:factory ---
+
+def _check_model_name(model: str) -> None:
+  if model not in models_lib.MODEL_NAMES and not is_factory(model):
+    raise ValueError(f"Unknown model {model!r}; valid models: "
+                     f"{', '.join(models_lib.MODEL_NAMES)}, or your own as "
+                     "module:factory or path/to/file.py:factory.")
+
+
+# What a factory may be called with: keywords its signature names (`create_model`).
+FACTORY_KEYWORDS = ("num_classes", "dtype", "rngs")
+
+
+def is_factory(model: str) -> bool:
+  """Whether ``model`` names a factory in the user's code (``pkg.module:factory`` or
+  ``path/to/file.py:factory``) rather than a registered model (`jmem.models.MODEL_NAMES`)."""
+  return ":" in model and model not in models_lib.MODEL_NAMES
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+  """``Type: message`` of an exception on one line, cut to ``limit`` characters."""
+  text = " ".join(str(e).split())
+  text = text if len(text) <= limit else text[:limit - 3] + "..."
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _import_file(path: str, spec: str):
+  """The module of the Python file ``path``, imported once per process (under a name made
+  from its absolute path, so its classes keep one identity however often it is asked for)."""
+  full = os.path.abspath(path)
+  if not os.path.isfile(full):
+    looked = "" if full == path else f" (looked for {full})"
+    raise ValueError(f"Model factory {spec!r}: there is no file {path!r}{looked}; give an "
+                     "existing path/to/file.py:factory.")
+  name = "_jmem_factory_" + re.sub(r"\W", "_", full)
+  if name in sys.modules:
+    return sys.modules[name]
+  loader_spec = importlib.util.spec_from_file_location(name, full)
+  if loader_spec is None or loader_spec.loader is None:
+    raise ValueError(f"Model factory {spec!r}: {path!r} cannot be imported as Python (is it "
+                     "a .py file?).")
+  module = importlib.util.module_from_spec(loader_spec)
+  sys.modules[name] = module      # dataclasses (every linen module) look their module up
+  try:
+    loader_spec.loader.exec_module(module)
+  except Exception as e:  # pylint: disable=broad-except  (the user's code: any error)
+    del sys.modules[name]
+    raise ValueError(f"Model factory {spec!r}: importing {path!r} raised {_one_line(e)}") from e
+  return module
+
+
+def _import_module(dotted: str, spec: str):
+  """The module ``dotted``, searched on ``sys.path`` and then in the current directory."""
+  if os.getcwd() not in sys.path and "" not in sys.path:
+    sys.path.append(os.getcwd())      # as `python -m` finds a module of the working directory
+  try:
+    return importlib.import_module(dotted)
+  except ModuleNotFoundError as e:
+    parts = dotted.split(".")
+    if e.name in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+      raise ValueError(
+          f"Model factory {spec!r}: no module named {e.name!r} on the Python path or in the "
+          f"current directory ({os.getcwd()}); add its directory to PYTHONPATH, or give the "
+          "file: path/to/file.py:factory.") from e
+    raise ValueError(f"Model factory {spec!r}: importing {dotted!r} raised "
+                     f"{_one_line(e)}") from e
+  except Exception as e:  # pylint: disable=broad-except  (the user's code: any error)
+    raise ValueError(f"Model factory {spec!r}: importing {dotted!r} raised "
+                     f"{_one_line(e)}") from e
+
+
+def _callables(module) -> list[str]:
+  """The public callables ``module`` defines (all its public callables if it defines none)."""
+  public = {n: v for n, v in vars(module).items()
+            if not n.startswith("_") and callable(v) and not inspect.ismodule(v)}
+  own = [n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__]
+  return sorted(own or public)
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+  """The callable ``spec`` names: ``pkg.module:factory`` (imported as Python imports it, the
+  current directory searched last) or ``path/to/file.py:factory``; ``factory`` may be
+  dotted (``module:Zoo.small``).
+
+  Raises:
+    ValueError: naming what is wrong: a spec not of that form, a module that does not
+      import (and why), an attribute it does not have (with the callables it has), or one
+      that is not callable.
+  """
+  where, _, attr = spec.rpartition(":")
+  if not where or not attr:
+    raise ValueError(f"Model factory {spec!r}: give it as module:factory (e.g. "
+                     "mypkg.models:make_cnn) or path/to/file.py:factory.")
+  is_file = where.endswith(".py") or "/" in where or os.sep in where
+  module = _import_file(where, spec) if is_file else _import_module(where, spec)
+  obj = module
+  for part in attr.split("."):
+    if not hasattr(obj, part):
+      names = _callables(module)
+      shown = ", ".join(names[:20]) + (", ..." if len(names) > 20 else "")
+      raise ValueError(f"Model factory {spec!r}: {where!r} has no attribute {attr!r}; its "
+                       f"callables: {shown or 'none'}.")
+    obj = getattr(obj, part)
+  if not callable(obj):
+    raise ValueError(f"Model factory {spec!r}: {attr!r} is not callable (type "
+                     f"{type(obj).__name__}); name a function or class that returns a Flax "
+                     "module.")
+  return obj
+
+
+def _call_factory(spec: str, num_classes: int, dtype: str, seed: int):
+  """`create_model` of a factory: called as its docstring says, the result checked to be a
+  Flax module computing in ``dtype``."""
+  factory = load_factory(spec)
+  try:
+    params = inspect.signature(factory).parameters
+  except (TypeError, ValueError):
+    params = {}
+  named = {n for n, p in params.items()
+           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  offered = {"num_classes": lambda: num_classes, "rngs": lambda: nnx.Rngs(seed)}
+  if dtype != "float32" or ("dtype" in params
+                            and params["dtype"].default is inspect.Parameter.empty):
+    offered["dtype"] = lambda: jnp.dtype(dtype)
+  kwargs = {k: make() for k, make in offered.items() if k in named}
+  missing = [n for n, p in params.items() if p.default is p.empty and n not in kwargs
+             and n not in FACTORY_KEYWORDS
+             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+  if missing:
+    raise ValueError(
+        f"Model factory {spec!r} needs {', '.join(missing)}, which jmem cannot give: it "
+        f"passes only {', '.join(f'{k}=' for k in FACTORY_KEYWORDS)} (those the signature "
+        "names); give the others defaults.")
+  shown = {"num_classes": str(num_classes), "dtype": f"jnp.{dtype}", "rngs": f"nnx.Rngs({seed})"}
+  call = f"{spec.rpartition(':')[2]}({', '.join(f'{k}={shown[k]}' for k in kwargs)})"
+  try:
+    model = factory(**kwargs)
+  except Exception as e:  # pylint: disable=broad-except  (the user's code: any error)
+    raise ValueError(f"Model factory {spec!r}: {call} raised {_one_line(e)}") from e
+  if isinstance(model, type) and issubclass(model, (nn.Module, nnx.Module)):
+    raise ValueError(f"Model factory {spec!r}: {call} returned the class {model.__name__}, "
+                     f"not a module; return an instance, e.g. {model.__name__}(...).")
+  if not isinstance(model, (nn.Module, nnx.Module)):
+    raise ValueError(f"Model factory {spec!r}: {call} returned a {type(model).__name__}; "
+                     "expected a flax.linen.Module or a flax.nnx.Module.")
+  if dtype != "float32" and "dtype" not in kwargs:
+    if isinstance(model, nn.Module) and "dtype" in {f.name for f in dataclasses.fields(model)}:
+      return model.clone(dtype=jnp.dtype(dtype))
+    raise ValueError(f"Model factory {spec!r} takes no dtype= and its model has no dtype "
+                     f"field, so it computes in float32 only; drop --dtype {dtype} or add a "
+                     "dtype parameter to the factory.")
+  return model
+
+
+def check_classifier(model, example_shape: Sequence[int], num_classes: int, *,
+                     name: str = "model") -> None:
+  """Raises unless ``model`` (linen or NNX) maps a float32 batch of ``example_shape``
+  examples to logits ``[batch, num_classes]`` (traced with `jax.eval_shape`: nothing is
+  computed), as `jmem.train.train` on a `jmem.data` classification set needs.
+
+  Raises:
+    ValueError: saying what the model did on such a batch and what was expected.
+  """
+  fns = train_lib.model_fns(model)
+  x = jax.ShapeDtypeStruct((2,) + tuple(example_shape), jnp.float32)
+
+  def logits(key, x):
+    params, state = fns.init(key, x)
+    return fns.apply(params, state, x, train=False)[0]
+  try:
+    out = jax.eval_shape(logits, jax.random.key(0), x)
+  except Exception as e:  # pylint: disable=broad-except  (the user's model: any error)
+    raise ValueError(
+        f"Model {name!r} fails on a float32 batch of shape {x.shape} ([batch, H, W, C]): "
+        f"{_one_line(e)}. Give the input shape it takes with --input-shape H,W,C.") from e
+  want = (2, num_classes)
+  if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == want
+          and jnp.issubdtype(out.dtype, jnp.floating)):
+    got = (f"{out.dtype}{list(out.shape)}" if isinstance(out, jax.ShapeDtypeStruct)
+           else f"a {type(out).__name__}")
+    raise ValueError(
+        f"Model {name!r} returns {got} for a batch of shape {x.shape}; expected float logits "
+        f"of shape [batch, {num_classes}]: the digits are {num_classes} classes, one label "
+        "per image (a factory must be an image classifier; video and per-pixel models are "
+        "the registered ones only).")
+
+
+def digits_at(x: np.ndarray, input_shape: Sequence[int]) -> np.ndarray:
+  """``float32[N, h, w, 1]`` gray images (`jmem.data.digits`) at ``input_shape = (H, W,
+  C)``: bilinearly resized to ``H x W`` where they are another size, the gray channel
+  repeated ``C`` times."""
+  h, w, c = input_shape
+  if x.shape[1:3] != (h, w):
+    from jmem import _extras  # pylint: disable=g-import-not-at-top
+    ndimage = _extras.require("scipy.ndimage", "Resizing the digits")
+    zoom = (1.0, h / x.shape[1], w / x.shape[2], 1.0)
+    x = ndimage.zoom(x, zoom, order=1, mode="nearest", grid_mode=True)
+  return np.repeat(x, c, axis=-1).astype(np.float32) if c != 1 else x.astype(np.float32)
+
+
+def check_input_shape(model: str, input_shape: Sequence[int] | None) -> None:
+  """Raises unless ``input_shape`` is None or three positive sizes ``(H, W, C)`` for an image
+  classifier ``model`` (a factory, or a registered image model)."""
+  if input_shape is None:
+    return
+  if (len(input_shape) != 3 or
+      not all(isinstance(v, (int, np.integer)) and v > 0 for v in input_shape)):
+    raise ValueError(f"input_shape must be three positive integers (H, W, C), got "
+                     f"{input_shape!r}.")
+  task = models_lib.model_task(model)
+  if task != "image":
+    raise ValueError(f"--input-shape is for image classifiers; {model!r} is a {task} model, "
+                     "which takes --image-size (and 1-channel digits).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +322,8 @@ class BenchConfig:
   """Options of `run_bench` (the CLI flags of ``jmem bench``).
 
   Attributes:
-    model: a name from `jmem.models.MODEL_NAMES`.
+    model: a name from `jmem.models.MODEL_NAMES`, or a factory in the user's code:
+      ``pkg.module:factory`` or ``path/to/file.py:factory`` (`create_model`).
     techniques: technique names; ``exact`` is always measured first as the baseline.
     batch_size: examples per step.
     image_size: side of the (resized) digit images, or of the frames of the moving-digit
@@ -96,6 +345,9 @@ class BenchConfig:
     target: the device the memory figures are for (`jmem.measure.target`: None for JAX's
       default backend, ``"h100"`` for an H100 compiled for from this machine). Training
       and timing run on this machine; with a GPU target, the table says so.
+    input_shape: ``(H, W, C)`` of one image, for an image classifier that needs it (a
+      factory's above all): the digits resized to ``H x W``, their gray channel repeated
+      ``C`` times (`make_dataset`); None: ``image_size`` square, 1 channel.
     calibrate: ActNN L3-L5 calibrate their per-site bits on a training batch first
       (`jmem.surgery.calibrate`); False: the level's bits everywhere, as
       ``jmem.technique(name)`` gives them.
@@ -119,12 +371,12 @@ class BenchConfig:
   budgets_gib: tuple[float, ...] | None = None
   dtype: str = "float32"
   target: str | None = None
+  input_shape: tuple[int, int, int] | None = None
   calibrate: bool = True
 
   def validate(self) -> None:
-    if self.model not in models_lib.MODEL_NAMES:
-      raise ValueError(f"Unknown model {self.model!r}; valid models: "
-                       f"{', '.join(models_lib.MODEL_NAMES)}.")
+    _check_model_name(self.model)
+    check_input_shape(self.model, self.input_shape)
     for t in self.techniques:
       get_technique(t)
     if not isinstance(self.steps, int) or self.steps < 0:
@@ -184,10 +436,13 @@ def default_image_size(model: str, num_frames: int = 16, at_least: int = 16) -> 
 
 
 def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
-                 train_clips: int = 1024, test_clips: int = 256) -> data_lib.Dataset:
+                 train_clips: int = 1024, test_clips: int = 256,
+                 input_shape: Sequence[int] | None = None) -> data_lib.Dataset:
   """The data ``jmem bench`` and ``jmem train`` use for the model named ``model``.
 
-  Image models get the digits resized to ``image_size``, segmentation models the same digits
+  Image models (a factory's too) get the digits resized to ``image_size``, or with
+  ``input_shape = (H, W, C)`` to ``H x W`` with their gray channel repeated ``C`` times
+  (`digits_at`; image models only), segmentation models the same digits
   with a label per pixel (`jmem.data.digit_segmentation`); video models get moving-digit clips
   of ``num_frames`` frames of side ``image_size``, the digits a third of it, moving one pixel
   per frame (so the frame must leave ``num_frames - 1`` pixels of room).
@@ -195,6 +450,18 @@ def make_dataset(model: str, image_size: int, *, num_frames: int = 16,
   Raises:
     ValueError: if ``image_size`` is too small for clips of ``num_frames`` frames.
   """
+  check_input_shape(model, input_shape)
+  if input_shape is not None:
+    h, w, c = input_shape
+    ds = data_lib.digits(h if h == w else 8)
+    if (w, c) == (h, 1):
+      return ds
+    data_lib.check_fits_in_memory(f"The digits at {h}x{w}x{c}",
+                                  2 * (len(ds.x_train) + len(ds.x_test)) * h * w * c,
+                                  flag="--input-shape")
+    return data_lib.Dataset(f"digits{h}x{w}x{c}", digits_at(ds.x_train, input_shape),
+                            ds.y_train, digits_at(ds.x_test, input_shape), ds.y_test,
+                            ds.num_classes)
   task = models_lib.model_task(model)
   if task == "segmentation":
     return data_lib.digit_segmentation(image_size)
@@ -320,7 +587,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
               progress: bool = True) -> list[dict[str, Any]]:
   """Runs the bench and returns one row per technique (baseline ``exact`` first).
 
-  Row keys: technique, model, dataset, batch_size, image_size, steps, seeds, saved_bytes,
+  Row keys: technique, model, dataset, batch_size, image_size (and input_shape where the
+  config gives one), steps, seeds, saved_bytes,
   temp_bytes, baseline_saved_bytes, baseline_temp_bytes, saved_ratio, temp_ratio,
   step_time_s, step_time_ratio, accuracy, accuracy_per_seed (time and accuracy are None
   with ``memory_only``); from `batch_fit`: per_example_bytes (device bytes one more example
@@ -337,12 +605,13 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   on, budgets = measure.target(config.target), config.budgets()
   names = ["exact"] + [t for t in config.techniques if t != "exact"]
   dataset = make_dataset(config.model, config.image_size, num_frames=config.num_frames,
-                         train_clips=config.train_clips)
+                         train_clips=config.train_clips, input_shape=config.input_shape)
   if not config.memory_only and config.batch_size > len(dataset.x_train):
     raise ValueError(
         f"batch_size {config.batch_size} is larger than the {len(dataset.x_train)} training "
         f"examples of {dataset.name}; lower --batch-size.")
-  base_model = create_model(config.model, dataset.num_classes, config.dtype)
+  base_model = create_model(config.model, dataset.num_classes, config.dtype,
+                            seed=config.seeds[0], example_shape=dataset.example_shape)
   x_spec = jax.ShapeDtypeStruct((config.batch_size,) + dataset.example_shape, jnp.float32)
   y_spec = jax.ShapeDtypeStruct((config.batch_size,) + dataset.y_train.shape[1:], jnp.int32)
   rows: list[dict[str, Any]] = []
@@ -359,8 +628,10 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     model = built[name] if name in built else build(name)
     fns = train_lib.model_fns(model)
     optimizer = train_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
-    _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, "
-         f"{config.image_size}x{config.image_size}) for {on.short}", quiet)
+    size = ("x".join(map(str, config.input_shape)) if config.input_shape
+            else f"{config.image_size}x{config.image_size}")
+    _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, {size}) for "
+         f"{on.short}", quiet)
     # The donating step (as `jmem train` runs it) at the batch size gives the temp bytes.
     fit = batch_fit(fns, optimizer, x_spec, y_spec, target=on, budgets=budgets)
     saved = saved_bytes(fns, optimizer, x_spec, y_spec, target=on)
@@ -378,6 +649,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
         flops=fit.flops, collectives=fit.collectives, step_time_s=None, step_time_ratio=None,
         accuracy=None,
         accuracy_per_seed=None)
+    if config.input_shape:
+      row["input_shape"] = list(config.input_shape)
     if not config.memory_only:
       accs = []
       state = None

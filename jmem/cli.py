@@ -53,6 +53,33 @@ def _mesh_shape(text: str) -> tuple[int, int, int]:
   return sizes + (1, 1) if len(sizes) == 1 else sizes
 
 
+def _input_shape(text: str) -> tuple[int, int, int]:
+  """``--input-shape H,W,C``: one image's height, width and channels."""
+  try:
+    shape = tuple(int(s) for s in text.split(","))
+  except ValueError:
+    shape = ()
+  if len(shape) != 3 or min(shape) < 1:
+    raise argparse.ArgumentTypeError(
+        f"expected H,W,C (one image's height, width and channels, positive), e.g. 32,32,3; "
+        f"got {text!r}")
+  return shape
+
+
+def _models_help() -> str:
+  from jmem import models  # pylint: disable=g-import-not-at-top
+  return (f"one of: {', '.join(models.MODEL_NAMES)}; or your own Flax model: "
+          "pkg.module:factory or path/to/file.py:factory, a callable returning a linen or "
+          "NNX module, called with num_classes=, dtype=, rngs= where its signature names "
+          "them (docs/training.md)")
+
+
+_INPUT_SHAPE_HELP = (
+    "one image's height, width and channels for an image classifier (your factory's above "
+    "all): the 8x8 gray digits resized to H x W, the gray repeated to C channels (default: "
+    "--image-size square, 1 channel for a factory)")
+
+
 def _comma_list(text: str) -> tuple[str, ...]:
   """``a,b`` -> ``("a", "b")``; `jmem.planner.site_ladder` checks --policies and --bits."""
   return tuple(t.strip() for t in text.split(","))
@@ -67,12 +94,13 @@ def _bits(text: str) -> tuple[int, ...]:
 
 
 def _verify_size(args) -> int:
-  """``--verify-image-size``, by default the plan's ``--image-size`` up to 32 (the embedded
-  digits are 8x8, resized), or larger where the model or its clips need it
-  (`jmem.bench.default_image_size`)."""
+  """``--verify-image-size``, by default the plan's ``--image-size`` (224 by default; H of
+  ``--input-shape H,W,C``) up to 32 (the embedded digits are 8x8, resized), or larger where
+  the model or its clips need it (`jmem.bench.default_image_size`)."""
   from jmem import bench  # pylint: disable=g-import-not-at-top
+  side = args.image_size or (args.input_shape[0] if args.input_shape else 224)
   return args.verify_image_size or bench.default_image_size(
-      args.model, args.num_frames, min(args.image_size, 32))
+      args.model, args.num_frames, min(side, 32))
 
 
 def _techniques_help() -> str:
@@ -90,7 +118,7 @@ def _targets_help() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-  from jmem import bench, models  # pylint: disable=g-import-not-at-top
+  from jmem import bench  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="jmem", description="Memory-saving training for JAX/Flax.")
   sub = p.add_subparsers(dest="command", required=True)
 
@@ -102,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
                      "below but --output-dir, --no-progress and --json: the tour, one row per "
                      "technique family, each on a model it fits (jmem.tour).")
   d = bench.BenchConfig()
-  b.add_argument("--model", default=d.model, help=f"one of: {', '.join(models.MODEL_NAMES)}")
+  b.add_argument("--model", default=d.model, help=_models_help())
   b.add_argument("--techniques", type=_str_list, default=d.techniques,
                  help=f"comma-separated, from: {_techniques_help()} "
                  f"(default: {','.join(d.techniques)}); ':xla' or ':pallas' after a technique "
@@ -113,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
                  "rounded up to the model's unit, or for a video model the frame its clips "
                  "need: 32 for ConvNeXt-T to -XL, 22 for stt-resnet8 and 24 for video-vit "
                  "with 16 frames)")
+  b.add_argument("--input-shape", type=_input_shape, default=None, metavar="H,W,C",
+                 help=_INPUT_SHAPE_HELP)
   b.add_argument("--num-frames", type=int, default=d.num_frames, help="frames per clip (video)")
   b.add_argument("--train-clips", type=int, default=d.train_clips,
                  help="training clips rendered (video)")
@@ -146,8 +176,12 @@ def _parser() -> argparse.ArgumentParser:
       "them; --bits: some of the bit widths) so that the compiled "
       "train step fits --budget at --batch-size with the fewest extra FLOPs (jmem.plan).")
   pl.add_argument("--model", default="resnet50",
-                  help=f"one of: {', '.join(models.MODEL_NAMES)} (default: %(default)s)")
-  pl.add_argument("--image-size", type=int, default=224, help="(default: %(default)s)")
+                  help=_models_help() + " (default: %(default)s)")
+  pl.add_argument("--image-size", type=int, default=None, help="(default: 224)")
+  pl.add_argument("--input-shape", type=_input_shape, default=None, metavar="H,W,C",
+                  help=_INPUT_SHAPE_HELP.replace("--image-size square, 1 channel for a "
+                                                 "factory", "--image-size square, 3 channels; "
+                                                 "1 for a factory"))
   pl.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
   pl.add_argument("--batch-size", type=int, default=256, help="(default: %(default)s)")
   pl.add_argument("--budget", default="16GiB",
@@ -199,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
                   help="where plan.json, plan.md and plan_front.png go")
 
   t = sub.add_parser("train", help="train one model (with checkpoints and --resume)")
-  t.add_argument("--model", default="resnet8", help=f"one of: {', '.join(models.MODEL_NAMES)}")
+  t.add_argument("--model", default="resnet8", help=_models_help())
   t.add_argument("--technique", default="exact",
                  help=f"one of: {_techniques_help()}")
   t.add_argument("--image-size", type=int, default=None,
@@ -207,6 +241,8 @@ def _parser() -> argparse.ArgumentParser:
                  "to the model's unit, or for a video model the frame its clips need: 32 for "
                  "ConvNeXt-T to -XL, 22 for stt-resnet8 and 24 for video-vit with 16 "
                  "frames)")
+  t.add_argument("--input-shape", type=_input_shape, default=None, metavar="H,W,C",
+                 help=_INPUT_SHAPE_HELP)
   t.add_argument("--num-frames", type=int, default=16, help="frames per clip (video)")
   t.add_argument("--train-clips", type=int, default=1024, help="training clips rendered (video)")
   t.add_argument("--batch-size", type=int, default=128)
@@ -267,9 +303,17 @@ def _tour(args) -> int:
 
 
 def _default_image_size(args, at_least: int) -> None:
-  """``--image-size`` left out: `jmem.bench.default_image_size` of the model."""
+  """``--image-size`` left out: `jmem.bench.default_image_size` of the model, or with
+  ``--input-shape H,W,C`` (not with it) H."""
+  from jmem import bench  # pylint: disable=g-import-not-at-top
+  if args.input_shape is not None:
+    bench.check_input_shape(args.model, args.input_shape)
+    if args.image_size is not None:
+      raise ValueError(f"--image-size {args.image_size} and --input-shape "
+                       f"{','.join(map(str, args.input_shape))} both give the image's size: "
+                       "give one.")
+    args.image_size = args.input_shape[0]
   if args.image_size is None:
-    from jmem import bench  # pylint: disable=g-import-not-at-top
     args.image_size = bench.default_image_size(args.model, args.num_frames, at_least)
 
 
@@ -284,7 +328,7 @@ def _bench(args) -> int:
       steps=args.steps, seeds=args.seeds,
       memory_only=args.memory_only, learning_rate=args.learning_rate,
       budgets_gib=args.budgets, dtype=args.dtype, target=args.target,
-      calibrate=not args.no_calibration)
+      input_shape=args.input_shape, calibrate=not args.no_calibration)
   config.validate()
   output_dir = bench.check_output_dir(args.output_dir)
   rows = bench.run_bench(config, quiet=args.json, progress=not args.no_progress)
@@ -308,6 +352,8 @@ def _plan(args) -> int:
   budget = (args.budget if plan_lib.budget_share(args.budget) is not None
             else plan_lib.parse_bytes(args.budget))
   plan_lib.site_ladder(args.policies, not args.exact_only, args.bits)   # kinds and bits
+  _default_image_size(args, 224)
+  bench.check_dtype(args.model, args.dtype)     # a factory that does not import: now
   if args.verify_image_size is not None and args.verify_image_size < 1:
     raise ValueError(f"--verify-image-size must be positive, got {args.verify_image_size}.")
   if args.devices is not None and args.devices < 1:
@@ -350,9 +396,9 @@ def _plan(args) -> int:
                 spatial_axes=("h", "w") if h * w > 1 else None)
   task = models.model_task(args.model)
   video = task == "video"
-  channels = 1 if video or args.model.endswith("digits") else 3
-  shape = ((args.batch_size, args.num_frames) if video else (args.batch_size,)) + (
-      args.image_size, args.image_size, channels)
+  channels = 1 if video or args.model.endswith("digits") or bench.is_factory(args.model) else 3
+  example = args.input_shape or (args.image_size, args.image_size, channels)
+  shape = ((args.batch_size, args.num_frames) if video else (args.batch_size,)) + example
   x = jax.ShapeDtypeStruct(shape, jnp.float32)
   # Segmentation: a label per pixel.
   y = jax.ShapeDtypeStruct((args.batch_size,) + (
@@ -367,11 +413,13 @@ def _plan(args) -> int:
                                  train_clips=16, test_clips=1)
       (cx, cy), classes = (clips.x_train, clips.y_train), clips.num_classes
     else:
-      cx, cy = data_lib.digits_sample(16, args.image_size)
+      h, w, _ = example
+      cx, cy = data_lib.digits_sample(16, h if h == w else 8)
       if task == "segmentation":
         cy = data_lib.pixel_labels(cx, cy)
-    calibration = (np.repeat(cx, channels, axis=-1) if cx.shape[-1] != channels else cx, cy)
-  model = bench.create_model(args.model, classes, args.dtype)
+      cx = bench.digits_at(cx, example)
+    calibration = (cx, cy)
+  model = bench.create_model(args.model, classes, args.dtype, example_shape=shape[1:])
   with warnings.catch_warnings():      # the table printed below says "does NOT fit"
     warnings.simplefilter("ignore", plan_lib.BudgetNotMetWarning)
     result = plan_lib.plan(model, (x, y), budget, approximate=not args.exact_only,
@@ -382,12 +430,17 @@ def _plan(args) -> int:
   paths = plan_lib.write(result, output_dir)
   out = result.to_json()
   if args.verify_steps:
-    size = verify_size
-    dataset = bench.make_dataset(args.model, size,
-                                 num_frames=args.num_frames)
+    size, verify_shape = verify_size, None
+    if args.input_shape:      # verified at it, unless --verify-image-size gives a side
+      verify_shape = (args.input_shape if args.verify_image_size is None
+                      else (size, size, args.input_shape[2]))
+      size = verify_shape[0]
+    dataset = bench.make_dataset(args.model, size, num_frames=args.num_frames,
+                                 input_shape=verify_shape)
     config = train.TrainConfig(steps=args.verify_steps, batch_size=min(128, len(
         dataset.x_train)), progress=False)
-    base = bench.create_model(args.model, dataset.num_classes, args.dtype)
+    base = bench.create_model(args.model, dataset.num_classes, args.dtype,
+                              example_shape=dataset.example_shape)
     from jmem import surgery  # pylint: disable=g-import-not-at-top
     # On one device: Spatial is exact, the verification is of the approximate policies.
     techniques = [t for t in result.techniques if not isinstance(t, surgery.Spatial)]
@@ -396,6 +449,8 @@ def _plan(args) -> int:
                                 ("plan", surgery.convert(base, *techniques)))}
     out["verify"] = dict(steps=args.verify_steps, image_size=size,
                          accuracy=accuracy)
+    if verify_shape:
+      out["verify"]["input_shape"] = list(dataset.example_shape)
     with open(paths[0], "w") as f:           # plan.json, with what was verified
       json.dump(out, f, indent=1)
   if args.json:
@@ -406,7 +461,8 @@ def _plan(args) -> int:
     if args.verify_steps:
       acc = out["verify"]["accuracy"]
       size = out["verify"]["image_size"]
-      print(f"\nverify ({args.verify_steps} steps at {size}x{size}): exact "
+      at = "x".join(map(str, out["verify"].get("input_shape", (size, size))))
+      print(f"\nverify ({args.verify_steps} steps at {at}): exact "
             f"{100 * acc['exact']:.2f}%, plan {100 * acc['plan']:.2f}%")
     print(f"\nwrote {', '.join(paths)}")
   return 0 if result.fits else 1
@@ -484,16 +540,18 @@ def _train(args) -> int:
   bench.get_technique(args.technique)    # bad names fail before any work
   bench.check_dtype(args.model, args.dtype)
   dataset = bench.make_dataset(args.model, args.image_size, num_frames=args.num_frames,
-                               train_clips=args.train_clips)
+                               train_clips=args.train_clips, input_shape=args.input_shape)
   config.validate(len(dataset.x_train))
-  model = bench.build_model(args.technique,
-                            bench.create_model(args.model, dataset.num_classes, args.dtype),
-                            dataset, args.batch_size)
+  base = bench.create_model(args.model, dataset.num_classes, args.dtype, seed=args.seed,
+                            example_shape=dataset.example_shape)
+  model = bench.build_model(args.technique, base, dataset, args.batch_size)
   if args.mesh is not None:
     model = _on_mesh(model, args.mesh, args.technique)
-  result = train.train(model, dataset, config, run_info={
-      "model": args.model, "technique": args.technique, "image_size": args.image_size,
-      "dtype": args.dtype})
+  run_info = {"model": args.model, "technique": args.technique,
+              "image_size": args.image_size, "dtype": args.dtype}
+  if args.input_shape is not None:
+    run_info["input_shape"] = list(args.input_shape)
+  result = train.train(model, dataset, config, run_info=run_info)
   if not primary:
     return 0
   if result.resumed_from:
