@@ -741,14 +741,14 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def caption(rows: Sequence[dict[str, Any]]) -> tuple[str, str]:
   """``(target, measured on)``: the short name of the target the rows' memory figures are
-  for (``"H100 target"``; "" where they were compiled for this machine's default backend)
-  and where their step times and accuracies were measured where that is another device
-  (``"host cpu"``; "" otherwise)."""
+  for (``"H100 target"``; for this machine's default backend its compiler's, ``"XLA:CPU"``,
+  since XLA:CPU's buffer assignment is not a GPU's) and where their step times and
+  accuracies were measured where that is another device (``"host cpu"``; "" otherwise)."""
   label = next((r.get("target_label", "") for r in rows), "")
   name = next((r.get("target", "default") for r in rows), "default")
-  if name == "default":
-    return "", ""
   short = label.split(" (")[0]
+  if name == "default":
+    return short, ""
   timed = any(r.get("measured_on") for r in rows)
   return short, ("host " + jax.devices()[0].platform) if timed else ""
 

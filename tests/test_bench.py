@@ -8,6 +8,7 @@ import re
 import os
 import shutil
 
+import jax
 import pytest
 
 from jmem import bench, cli
@@ -399,3 +400,16 @@ def test_source_commit_of_a_copy_is_the_named_one(monkeypatch):
   monkeypatch.undo()
   monkeypatch.setenv("JMEM_SOURCE_COMMIT", "2bdf73e")
   assert bench.source_commit() == "2bdf73e"     # named, whatever this checkout's git says
+
+
+def test_every_table_names_the_target_of_its_bytes():
+  """The default target's columns say XLA:CPU too (its buffer assignment is not a GPU's)."""
+  cpu = dict(target="default", target_label="XLA:CPU (cpu, this machine's default backend)")
+  assert bench.caption([cpu]) == ("XLA:CPU", "")
+  h100 = dict(target="h100", target_label="H100 target (NVIDIA H100 80GB HBM3: ...)",
+              measured_on="cpu")
+  assert bench.caption([h100]) == ("H100 target", "host " + jax.devices()[0].platform)
+  row = dict(cpu, technique="exact", model="resnet8", per_example_temp_bytes=2**20,
+             max_batch_ratio=1.0, flops_ratio=1.0, temp_bytes=2**20, temp_ratio=1.0,
+             saved_bytes=2**20, saved_ratio=1.0, step_time_ratio=1.0, accuracy=None)
+  assert "| MiB / example (XLA:CPU) |" in bench.format_table([row])
