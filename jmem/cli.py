@@ -367,7 +367,10 @@ def _plan(args) -> int:
   from jmem import measure  # pylint: disable=g-import-not-at-top
   on = measure.target(args.target)
   if on.deviceless:
-    given = [flag for flag, value in (("--mesh", args.mesh), ("--devices", args.devices),
+    # One device (--mesh 1, --devices 1) is what the target compiles for: no layout to refuse.
+    layout = lambda v: v is not None and (math.prod(v) if isinstance(v, tuple) else v) > 1
+    given = [flag for flag, value in (("--mesh", layout(args.mesh)),
+                                      ("--devices", layout(args.devices)),
                                       ("--verify-steps", args.verify_steps)) if value]
     if given:
       raise ValueError(

@@ -277,6 +277,14 @@ def test_cli_refuses_what_a_target_cannot_do():
   out = _cli("plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "8",
              "--target", "h100", "--verify-steps", "5")
   assert out.returncode == 2 and "--verify-steps cannot go with it" in out.stderr, out.stderr
+  # One device is what the target compiles for: --mesh 1 is no layout to refuse; 2x1x1 is.
+  out = _cli("plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "8",
+             "--target", "h100", "--mesh", "1", "--verify-steps", "5")
+  assert out.returncode == 2 and " --verify-steps cannot go with it" in out.stderr and \
+      "--mesh" not in out.stderr, out.stderr
+  out = _cli("plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "8",
+             "--target", "h100", "--mesh", "2x1x1")
+  assert out.returncode == 2 and "--mesh cannot go with it" in out.stderr, out.stderr
   out = _cli("bench", "--target", "tpu9", "--memory-only")
   assert out.returncode == 2 and "Unknown target 'tpu9'" in out.stderr, out.stderr
 
