@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 # The submodules `import jmem` does not load itself, loaded on first use (PEP 562):
 # ``jmem.models.create_model(...)`` after a bare ``import jmem`` raised AttributeError.
 _LAZY = frozenset({"bench", "cli", "data", "measure", "models", "ops", "parallel", "planner",
-                   "surgery", "techniques", "tour", "train"})
+                   "step", "surgery", "techniques", "tour", "train"})
 
 
 def __getattr__(name):

@@ -150,7 +150,7 @@ from jax.sharding import PartitionSpec as P
 from jmem import _backends
 from jmem import measure
 from jmem import surgery
-from jmem import train as train_lib
+from jmem import step as step_lib
 from jmem._technique import BenchTechnique
 from jmem.ops.actnn import quantize as actnn_quantize
 from jmem.ops.actnn import technique as actnn_technique
@@ -336,8 +336,8 @@ class Plan:
     """What to pass to `jmem.convert` (empty: the exact model fits)."""
     return tuple(self.base) + _policies(self.choices)
 
-  def model_fns(self, model) -> train_lib.ModelFns:
-    """The planned model as `jmem.train.ModelFns`, for `jmem.train.train`: ``model`` (the
+  def model_fns(self, model) -> step_lib.ModelFns:
+    """The planned model as `jmem.step.ModelFns`, for `jmem.train.train`: ``model`` (the
     one planned; an NNX model is converted in place, as by `jmem.convert`) converted with
     `techniques` and, on ``mesh``, its train state replicated and each batch sharded by
     ``batch_specs`` (`jmem.train` splits per-pixel labels over H and W as the images). With the
@@ -345,11 +345,11 @@ class Plan:
     XLA for the kernels, as the plan compiled it)."""
     converted = surgery.convert(model, *self.techniques) if self.techniques else model
     if self.mesh is None:
-      return train_lib.model_fns(converted)
+      return step_lib.model_fns(converted)
     x_spec = self.batch_specs[0]
     if not any(isinstance(t, surgery.Spatial) for t in self.base):
       return data_parallel(converted, self.mesh, axis=x_spec[0])
-    return train_lib.model_fns(converted)._replace(
+    return step_lib.model_fns(converted)._replace(
         sharding=NamedSharding(self.mesh, P()), batch_sharding=NamedSharding(self.mesh, x_spec))
 
   @property
@@ -412,7 +412,7 @@ def _policies(choices) -> tuple[Policy, ...]:
 
 
 def compile_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None):
-  """``model``'s donating train step (`jmem.train`'s, with ``optimizer``) compiled for the
+  """``model``'s donating train step (`jmem.step`'s, with ``optimizer``) compiled for the
   batch ``x``, ``y`` (arrays or ShapeDtypeStructs); ``abstract``: the train state's shapes,
   if already known. With ``mesh`` (a `jax.sharding.Mesh`), the batch is sharded over it by
   ``specs`` (x's and y's `PartitionSpec`) and the train state replicated, as
@@ -430,9 +430,9 @@ def _lowered_step(model, optimizer, x, y, **kwargs):
 def _train_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None):
   """``(step, args)``: `compile_step`'s jitted step and the abstract arguments it is
   compiled for (the same arguments)."""
-  fns = train_lib.model_fns(model)
+  fns = step_lib.model_fns(model)
   if abstract is None:
-    abstract = train_lib.abstract_state(fns, optimizer, x)
+    abstract = step_lib.abstract_state(fns, optimizer, x)
   if (mesh is None) != (specs is None) or specs is not None and (
       isinstance(specs, P) or len(specs) != 2 or not all(isinstance(s, P) for s in specs)):
     raise ValueError(f"compile_step takes mesh= and specs=(x's PartitionSpec, y's) together "
@@ -442,7 +442,7 @@ def _train_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None)
                                               sharding=NamedSharding(mesh, spec))
     x, y = on(x, specs[0]), on(y, specs[1])
     abstract = jax.tree.map(lambda a: on(a, P()), abstract)
-  return train_lib.make_train_step(fns, optimizer, donate=True), (abstract, x, y)
+  return step_lib.make_train_step(fns, optimizer, donate=True), (abstract, x, y)
 
 
 def step_cost(model, optimizer, x, y, *, abstract=None, mesh=None,
@@ -540,18 +540,18 @@ def _estimate_sites(model, optimizer, x, y, paths) -> tuple[list[_Site], float]:
       sites[path].input_values = float(sum(a.size for a in arrays))
 
   if isinstance(model, nnx.Module):
-    fns = train_lib.model_fns(_nnx_probe(model, set(paths), record))
+    fns = step_lib.model_fns(_nnx_probe(model, set(paths), record))
     calls = contextlib.nullcontext
   else:
-    fns = train_lib.model_fns(model)
+    fns = step_lib.model_fns(model)
 
     def intercept(next_fun, args, kwargs, context):    # linen: method interception
       if context.method_name == "__call__" and context.module.scope:
         record("/".join(context.module.scope.path), args)
       return next_fun(*args, **kwargs)
     calls = lambda: nn.intercept_methods(intercept)
-  abstract = train_lib.abstract_state(fns, optimizer, x)
-  loss = train_lib.make_loss(fns)
+  abstract = step_lib.abstract_state(fns, optimizer, x)
+  loss = step_lib.make_loss(fns)
   rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
                                    abstract.model_state, x, y, rng, argnums=0)
@@ -720,7 +720,7 @@ def _default_sites(model, x, where: str | None = None) -> list[str]:
   probe = Policy("save", where=where)
   if isinstance(model, nnx.Module):
     return list(surgery.sites(_converted(model, [probe])).get("save", []))
-  kw = {"train": True} if train_lib.takes_train(model) else {}
+  kw = {"train": True} if step_lib.takes_train(model) else {}
   return list(surgery.sites(surgery.convert(model, probe), x, **kw).get(repr(probe), []))
 
 
@@ -909,7 +909,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if batch < 1:
     raise ValueError(f"batch_size must be positive, got {batch}.")
   spec = lambda a, b: jax.ShapeDtypeStruct((b,) + tuple(a.shape[1:]), a.dtype)
-  optimizer = optimizer or train_lib.default_optimizer(1e-3, 100)
+  optimizer = optimizer or step_lib.default_optimizer(1e-3, 100)
   notes = []
   candidates = [(mesh, data_axis, spatial_axes)]
   if devices is not None:
@@ -920,10 +920,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     notes += [why] if why else []
   layouts = [_layout(model, m, axes, d, x, batch) for m, d, axes in candidates]
   layout = layouts[0]           # the same devices, the same batch split: only H x W differs
-  fns = train_lib.model_fns(model)
+  fns = step_lib.model_fns(model)
   trace_batch = max(2, min(int(x.shape[0]), 8))
   xs, ys = spec(x, trace_batch), spec(y, trace_batch)
-  abstract = train_lib.abstract_state(fns, optimizer, x)
+  abstract = step_lib.abstract_state(fns, optimizer, x)
   try:
     paths = _default_sites(model, jnp.zeros(xs.shape, xs.dtype), where=where)
   except surgery.NothingMatched as e:
@@ -1495,7 +1495,7 @@ def _inplace_abn(model, x, allowed: bool, max_compiles: int):
          for t in getattr(model, "techniques", ())):
     return None, ("InPlace-ABN not tried: the model's BatchNorms were converted already "
                   "(SyncBN or InPlaceABN)")
-  kw = {"train": True} if isinstance(model, nn.Module) and train_lib.takes_train(model) else {}
+  kw = {"train": True} if isinstance(model, nn.Module) and step_lib.takes_train(model) else {}
   paths = surgery.inplace_abn_sites(model, jnp.zeros(x.shape, x.dtype), **kw)
   if not paths:
     return None, ("InPlace-ABN not applicable: no BatchNorm followed by leaky_relu or elu in "

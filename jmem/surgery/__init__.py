@@ -180,7 +180,7 @@ def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
     model: the unconverted linen or NNX model (NNX: probed through copies, left as it is).
     loss_fn: ``loss_fn(module, params, batch) -> scalar``, called with a probing conversion
       of ``model`` (same parameters; NNX: ``nnx.merge`` the module's graph with
-      ``params``, an ``nnx.Param`` state, as `jmem.train.model_fns` does).
+      ``params``, an ``nnx.Param`` state, as `jmem.step.model_fns` does).
     params, batch: the weights and the calibration batch.
     technique: an L3-L5 `ActNN` (its ``where=`` chooses the sites).
     budget: average bits (default: the level's block bits).

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem import train as train_lib
+from jmem import step as step_lib
 from jmem._backends import check_implementation
 from jmem._technique import BenchTechnique, Technique
 from jmem.ops.actnn import levels
@@ -72,7 +72,7 @@ def calibration_problem(model, dataset, batch_size: int):
   """``(params, loss_fn, batch)`` on which the ``actnn-L3``..``L5`` techniques calibrate
   their bits (`jmem.surgery.calibrate`): the initial weights (seed 0) and the first
   training examples, at most `CALIBRATION_BATCH` and at most `CALIBRATION_VALUES` input
-  values (but 2 examples at least); ``loss_fn`` is the training loss of `jmem.train`."""
+  values (but 2 examples at least); ``loss_fn`` is the training loss of `jmem.step`."""
   return calibration_problem_on(model, dataset.x_train[:batch_size],
                                 dataset.y_train[:batch_size])
 
@@ -83,10 +83,10 @@ def calibration_problem_on(model, x, y, *, max_values: int = CALIBRATION_VALUES)
   per_example = int(np.prod(np.shape(x)[1:]))
   n = min(len(x), max(2, min(CALIBRATION_BATCH, max_values // max(per_example, 1))))
   x, y = jnp.asarray(x[:n]), jnp.asarray(y[:n])
-  params, state = train_lib.model_fns(model).init(jax.random.key(0), x[:1])
+  params, state = step_lib.model_fns(model).init(jax.random.key(0), x[:1])
 
   def loss_fn(module, p, batch):
-    loss = train_lib.make_loss(train_lib.model_fns(module))
+    loss = step_lib.make_loss(step_lib.model_fns(module))
     return loss(p, state, *batch, jax.random.key(1))[0]
   return params, loss_fn, (x, y)
 
