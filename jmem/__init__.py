@@ -20,6 +20,7 @@ from jmem.surgery import Spatial as Spatial
 from jmem.surgery import SyncBN as SyncBN
 from jmem.surgery import Technique as Technique
 from jmem.surgery import batch_mask as batch_mask
+from jmem.surgery import rngs as rngs
 from jmem.surgery import convert as convert
 from jmem.surgery import technique as technique
 from jmem.parallel.sync_bn import sync_batch_norm as sync_batch_norm

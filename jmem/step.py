@@ -109,13 +109,9 @@ def _from_linen(module: nn.Module) -> ModelFns:
 
   def apply(params, model_state, x, *, train, rng=None, mask=None):
     variables = {"params": params, **model_state}
-    # "actnn" / "sbp": the streams of jmem.convert's ActNN and SBP sites.
-    rngs = ({"dropout": rng, "actnn": jax.random.fold_in(rng, 0x61),
-             "sbp": jax.random.fold_in(rng, 0x73)} if rng is not None else {})
-    if rng is None and not train:
-      # Evaluation has no backward pass, so ActNN's rounding and SBP's sampling draw nothing
-      # that is used; a fixed key spares the "no 'actnn' RNG stream" warning.
-      rngs = {"actnn": jax.random.key(0), "sbp": jax.random.key(0)}
+    # "dropout", and "actnn" / "sbp": the streams of jmem.convert's ActNN and SBP sites.
+    # Evaluation needs none: without a backward pass the sites draw nothing that is used.
+    rngs = context.rngs(rng) if rng is not None else {}
     m, kw = mode(train)
     with _masked(mask, linen=not getattr(module, "_jmem_guards_batch_mask", False)):
       if train and model_state:
@@ -190,8 +186,10 @@ def _from_nnx(model: nnx.Module) -> ModelFns:
     return params, model_state
 
   def apply(params, model_state, x, *, train, rng=None, mask=None):
-    if rng is not None:
-      model_state = _reseed(model_state, rng)
+    # A fresh tree either way: merging the caller's own variables would let the model's
+    # updates (BatchNorm statistics) mutate them from inside the caller's trace.
+    model_state = (_reseed(model_state, rng) if rng is not None
+                   else jax.tree.map(lambda a: a, model_state))
     m = nnx.merge(graphdef, params, model_state)
     if train:
       m.train()
@@ -203,8 +201,7 @@ def _from_nnx(model: nnx.Module) -> ModelFns:
       if rng is None:
         logits = m(x)
       else:
-        with context.rngs(actnn=jax.random.fold_in(rng, 0x61),    # jmem.convert's sites
-                          sbp=jax.random.fold_in(rng, 0x73)):
+        with context.rngs(rng):          # the "actnn" and "sbp" keys of jmem.convert's sites
           logits = m(x)
     _, _, new_state = nnx.split(m, nnx.Param, ...)
     return logits, new_state

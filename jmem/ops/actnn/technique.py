@@ -31,8 +31,9 @@ class ActNN(Technique):
   except its ``nn.Dense`` / ``nnx.Linear`` layers (a head, an embedding: one matmul, little
   to save; name them in ``where=`` to include them), as `Remat`'s. L0 changes nothing.
   Per-site bits of a calibrated level are keyed by the site's path. The rounding key comes
-  from the RNG stream ``"actnn"`` (``apply(..., rngs={"actnn": key})`` in linen,
-  `jmem.surgery.rngs` in both APIs); without it, from the data, with a one-time warning.
+  from the RNG stream ``"actnn"``: ``apply(..., rngs=jmem.rngs(key))`` in linen, ``with
+  jmem.rngs(key):`` in either API. Differentiated without it, a site raises ValueError
+  (inference needs no key); inside ``jmem.surgery.data_keys()`` it draws one from the data.
   """
 
   level: Any = "L3"
