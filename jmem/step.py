@@ -272,23 +272,74 @@ def check_batch(x, y) -> None:
           "example (check batch_size, and a data pipeline whose last batch may be empty).")
 
 
-def make_loss(fns: ModelFns) -> Callable[..., tuple[jax.Array, tuple[jax.Array, Any]]]:
-  """``loss(params, model_state, x, y, rng, mask=None) -> (mean cross-entropy, (logits,
-  new_state))``.
+# A user loss: ``loss_fn(outputs, targets) -> losses``, one per example (``[N]``) or per
+# pixel (``[N, H, W]``), the optax convention (``optax.l2_loss``, ``optax.softmax_cross_entropy``
+# and the like return them so); jmem takes the (masked) mean.
+LossFn = Callable[[Any, Any], jax.Array]
 
-  With a boolean ``mask`` (True = a real example) the mean is over the real examples only,
-  and the model gets the mask (``fns.apply(..., mask=mask)``) for its BatchNorm statistics.
+
+def per_example_losses(loss_fn: LossFn | None, outputs, y) -> jax.Array:
+  """``loss_fn(outputs, y)`` as float32, checked to hold one loss per example (or more per
+  example: per pixel); `None`: softmax cross-entropy of the logits ``outputs`` with the
+  integer labels ``y`` (the default). Floating outputs reach ``loss_fn`` in float32, as the
+  logits reach the default loss.
 
   Raises:
-    ValueError: (when traced) for an empty batch (see `check_batch`).
+    ValueError: (when traced) for float labels with the default loss, and for a
+      ``loss_fn`` that returns a scalar, or losses whose leading axis is not the batch.
+    TypeError: for a ``loss_fn`` that returns no floating array.
+  """
+  if loss_fn is None:
+    dtype = getattr(y, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.integer):
+      raise ValueError(
+          f"The default loss is softmax cross-entropy with integer class labels, but the "
+          f"labels y have dtype {dtype}: give class indices (y.astype(jnp.int32)), or pass "
+          "your loss as loss_fn=, e.g. for regression loss_fn=lambda out, y: "
+          "optax.l2_loss(out, y).sum(-1) (one loss per example).")
+    return optax.softmax_cross_entropy_with_integer_labels(outputs.astype(jnp.float32), y)
+  outputs = jax.tree.map(
+      lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, outputs)
+  v = loss_fn(outputs, y)
+  batch = jax.tree.leaves(outputs)[0].shape[0] if jax.tree.leaves(outputs) else None
+  name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+  if not hasattr(v, "dtype") or not jnp.issubdtype(v.dtype, jnp.floating):
+    raise TypeError(f"loss_fn {name} must return a floating array of losses, one per example, "
+                    f"got {type(v).__name__}{'' if not hasattr(v, 'dtype') else f' of dtype {v.dtype}'}.")
+  if v.ndim == 0:
+    raise ValueError(
+        f"loss_fn {name} returned a scalar; it must return one loss per example (shape "
+        f"({batch},) for this batch, or ({batch}, H, W) per pixel): jmem takes the mean "
+        "itself, over the real examples only, so that padding rows stay out. Drop the mean "
+        "(or sum) over the batch, e.g. lambda out, y: optax.l2_loss(out, y).sum(-1).")
+  if batch is not None and v.shape[0] != batch:
+    raise ValueError(
+        f"loss_fn {name} returned losses of shape {v.shape}, whose leading axis is not the "
+        f"batch's ({batch} examples): return one loss per example along axis 0 (shape "
+        f"({batch},), or ({batch}, H, W) per pixel), reducing any other axes.")
+  return v.astype(jnp.float32)
+
+
+def make_loss(fns: ModelFns, loss_fn: LossFn | None = None
+              ) -> Callable[..., tuple[jax.Array, tuple[Any, Any]]]:
+  """``loss(params, model_state, x, y, rng, mask=None) -> (mean loss, (outputs,
+  new_state))``.
+
+  The mean is over the per-example (or per-pixel) losses of ``loss_fn(outputs, y)``
+  (`per_example_losses`; default: softmax cross-entropy with integer labels). With a
+  boolean ``mask`` (True = a real example) it is over the real examples only, and the model
+  gets the mask (``fns.apply(..., mask=mask)``) for its BatchNorm statistics.
+
+  Raises:
+    ValueError: (when traced) for an empty batch (see `check_batch`), and as
+      `per_example_losses`.
   """
 
   def loss(params, model_state, x, y, rng, mask=None):
     check_batch(x, y)
     kw = {} if mask is None else {"mask": mask}
-    logits, new_state = fns.apply(params, model_state, x, train=True, rng=rng, **kw)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
-    return _mean(ce, mask), (logits, new_state)
+    outputs, new_state = fns.apply(params, model_state, x, train=True, rng=rng, **kw)
+    return _mean(per_example_losses(loss_fn, outputs, y), mask), (outputs, new_state)
 
   return loss
 
@@ -309,27 +360,33 @@ def _per_label(mask, ndim: int):
 
 
 def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
-                    seed: int = 0, donate: bool = True) -> Callable[..., Any]:
-  """The jit-compiled step ``(state, x, y) -> (state, metrics)``.
+                    seed: int = 0, donate: bool = True,
+                    loss_fn: LossFn | None = None) -> Callable[..., Any]:
+  """The jit-compiled step ``(state, x, y, mask=None) -> (state, metrics)``.
 
   The step's PRNG key is ``fold_in(key(seed), state.step)``: no key is carried in the
-  state, so randomness depends only on the seed and the step number. An empty batch
-  raises ValueError when the step is traced (`check_batch`), before any parameter changes.
-  The step also takes ``mask`` (boolean ``[N]``: the real examples of a padded batch, see
-  `make_loss`); loss and accuracy are then over those.
+  state, so randomness depends only on the seed and the step number; every stream the
+  model draws from comes from it (`jmem.rngs`). An empty batch raises ValueError when the step is traced (`check_batch`),
+  before any parameter changes. ``mask`` (boolean ``[N]``: the real examples of a padded
+  batch, see `make_loss`) keeps the padding out of the loss and the metrics.
+
+  ``metrics``: ``loss``, the mean of ``loss_fn`` (`make_loss`), and with the default loss
+  (integer labels) ``accuracy``, the share of examples (or pixels) whose largest logit is
+  the label's; a ``loss_fn`` gives no accuracy.
   """
-  loss_fn = make_loss(fns)
+  loss = make_loss(fns, loss_fn)
   base_key = jax.random.key(seed)
 
   def step(state: TrainState, x, y, mask=None):
     rng = jax.random.fold_in(base_key, state.step)
-    (loss, (logits, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+    (value, (outputs, new_model_state)), grads = jax.value_and_grad(loss, has_aux=True)(
         state.params, state.model_state, x, y, rng, mask)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    accuracy = _mean(jnp.argmax(logits, -1) == y, mask)
-    return (TrainState(state.step + 1, params, new_model_state, opt_state),
-            {"loss": loss, "accuracy": accuracy})
+    metrics = {"loss": value}
+    if loss_fn is None:
+      metrics["accuracy"] = _mean(jnp.argmax(outputs, -1) == y, mask)
+    return TrainState(state.step + 1, params, new_model_state, opt_state), metrics
 
   return measure.jit(step, donate_argnums=(0,) if donate else ())
 

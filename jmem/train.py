@@ -40,12 +40,14 @@ from jmem.step import abstract_state as abstract_state
 from jmem.step import check_batch as check_batch
 from jmem.step import check_learning_rate as check_learning_rate
 from jmem.step import default_optimizer as default_optimizer
+from jmem.step import LossFn as LossFn
 from jmem.step import global_batch as global_batch
 from jmem.step import init_state as init_state
 from jmem.step import make_loss as make_loss
 from jmem.step import make_train_step as make_train_step
 from jmem.step import model_fns as model_fns
 from jmem.step import padded_size as padded_size
+from jmem.step import per_example_losses as per_example_losses
 from jmem.step import takes_train as takes_train
 from jmem.step import (_check_takes_mask, _is_key, _per_label,  # pylint: disable=unused-import
                        _rows_sharding)
@@ -55,7 +57,8 @@ _LOG = logging.getLogger("jmem")
 __all__ = [
     "ModelFns", "TrainState", "TrainConfig", "TrainResult", "model_fns", "init_state",
     "abstract_state",
-    "check_batch", "make_loss", "make_train_step", "evaluate", "default_optimizer", "train",
+    "check_batch", "make_loss", "make_train_step", "evaluate", "evaluate_loss",
+    "default_optimizer", "train",
     "override_params", "check_learning_rate", "takes_train", "CheckpointFallbackWarning",
     "Interrupted",
 ]
@@ -116,6 +119,52 @@ def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
     logits = predict(state.params, state.model_state, jnp.asarray(xb))[:n]
     correct += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(y[i:i + n])))
   return correct / np.size(y)
+
+
+def evaluate_loss(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray,
+                  loss_fn: LossFn, *, batch_size: int = 256) -> float:
+  """The mean of ``loss_fn`` over ``x``, ``y`` with the model in eval mode (running
+  statistics, no dropout): over every loss it returns, one per example or per pixel, as
+  in training (`jmem.step.make_loss`).
+
+  Batched and padded as `evaluate` (the padding is masked out of the mean); on a mesh,
+  every process gets the loss of the whole set.
+  """
+  if len(x) == 0:
+    raise ValueError("evaluate_loss needs at least one example, got none.")
+  total = _loss_sum_fn(fns.apply, loss_fn)
+  sums = []
+  if fns.batch_sharding is not None:
+    size = padded_size(fns, min(batch_size, len(x)))
+    full = jax.make_array_from_callback((size,), _rows_sharding(fns.batch_sharding),
+                                        lambda i: np.ones(size, bool)[i])   # no padding
+    for i in range(0, len(x), size):
+      xb, yb, mb = global_batch(fns, x, y, np.arange(i, min(i + size, len(x))), size)
+      sums.append(total(state.params, state.model_state, xb, yb, full if mb is None else mb))
+  else:
+    mesh = getattr(fns.sharding, "mesh", None)
+    multiple = int(mesh.devices.size) if mesh is not None else 1
+    size = -(-min(batch_size, len(x)) // multiple) * multiple
+    pad = lambda a, n: np.concatenate([a, np.zeros((size - n,) + a.shape[1:], a.dtype)])
+    for i in range(0, len(x), size):
+      xb, yb = np.asarray(x[i:i + size]), np.asarray(y[i:i + size])
+      n = len(xb)
+      if n < size:
+        xb, yb = pad(xb, n), pad(yb, n)
+      sums.append(total(state.params, state.model_state, jnp.asarray(xb), jnp.asarray(yb),
+                        jnp.arange(size) < n))
+  value, count = (sum(float(v[k]) for v in sums) for k in (0, 1))
+  return value / max(count, 1.0)
+
+
+@functools.lru_cache(maxsize=16)
+def _loss_sum_fn(apply: Callable[..., Any], loss_fn: LossFn) -> Callable[..., Any]:
+  def total(params, model_state, x, y, valid):
+    outputs = apply(params, model_state, x, train=False)[0]
+    v = per_example_losses(loss_fn, outputs, y)
+    w = jnp.broadcast_to(_per_label(valid, v.ndim), v.shape).astype(jnp.float32)
+    return jnp.sum(v * w), jnp.sum(w)
+  return measure.jit(total)
 
 
 @functools.lru_cache(maxsize=16)
@@ -206,16 +255,21 @@ class TrainResult(NamedTuple):
 
   Attributes:
     state: final `TrainState`.
-    test_accuracy: accuracy on the test set at the end.
-    history: one dict per evaluation: ``step``, ``loss``, ``train_accuracy``,
-      ``test_accuracy``.
+    test_accuracy: accuracy on the test set at the end (None with a ``loss_fn``: accuracy
+      is the default loss's, of class labels).
+    history: one dict per evaluation: ``step``, ``loss`` (the training step's), and with
+      the default loss ``train_accuracy`` and ``test_accuracy``, with a ``loss_fn``
+      ``test_loss``.
     resumed_from: step the run resumed from (0 for a fresh run).
+    test_loss: with a ``loss_fn``, its mean on the test set at the end (`evaluate_loss`);
+      else None.
   """
 
   state: TrainState
-  test_accuracy: float
+  test_accuracy: float | None
   history: list[dict[str, float]]
   resumed_from: int
+  test_loss: float | None = None
 
 
 def _collectives_need_waiting(state) -> bool:
@@ -648,7 +702,8 @@ def _first_line(e: Exception) -> str:
 
 
 def _run_record(state, dataset: data_lib.Dataset, config: TrainConfig, *,
-                default_optimizer_used: bool, run_info: dict[str, Any] | None) -> dict[str, Any]:
+                default_optimizer_used: bool, run_info: dict[str, Any] | None,
+                loss_given: bool = False) -> dict[str, Any]:
   """What a checkpoint's state means, as JSON: compared field by field on resume."""
   record = dict(run_info or {})
   leaves = jax.tree.leaves(state)
@@ -664,21 +719,30 @@ def _run_record(state, dataset: data_lib.Dataset, config: TrainConfig, *,
                   weight_decay=config.weight_decay, steps=config.steps)
   else:
     record.update(optimizer="given")
+  if loss_given:         # the default loss is not recorded: earlier runs resume as they were
+    record.update(loss="given")
   return json.loads(json.dumps(record))
 
 
 def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
           config: TrainConfig = TrainConfig(), *,
           optimizer: optax.GradientTransformation | None = None,
+          loss_fn: LossFn | None = None,
           initial_params: Any = None, stop_after: int | None = None,
           run_info: dict[str, Any] | None = None) -> TrainResult:
-  """Trains a classifier on ``dataset`` with one jit-compiled step.
+  """Trains ``model`` on ``dataset`` with one jit-compiled step (`jmem.step`'s).
 
   Args:
     model: a linen module (``__call__(x, train)``), an NNX module or `ModelFns`.
-    dataset: the data (see `jmem.data`).
+    dataset: the data (see `jmem.data`): with the default loss, integer class labels;
+      with a ``loss_fn``, whatever targets it takes (float regression targets, say).
     config: a `TrainConfig`.
     optimizer: overrides `default_optimizer` (``config.learning_rate`` is then unused).
+    loss_fn: ``loss_fn(outputs, targets) -> losses``, one per example (or per pixel), as
+      optax's losses are (``lambda out, y: optax.l2_loss(out, y).sum(-1)``); the step
+      minimises their mean (`jmem.step.make_loss`). Default: softmax cross-entropy with
+      integer labels, with accuracy reported; with a ``loss_fn`` the loop reports the
+      training loss and the test loss (`evaluate_loss`), and no accuracy.
     initial_params: a sub-tree of the parameters to start from instead of the fresh
       initialisation (e.g. ``{"spatial": pretrained_cnn_params}``); a checkpoint being
       resumed wins over it.
@@ -715,7 +779,8 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
     checkpoints = _Checkpoints(config.checkpoint_dir, config.checkpoint_every,
                                resume=config.resume)
     record = _run_record(jax.eval_shape(lambda k, x: init_state(fns, optimizer, k, x), key, x1),
-                         dataset, config, default_optimizer_used=default_used, run_info=run_info)
+                         dataset, config, default_optimizer_used=default_used, run_info=run_info,
+                         loss_given=loss_fn is not None)
     if config.resume:
       checkpoints.check_record(record)
   if fns.sharding is not None and isinstance(fns.module, nn.Module):
@@ -739,7 +804,7 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
   # The step donates its state; copy it so arrays the caller owns (an NNX model's
   # parameters, say) are never invalidated.
   state = jax.tree.map(lambda a: a.copy(), state)
-  step_fn = make_train_step(fns, optimizer, seed=config.seed)
+  step_fn = make_train_step(fns, optimizer, seed=config.seed, loss_fn=loss_fn)
   x_all, y_all = dataset.x_train, dataset.y_train
   # The global batch of a step is a function of (seed, step); on a mesh each process reads
   # its own rows of it, padded (and masked) to a multiple of the data axis.
@@ -748,6 +813,17 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
     _check_takes_mask(fns)
   history: list[dict[str, float]] = []
   end = config.steps if stop_after is None else min(stop_after, config.steps)
+
+  def report(metrics) -> dict[str, float]:
+    """The training step's ``metrics`` (None: no step run) and the test set's figures:
+    accuracy with the default loss, the loss with a ``loss_fn``."""
+    out = {} if metrics is None else {"loss": float(metrics["loss"])}
+    if loss_fn is not None:
+      return {**out, "test_loss": evaluate_loss(fns, state, dataset.x_test, dataset.y_test,
+                                                loss_fn)}
+    if metrics is not None:
+      out["train_accuracy"] = float(metrics["accuracy"])
+    return {**out, "test_accuracy": evaluate(fns, state, dataset.x_test, dataset.y_test)}
 
   from rich.progress import Progress  # pylint: disable=g-import-not-at-top
   show = config.progress and jax.process_index() == 0
@@ -782,19 +858,14 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
               saved_step = done
         if config.eval_every and done % config.eval_every == 0 and done != config.steps:
           with watch.paused():
-            history.append({"step": done, "loss": float(metrics["loss"]),
-                            "train_accuracy": float(metrics["accuracy"]),
-                            "test_accuracy": evaluate(fns, state, dataset.x_test,
-                                                      dataset.y_test)})
+            history.append({"step": done, **report(metrics)})
         bar.update(task, completed=done)
   finally:
     if checkpoints is not None:
       checkpoints.close()
   if stop_after is not None and end < config.steps:
-    return TrainResult(state, float("nan"), history, start)
-  acc = evaluate(fns, state, dataset.x_test, dataset.y_test)
-  final = {"step": config.steps, "test_accuracy": acc}
-  if metrics is not None:
-    final.update(loss=float(metrics["loss"]), train_accuracy=float(metrics["accuracy"]))
+    return TrainResult(state, None if loss_fn is not None else float("nan"), history, start,
+                       float("nan") if loss_fn is not None else None)
+  final = {"step": config.steps, **report(metrics)}
   history.append(final)
-  return TrainResult(state, acc, history, start)
+  return TrainResult(state, final.get("test_accuracy"), history, start, final.get("test_loss"))

@@ -1,10 +1,12 @@
-"""`jmem.rngs`, the error for a converted site without a key, and its opt-in
-(`jmem.surgery.data_keys`)."""
+"""`jmem.step` and what it gives: `jmem.rngs`, the error for a converted site without a
+key and its opt-in (`jmem.surgery.data_keys`), and your own loss (`loss_fn=` of the
+step, the loop and `jmem.plan`)."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -115,3 +117,102 @@ def test_data_keys_is_the_opt_in_to_keys_from_the_data():
   assert jax.tree.structure(shifted) == jax.tree.structure(got)
   with pytest.raises(ValueError, match="without a key"):   # the context is left: it raises
     _linen_grads(model, variables, X, train=False)
+
+
+# ------------------------------------------------------------------ your own loss
+
+def _l2(out, y):
+  return optax.l2_loss(out, y).sum(-1)
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.relu(nn.Conv(16, (3, 3))(x))
+
+
+class _Regressor(nn.Module):
+  """A small CNN with a regression head: three conv blocks, a 2-value output."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    del train
+    for i in range(3):
+      x = _Block(name=f"block{i}")(x)
+    return nn.Dense(2)(jnp.mean(x, axis=(1, 2)))
+
+
+def _regression_data(n, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, 8, 8, 3)).astype(np.float32)
+  y = np.stack([x.mean((1, 2, 3)), x[..., 0].std((1, 2))], -1).astype(np.float32)
+  return x, y
+
+
+def test_plan_with_a_regression_loss_fits_the_budget():
+  """A regression head trained on the mean squared error: the plan's compiled step fits a
+  budget the exact step does not, and the float targets are taken."""
+  x = jax.ShapeDtypeStruct((16, 16, 16, 3), jnp.float32)
+  y = jax.ShapeDtypeStruct((16, 2), jnp.float32)
+  opt = optax.adam(1e-3)
+  plan = jmem.plan(_Regressor(), (x, y), "65%", loss_fn=_l2, optimizer=opt, max_compiles=4,
+                   max_batch=False, inplace_abn=False)
+  assert plan.fits and plan.device_bytes <= plan.budget_bytes < plan.exact_device_bytes
+  assert plan.techniques
+  converted = jmem.convert(_Regressor(), *plan.techniques)
+  compiled, _ = jmem.planner.step_cost(converted, opt, x, y, loss_fn=_l2)
+  assert compiled == plan.device_bytes
+  # The default loss still refuses float labels, naming the way out.
+  with pytest.raises(ValueError, match=r"integer class labels.*float32.*loss_fn="):
+    jmem.plan(_Regressor(), (x, y), "65%")
+
+
+def test_the_loop_trains_a_regression_with_a_loss_fn():
+  x, y = _regression_data(96)
+  dataset = jmem.data.Dataset("regression", x[:64], y[:64], x[64:], y[64:], num_classes=0)
+  model = jmem.convert(_Regressor(), jmem.ActNN("L3", bits=4))
+  cfg = jmem.train.TrainConfig(steps=40, batch_size=32, learning_rate=1e-2, progress=False,
+                               eval_every=20)
+  first = jmem.train.train(model, dataset, jmem.train.TrainConfig(steps=1, batch_size=32,
+                                                                  progress=False), loss_fn=_l2)
+  result = jmem.train.train(model, dataset, cfg, loss_fn=_l2)
+  assert result.test_accuracy is None and result.test_loss < first.test_loss
+  assert [set(h) for h in result.history] == [{"step", "loss", "test_loss"}] * 2
+  assert result.history[-1]["loss"] < first.history[-1]["loss"]
+  assert result.history[-1]["test_loss"] == result.test_loss
+
+
+def test_a_loss_fn_must_give_one_loss_per_example():
+  fns = jmem.step.model_fns(_Regressor())
+  x, y = (jnp.asarray(a) for a in _regression_data(4))
+  params, state = fns.init(jax.random.key(0), x)
+  loss = lambda f: jmem.step.make_loss(fns, f)(params, state, x, y, KEY)[0]
+  np.testing.assert_allclose(loss(_l2), jnp.mean(_l2(fns.apply(params, state, x,
+                                                               train=True)[0], y)), rtol=1e-6)
+  # The loss the planner's sensitivities are measured on (calibration_batch=) is it too.
+  from jmem.ops.actnn import technique  # pylint: disable=g-import-not-at-top
+  _, probe_loss, batch = technique.calibration_problem_on(_Regressor(), x, y, loss_fn=_l2)
+  np.testing.assert_allclose(probe_loss(_Regressor(), params, batch), loss(_l2), rtol=1e-6)
+  with pytest.raises(ValueError, match=r"returned a scalar; it must return one loss per "
+                                       r"example \(shape \(4,\)"):
+    loss(lambda o, t: optax.l2_loss(o, t).mean())
+  with pytest.raises(ValueError, match=r"losses of shape \(2,\), whose leading axis is not the "
+                                       r"batch's \(4 examples\)"):
+    loss(lambda o, t: optax.l2_loss(o, t).sum(0))
+  with pytest.raises(ValueError, match=r"integer class labels, but the labels y have dtype "
+                                       r"float32.*loss_fn="):
+    loss(None)
+
+
+def test_the_step_module_does_not_import_the_loop():
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import sys\nimport jmem, jmem.step, jmem.planner, jmem.bench, jmem.parallel, "
+          "jmem.models, jmem.measure, jmem.surgery\n"
+          "assert callable(jmem.rngs)\n"
+          "loaded = [m for m in sys.modules if m == 'jmem.train' or m.startswith('orbax')]\n"
+          "assert not loaded, loaded\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  assert out.returncode == 0, out.stderr

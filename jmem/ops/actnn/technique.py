@@ -78,18 +78,20 @@ def calibration_problem(model, dataset, batch_size: int):
                                 dataset.y_train[:batch_size])
 
 
-def calibration_problem_on(model, x, y, *, max_values: int = CALIBRATION_VALUES):
+def calibration_problem_on(model, x, y, *, max_values: int = CALIBRATION_VALUES,
+                           loss_fn=None):
   """`calibration_problem` on the examples ``x``, ``y`` (arrays; the first of them, as many
-  as `calibration_problem` takes, or up to ``max_values`` input values)."""
+  as `calibration_problem` takes, or up to ``max_values`` input values), the loss the
+  mean of ``loss_fn`` (`jmem.step.make_loss`; default: cross-entropy)."""
   per_example = int(np.prod(np.shape(x)[1:]))
   n = min(len(x), max(2, min(CALIBRATION_BATCH, max_values // max(per_example, 1))))
   x, y = jnp.asarray(x[:n]), jnp.asarray(y[:n])
   params, state = step_lib.model_fns(model).init(jax.random.key(0), x[:1])
 
-  def loss_fn(module, p, batch):
-    loss = step_lib.make_loss(step_lib.model_fns(module))
+  def probe_loss(module, p, batch):
+    loss = step_lib.make_loss(step_lib.model_fns(module), loss_fn)
     return loss(p, state, *batch, jax.random.key(1))[0]
-  return params, loss_fn, (x, y)
+  return params, probe_loss, (x, y)
 
 
 def _convert(level: str):
