@@ -26,6 +26,7 @@ from jmem.surgery import technique as technique
 from jmem.parallel.sync_bn import sync_batch_norm as sync_batch_norm
 from jmem.planner import Plan as Plan
 from jmem.planner import plan as plan
+from jmem.step import train_step as train_step
 
 __version__ = "0.1.0"
 

@@ -234,12 +234,16 @@ class TrainState(NamedTuple):
     params: trainable parameters.
     model_state: non-trainable variables (BatchNorm statistics, NNX RNG counters).
     opt_state: optimiser state.
+    key: the PRNG key of the steps' randomness (`train_step`'s state): step ``i`` draws
+      from ``fold_in(key, i)``. None (the training loop's state, no leaf): the step's
+      ``seed`` instead (`make_train_step`).
   """
 
   step: jax.Array
   params: Any
   model_state: Any
   opt_state: Any
+  key: Any = None
 
 
 def init_state(fns: ModelFns, optimizer: optax.GradientTransformation, key: jax.Array,
@@ -364,9 +368,10 @@ def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
                     loss_fn: LossFn | None = None) -> Callable[..., Any]:
   """The jit-compiled step ``(state, x, y, mask=None) -> (state, metrics)``.
 
-  The step's PRNG key is ``fold_in(key(seed), state.step)``: no key is carried in the
-  state, so randomness depends only on the seed and the step number; every stream the
-  model draws from comes from it (`jmem.rngs`). An empty batch raises ValueError when the step is traced (`check_batch`),
+  The step's PRNG key is ``fold_in(state.key, state.step)``, or where the state carries no
+  key (the loop's), ``fold_in(key(seed), state.step)``: randomness depends only on the key
+  (or seed) and the step number; every stream the model draws from comes from it
+  (`jmem.rngs`). An empty batch raises ValueError when the step is traced (`check_batch`),
   before any parameter changes. ``mask`` (boolean ``[N]``: the real examples of a padded
   batch, see `make_loss`) keeps the padding out of the loss and the metrics.
 
@@ -378,7 +383,7 @@ def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
   base_key = jax.random.key(seed)
 
   def step(state: TrainState, x, y, mask=None):
-    rng = jax.random.fold_in(base_key, state.step)
+    rng = jax.random.fold_in(base_key if state.key is None else state.key, state.step)
     (value, (outputs, new_model_state)), grads = jax.value_and_grad(loss, has_aux=True)(
         state.params, state.model_state, x, y, rng, mask)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -386,9 +391,78 @@ def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
     metrics = {"loss": value}
     if loss_fn is None:
       metrics["accuracy"] = _mean(jnp.argmax(outputs, -1) == y, mask)
-    return TrainState(state.step + 1, params, new_model_state, opt_state), metrics
+    return (state._replace(step=state.step + 1, params=params, model_state=new_model_state,
+                           opt_state=opt_state), metrics)
 
   return measure.jit(step, donate_argnums=(0,) if donate else ())
+
+
+class TrainStep(NamedTuple):
+  """What `train_step` returns: two functions, as an optax transformation is.
+
+  Attributes:
+    init: ``init(key, x) -> TrainState``: parameters (from ``key``; an NNX model's own),
+      model state and optimiser state for inputs like ``x`` (an array or a
+      `jax.ShapeDtypeStruct`; only its shape and dtype are read), and the key of the
+      steps' randomness (also from ``key``), compiled once.
+    step: ``step(state, x, y, mask=None) -> (state, metrics)``: one optimiser step,
+      compiled with `jmem.jit` and donating ``state`` (`make_train_step`).
+  """
+
+  init: Callable[..., TrainState]
+  step: Callable[..., tuple[TrainState, dict[str, jax.Array]]]
+
+
+def train_step(model: nn.Module | nnx.Module | ModelFns,
+               optimizer: optax.GradientTransformation, *, loss_fn: LossFn | None = None,
+               donate: bool = True) -> TrainStep:
+  """A compiled training step for ``model``, with every key it needs: ``(init, step)``.
+
+  The step is what `jmem.train.train` runs, on your own data and loop: it is compiled
+  with `jmem.jit` (on XLA:CPU plain ``jax.jit`` loses much of a technique's saving), it
+  donates the state (the old state's buffers are reused: do not touch them after the
+  call), and its randomness, every stream a converted model draws from (ActNN's rounding,
+  SBP's kept nodes, dropout: `jmem.rngs`), comes from the state's key folded with the
+  step number, so nothing about keys is left to get wrong.
+
+  Args:
+    model: a linen module (called ``apply(variables, x, train=...)``), an NNX module, or a
+      `ModelFns` (e.g. ``plan.model_fns(model)``, `jmem.parallel.data_parallel`'s).
+    optimizer: an optax transformation.
+    loss_fn: ``loss_fn(outputs, targets) -> losses``, one per example (``[N]``) or per
+      pixel (``[N, H, W]``), as optax's losses are, e.g.
+      ``optax.softmax_cross_entropy_with_integer_labels`` or
+      ``lambda out, y: optax.l2_loss(out, y).sum(-1)``; jmem takes the mean (over the
+      real examples, with ``mask``). Default: softmax cross-entropy with integer labels.
+    donate: donate the state to the step (the memory the plan counts on).
+
+  Returns:
+    A `TrainStep` ``(init, step)``; ``step``'s metrics are ``loss`` and, with the default
+    loss, ``accuracy``.
+
+  Examples:
+    >>> model = jmem.convert(model, jmem.ActNN("L3"))
+    >>> init, step = jmem.train_step(model, optax.adam(1e-3), loss_fn=loss_fn)
+    >>> state = init(jax.random.key(0), x)
+    >>> for x, y in batches:
+    ...   state, metrics = step(state, x, y)
+  """
+  fns = model_fns(model)
+  compiled = make_train_step(fns, optimizer, donate=donate, loss_fn=loss_fn)
+  # Compiled: op-by-op initialisation is slow, and its outputs are fresh buffers, so the
+  # donating step never takes the arrays of an NNX model the caller still holds.
+  make = jax.jit(lambda k, x: init_state(fns, optimizer, k, x), out_shardings=fns.sharding)
+
+  def init(key, x) -> TrainState:
+    key = context.check_key(key, "train_step's init key")
+    k_params, k_steps = jax.random.split(key)
+    example = jnp.zeros((1,) + tuple(x.shape[1:]), x.dtype)
+    state = make(k_params, example)
+    if fns.sharding is not None:
+      k_steps = jax.device_put(k_steps, fns.sharding)
+    return state._replace(key=k_steps)
+
+  return TrainStep(init, compiled)
 
 
 def default_optimizer(learning_rate: float, steps: int, *,

@@ -1,6 +1,6 @@
 """`jmem.step` and what it gives: `jmem.rngs`, the error for a converted site without a
-key and its opt-in (`jmem.surgery.data_keys`), and your own loss (`loss_fn=` of the
-step, the loop and `jmem.plan`)."""
+key and its opt-in (`jmem.surgery.data_keys`), your own loss (`loss_fn=` of the step, the
+loop and `jmem.plan`), and `jmem.train_step`."""
 
 import flax.linen as nn
 import jax
@@ -204,13 +204,67 @@ def test_a_loss_fn_must_give_one_loss_per_example():
     loss(None)
 
 
+# ------------------------------------------------------------------ jmem.train_step
+
+def test_train_step_on_a_converted_model_is_the_hand_written_step():
+  """`jmem.train_step`: one step of a converted model (ActNN draws keys, dropout too) equals
+  a hand-written step with the same keys, compiled with jmem.jit, state donated."""
+  model = jmem.convert(_DropoutCNN(), jmem.ActNN("L3", bits=2))
+  opt = optax.sgd(0.1)
+  y = jnp.arange(4) % 10
+  init, step = jmem.train_step(model, opt)
+  state = init(jax.random.key(0), X)
+  assert state.key is not None and int(state.step) == 0
+  params = jax.tree.map(jnp.copy, state.params)
+  k_params, k_steps = jax.random.split(jax.random.key(0))
+  want_params = model.init(dict(zip(("params", "dropout"), jax.random.split(k_params))),
+                           X[:1], train=False)["params"]
+  _same(params, want_params)
+
+  def hand(p, x, y, key):
+    def loss(p):
+      logits = model.apply({"params": p}, x, train=True, rngs=jmem.rngs(key))
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    value, grads = jax.value_and_grad(loss)(p)
+    updates, _ = opt.update(grads, opt.init(p), p)
+    return optax.apply_updates(p, updates), value
+
+  want, want_loss = jmem.jit(hand)(params, X, y, jax.random.fold_in(k_steps, 0))
+  new, metrics = step(state, X, y)
+  assert set(metrics) == {"loss", "accuracy"} and int(new.step) == 1
+  np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               new.params, want)
+  assert all(a.is_deleted() for a in jax.tree.leaves(state.params))     # donated
+  # The next step draws other keys: fold_in(key, 1).
+  _, again = step(new, X, y)
+  assert float(again["loss"]) != float(metrics["loss"])
+
+
+def test_train_step_with_a_loss_fn_reports_no_accuracy_and_keeps_an_nnx_model():
+  model = jmem.convert(tp.NNXCNN(num_classes=2, rngs=nnx.Rngs(0)), jmem.ActNN("L3", bits=4),
+                       jmem.SyncBN(axis_name=None))       # its BatchNorms take the mask
+  x, y = (jnp.asarray(a) for a in _regression_data(8))
+  init, step = jmem.train_step(model, optax.adam(1e-2), loss_fn=_l2)
+  state = init(jax.random.key(1), jax.ShapeDtypeStruct(x.shape, x.dtype))
+  losses = []
+  for _ in range(5):
+    state, metrics = step(state, x, y)
+    losses.append(float(metrics["loss"]))
+  assert set(metrics) == {"loss"} and losses[-1] < losses[0]
+  model.eval()                     # the model's own arrays were not donated
+  assert model(x).shape == (8, 2)
+  _, masked = step(state, x, y, mask=jnp.arange(8) < 6)   # padded rows stay out
+  assert np.isfinite(float(masked["loss"]))
+
+
 def test_the_step_module_does_not_import_the_loop():
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   code = ("import sys\nimport jmem, jmem.step, jmem.planner, jmem.bench, jmem.parallel, "
           "jmem.models, jmem.measure, jmem.surgery\n"
-          "assert callable(jmem.rngs)\n"
+          "assert callable(jmem.train_step) and callable(jmem.rngs)\n"
           "loaded = [m for m in sys.modules if m == 'jmem.train' or m.startswith('orbax')]\n"
           "assert not loaded, loaded\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
