@@ -62,7 +62,6 @@ def mask_for(x, mask, path: str):
 # The streams `rngs(key)` makes from one key. "dropout" is the key itself (what
 # ``rngs={"dropout": key}`` gives a linen model, so its dropout draws as before); jmem's
 # sites fold a constant into it: 0x61 ("a") for ActNN's rounding, 0x73 ("s") for SBP's nodes.
-STREAMS = ("dropout", "actnn", "sbp")
 _FOLDS = {"actnn": 0x61, "sbp": 0x73}
 
 

@@ -449,8 +449,7 @@ def train_step(model: nn.Module | nnx.Module | ModelFns,
   """
   fns = model_fns(model)
   compiled = make_train_step(fns, optimizer, donate=donate, loss_fn=loss_fn)
-  # Compiled: op-by-op initialisation is slow, and its outputs are fresh buffers, so the
-  # donating step never takes the arrays of an NNX model the caller still holds.
+  # Compiled: op-by-op initialisation is slow.
   make = jax.jit(lambda k, x: init_state(fns, optimizer, k, x), out_shardings=fns.sharding)
 
   def init(key, x) -> TrainState:
@@ -458,6 +457,10 @@ def train_step(model: nn.Module | nnx.Module | ModelFns,
     k_params, k_steps = jax.random.split(key)
     example = jnp.zeros((1,) + tuple(x.shape[1:]), x.dtype)
     state = make(k_params, example)
+    if not isinstance(fns.module, nn.Module):
+      # Copies, so the donating step never takes the arrays of an NNX model the caller
+      # still holds (jit may hand an unchanged array back as it is).
+      state = jax.tree.map(jnp.copy, state)
     if fns.sharding is not None:
       k_steps = jax.device_put(k_steps, fns.sharding)
     return state._replace(key=k_steps)
