@@ -274,7 +274,8 @@ def _placed(fns, abstract, x_spec, y_spec):
   if fns.batch_sharding is None:
     return abstract, x_spec, y_spec
   on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-  rows = step_lib._rows_sharding(fns.batch_sharding, len(y_spec.shape))  # pylint: disable=protected-access
+  rows = step_lib._rows_sharding(  # pylint: disable=protected-access
+      fns.batch_sharding, len(y_spec.shape))
   return (jax.tree.map(lambda a: on(a, fns.sharding), abstract),
           on(x_spec, fns.batch_sharding), on(y_spec, rows))
 
@@ -379,7 +380,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
         accuracy=None,
         accuracy_per_seed=None)
     if not config.memory_only:
-      from jmem import train as train_lib  # pylint: disable=g-import-not-at-top  (the loop)
+      from jmem import train as train_lib  # pylint: disable=g-import-not-at-top
       accs = []
       state = None
       for seed in config.seeds:

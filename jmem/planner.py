@@ -6,6 +6,8 @@ step into a budget at the least extra compute.
   plan = jmem.plan(model, (x, y), budget="16GiB")     # x, y: arrays or ShapeDtypeStructs
   print(plan)                                          # per-site table, peak, FLOPs, batch
   model = jmem.convert(model, *plan.techniques)
+  # Your own loss (a regression head, float targets): one loss per example, as optax's.
+  plan = jmem.plan(regressor, (x, t), "60%", loss_fn=lambda out, t: optax.l2_loss(out, t).sum(-1))
 
 The model is a linen or an NNX module, as `jmem.convert` takes (an NNX model is planned on
 ``nnx.clone`` copies: yours is converted only when you call `jmem.convert` with the plan).
@@ -337,7 +339,8 @@ class Plan:
     return tuple(self.base) + _policies(self.choices)
 
   def model_fns(self, model) -> step_lib.ModelFns:
-    """The planned model as `jmem.step.ModelFns`, for `jmem.train.train`: ``model`` (the
+    """The planned model as `jmem.step.ModelFns`, for `jmem.train.train` or
+    `jmem.train_step`: ``model`` (the
     one planned; an NNX model is converted in place, as by `jmem.convert`) converted with
     `techniques` and, on ``mesh``, its train state replicated and each batch sharded by
     ``batch_specs`` (`jmem.train` splits per-pixel labels over H and W as the images). With the

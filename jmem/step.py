@@ -1,10 +1,17 @@
 """One training step for Flax linen and Flax NNX models, below the training loop.
 
+::
+
+  init, step = jmem.train_step(model, optax.adam(1e-3), loss_fn=loss_fn)  # jmem.train_step
+  state = init(jax.random.key(0), x)
+  state, metrics = step(state, x, y)
+
 A model of either API is turned into a pair of pure functions (`ModelFns`), so the loss, the
 step, the loop (`jmem.train`), the planner (`jmem.plan`), the bench and the memory
 measurements in `jmem.measure` are written once. This module holds that adapter, the train
-state, the loss and the jit-compiled step, and how a batch is laid out on a mesh; the loop
-with its checkpoints is `jmem.train`, which imports this module (never the reverse).
+state, the loss (integer-label cross-entropy, or your ``loss_fn``) and the jit-compiled
+step, and how a batch is laid out on a mesh; the loop with its checkpoints is `jmem.train`,
+which imports this module (never the reverse).
 """
 
 from __future__ import annotations
@@ -31,22 +38,28 @@ from jmem import measure
 __all__ = [
     "ModelFns", "TrainState", "model_fns", "init_state", "abstract_state", "check_batch",
     "make_loss", "make_train_step", "default_optimizer", "check_learning_rate", "takes_train",
-    "padded_size", "global_batch",
+    "padded_size", "global_batch", "per_example_losses", "LossFn", "TrainStep", "train_step",
 ]
 
+
 class ModelFns(NamedTuple):
-  """A classifier as pure functions.
+  """A model as pure functions.
 
   Attributes:
     init: ``(key, x) -> (params, model_state)``.
-    apply: ``(params, model_state, x, *, train, rng) -> (logits, new_model_state)``.
+    apply: ``(params, model_state, x, *, train, rng) -> (outputs, new_model_state)``
+      (outputs: the logits of a classifier); ``rng``: the step's key, from which every
+      stream the model draws from is made (`jmem.rngs`; None: no keys, as inference
+      needs).
     module: the original linen module or NNX graph definition (for reference).
     sharding: the `jax.sharding.Sharding` of every leaf of the training state (e.g.
-      replicated over a mesh), or None (the default device). `train` puts the initial state
+      replicated over a mesh), or None (the default device). `jmem.train.train` and
+      `train_step` put the initial state
       there, where the step leaves it, so that the step compiles once.
     batch_sharding: the `jax.sharding.NamedSharding` of a batch's inputs ``x`` on that mesh
       (e.g. ``P("data")``: data parallel), or None (the default device). The labels and the
-      validity mask take the partitioning of its first axis. With it, `train` and `evaluate`
+      validity mask take the partitioning of its first axis. With it, `jmem.train.train`
+      and `jmem.train.evaluate`
       build every batch as a global array from the rows each process holds, and pad (and
       mask) a batch that the data axis does not divide.
 
@@ -308,8 +321,9 @@ def per_example_losses(loss_fn: LossFn | None, outputs, y) -> jax.Array:
   batch = jax.tree.leaves(outputs)[0].shape[0] if jax.tree.leaves(outputs) else None
   name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
   if not hasattr(v, "dtype") or not jnp.issubdtype(v.dtype, jnp.floating):
+    dtype = f" of dtype {v.dtype}" if hasattr(v, "dtype") else ""
     raise TypeError(f"loss_fn {name} must return a floating array of losses, one per example, "
-                    f"got {type(v).__name__}{'' if not hasattr(v, 'dtype') else f' of dtype {v.dtype}'}.")
+                    f"got {type(v).__name__}{dtype}.")
   if v.ndim == 0:
     raise ValueError(
         f"loss_fn {name} returned a scalar; it must return one loss per example (shape "
@@ -335,9 +349,13 @@ def make_loss(fns: ModelFns, loss_fn: LossFn | None = None
   gets the mask (``fns.apply(..., mask=mask)``) for its BatchNorm statistics.
 
   Raises:
+    TypeError: for a ``loss_fn`` that is not a function.
     ValueError: (when traced) for an empty batch (see `check_batch`), and as
       `per_example_losses`.
   """
+  if loss_fn is not None and not callable(loss_fn):
+    raise TypeError(f"loss_fn must be a function (outputs, targets) -> losses, one per "
+                    f"example, or None (cross-entropy); got {type(loss_fn).__name__}.")
 
   def loss(params, model_state, x, y, rng, mask=None):
     check_batch(x, y)

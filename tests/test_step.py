@@ -199,6 +199,8 @@ def test_a_loss_fn_must_give_one_loss_per_example():
   with pytest.raises(ValueError, match=r"losses of shape \(2,\), whose leading axis is not the "
                                        r"batch's \(4 examples\)"):
     loss(lambda o, t: optax.l2_loss(o, t).sum(0))
+  with pytest.raises(TypeError, match="loss_fn must be a function"):
+    jmem.train_step(_Regressor(), optax.sgd(0.1), loss_fn="mse")
   with pytest.raises(ValueError, match=r"integer class labels, but the labels y have dtype "
                                        r"float32.*loss_fn="):
     loss(None)
