@@ -20,18 +20,20 @@ from jmem.surgery import Spatial as Spatial
 from jmem.surgery import SyncBN as SyncBN
 from jmem.surgery import Technique as Technique
 from jmem.surgery import batch_mask as batch_mask
+from jmem.surgery import rngs as rngs
 from jmem.surgery import convert as convert
 from jmem.surgery import technique as technique
 from jmem.parallel.sync_bn import sync_batch_norm as sync_batch_norm
 from jmem.planner import Plan as Plan
 from jmem.planner import plan as plan
+from jmem.step import train_step as train_step
 
 __version__ = "0.1.0"
 
 # The submodules `import jmem` does not load itself, loaded on first use (PEP 562):
 # ``jmem.models.create_model(...)`` after a bare ``import jmem`` raised AttributeError.
 _LAZY = frozenset({"bench", "cli", "data", "measure", "models", "ops", "parallel", "planner",
-                   "surgery", "techniques", "tour", "train"})
+                   "step", "surgery", "techniques", "tour", "train"})
 
 
 def __getattr__(name):

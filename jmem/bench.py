@@ -36,7 +36,7 @@ from jmem import data as data_lib
 from jmem import measure
 from jmem import models as models_lib
 from jmem import surgery
-from jmem import train as train_lib
+from jmem import step as step_lib
 from jmem._technique import IMPLEMENTATIONS as IMPLEMENTATIONS
 from jmem._technique import BenchTechnique
 from jmem.ops.actnn.technique import calibration_problem as calibration_problem
@@ -265,7 +265,7 @@ def check_classifier(model, example_shape: Sequence[int], num_classes: int, *,
   Raises:
     ValueError: saying what the model did on such a batch and what was expected.
   """
-  fns = train_lib.model_fns(model)
+  fns = step_lib.model_fns(model)
   x = jax.ShapeDtypeStruct((2,) + tuple(example_shape), jnp.float32)
 
   def logits(key, x):
@@ -385,7 +385,7 @@ class BenchConfig:
       raise ValueError(f"batch_size must be >= 1, got {self.batch_size}.")
     if self.image_size < 1:
       raise ValueError(f"image_size must be >= 1, got {self.image_size}.")
-    train_lib.check_learning_rate(self.learning_rate)
+    step_lib.check_learning_rate(self.learning_rate)
     if not self.seeds:
       raise ValueError("Give at least one seed.")
     if self.timing_repeats < 1:
@@ -500,7 +500,7 @@ def build_model(name: str, model, dataset: data_lib.Dataset, batch_size: int, *,
                 target=None, calibrate: bool = True):
   """``model`` with the registered technique ``name`` on, as a user builds it:
   ``jmem.convert(model, *techniques_for(...))`` (``model`` itself for exact). With
-  ``jmem.Spatial`` it is the converted model's `jmem.train.ModelFns` with the train state
+  ``jmem.Spatial`` it is the converted model's `jmem.step.ModelFns` with the train state
   replicated over the mesh and each batch sharded over H and W (what `jmem.train` and the
   compiled step need)."""
   techniques = techniques_for(name, model, dataset, batch_size, target=target,
@@ -510,7 +510,7 @@ def build_model(name: str, model, dataset: data_lib.Dataset, batch_size: int, *,
   if spatial is None:
     return converted
   spec = P(spatial.data_axis, *spatial.axes)
-  return train_lib.model_fns(converted)._replace(
+  return step_lib.model_fns(converted)._replace(
       sharding=NamedSharding(spatial.mesh, P()),
       batch_sharding=NamedSharding(spatial.mesh, spec))
 
@@ -527,9 +527,9 @@ def step_memory(fns, optimizer, x_spec, y_spec, *, step=None, target=None) -> tu
   ``step`` is the jitted step to compile (default: a fresh non-donating one).
   """
   on = measure.target(target)
-  abstract, xs, ys = _placed(fns, train_lib.abstract_state(fns, optimizer, x_spec), x_spec,
+  abstract, xs, ys = _placed(fns, step_lib.abstract_state(fns, optimizer, x_spec), x_spec,
                              y_spec)
-  step = step or train_lib.make_train_step(fns, optimizer, donate=False)
+  step = step or step_lib.make_train_step(fns, optimizer, donate=False)
   temp = on.memory(step, abstract, xs, ys).temp_bytes
   return saved_bytes(fns, optimizer, x_spec, y_spec, abstract=abstract, target=on), temp
 
@@ -541,7 +541,8 @@ def _placed(fns, abstract, x_spec, y_spec):
   if fns.batch_sharding is None:
     return abstract, x_spec, y_spec
   on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-  rows = train_lib._rows_sharding(fns.batch_sharding, len(y_spec.shape))  # pylint: disable=protected-access
+  rows = step_lib._rows_sharding(  # pylint: disable=protected-access
+      fns.batch_sharding, len(y_spec.shape))
   return (jax.tree.map(lambda a: on(a, fns.sharding), abstract),
           on(x_spec, fns.batch_sharding), on(y_spec, rows))
 
@@ -549,8 +550,8 @@ def _placed(fns, abstract, x_spec, y_spec):
 def saved_bytes(fns, optimizer, x_spec, y_spec, *, abstract=None, target=None) -> int:
   """Activation bytes the train step's loss saves for its backward pass (traced only, with
   the kernels ``target`` would choose)."""
-  abstract = abstract or train_lib.abstract_state(fns, optimizer, x_spec)
-  loss = train_lib.make_loss(fns)
+  abstract = abstract or step_lib.abstract_state(fns, optimizer, x_spec)
+  loss = step_lib.make_loss(fns)
   rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   with measure.target(target).lowering():
     report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
@@ -563,8 +564,8 @@ def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0), *, targe
   """`jmem.measure.fit_step` of the (donating) train step on ``target``: device bytes at
   the batch of ``x_spec`` and at twice it, and the largest batch under each budget
   (``budgets`` in bytes, else ``budgets_gib`` in GiB)."""
-  abstract = train_lib.abstract_state(fns, optimizer, x_spec)
-  step = train_lib.make_train_step(fns, optimizer, donate=True)
+  abstract = step_lib.abstract_state(fns, optimizer, x_spec)
+  step = step_lib.make_train_step(fns, optimizer, donate=True)
   on = measure.target(target)
   spec = lambda a, b: jax.ShapeDtypeStruct((b,) + a.shape[1:], a.dtype)
 
@@ -626,8 +627,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     if name not in built:
       _log(f"[{name}] preparing (calibration or planning on a training batch)", quiet)
     model = built[name] if name in built else build(name)
-    fns = train_lib.model_fns(model)
-    optimizer = train_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
+    fns = step_lib.model_fns(model)
+    optimizer = step_lib.default_optimizer(config.learning_rate, max(config.steps, 1))
     size = ("x".join(map(str, config.input_shape)) if config.input_shape
             else f"{config.image_size}x{config.image_size}")
     _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, {size}) for "
@@ -652,6 +653,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     if config.input_shape:
       row["input_shape"] = list(config.input_shape)
     if not config.memory_only:
+      from jmem import train as train_lib  # pylint: disable=g-import-not-at-top
       accs = []
       state = None
       for seed in config.seeds:
@@ -668,7 +670,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
       row["accuracy"] = float(statistics.mean(accs))
       idx = data_lib.batch_indices(len(dataset.x_train), config.batch_size, 0, seed=0)
       xb, yb = jnp.asarray(dataset.x_train[idx]), jnp.asarray(dataset.y_train[idx])
-      step = train_lib.make_train_step(fns, optimizer, donate=False)   # timed repeatedly
+      step = step_lib.make_train_step(fns, optimizer, donate=False)   # timed repeatedly
       timing_steps[name] = (lambda s=step, st=state: s(st, xb, yb))
       row["measured_on"] = _this_machine()
     rows.append(row)

@@ -3,7 +3,7 @@
 jmem runs multi-controller: every process runs the same program, `initialize` connects them
 through `jax.distributed.initialize`, and a mesh over ``jax.devices()`` (all processes'
 devices) spans them. `jmem.train.train` then builds each batch as a global array from the
-rows each process holds (`jmem.train.global_batch`), evaluates on the whole test set, saves
+rows each process holds (`jmem.step.global_batch`), evaluates on the whole test set, saves
 orbax checkpoints from every process and reports from process 0 only.
 
   jmem train --coordinator 10.0.0.1:12345 --num-processes 2 --process-id 0 --mesh 16 ...

@@ -6,6 +6,8 @@ step into a budget at the least extra compute.
   plan = jmem.plan(model, (x, y), budget="16GiB")     # x, y: arrays or ShapeDtypeStructs
   print(plan)                                          # per-site table, peak, FLOPs, batch
   model = jmem.convert(model, *plan.techniques)
+  # Your own loss (a regression head, float targets): one loss per example, as optax's.
+  plan = jmem.plan(regressor, (x, t), "60%", loss_fn=lambda out, t: optax.l2_loss(out, t).sum(-1))
 
 The model is a linen or an NNX module, as `jmem.convert` takes (an NNX model is planned on
 ``nnx.clone`` copies: yours is converted only when you call `jmem.convert` with the plan).
@@ -150,7 +152,7 @@ from jax.sharding import PartitionSpec as P
 from jmem import _backends
 from jmem import measure
 from jmem import surgery
-from jmem import train as train_lib
+from jmem import step as step_lib
 from jmem._technique import BenchTechnique
 from jmem.ops.actnn import quantize as actnn_quantize
 from jmem.ops.actnn import technique as actnn_technique
@@ -336,8 +338,9 @@ class Plan:
     """What to pass to `jmem.convert` (empty: the exact model fits)."""
     return tuple(self.base) + _policies(self.choices)
 
-  def model_fns(self, model) -> train_lib.ModelFns:
-    """The planned model as `jmem.train.ModelFns`, for `jmem.train.train`: ``model`` (the
+  def model_fns(self, model) -> step_lib.ModelFns:
+    """The planned model as `jmem.step.ModelFns`, for `jmem.train.train` or
+    `jmem.train_step`: ``model`` (the
     one planned; an NNX model is converted in place, as by `jmem.convert`) converted with
     `techniques` and, on ``mesh``, its train state replicated and each batch sharded by
     ``batch_specs`` (`jmem.train` splits per-pixel labels over H and W as the images). With the
@@ -345,11 +348,11 @@ class Plan:
     XLA for the kernels, as the plan compiled it)."""
     converted = surgery.convert(model, *self.techniques) if self.techniques else model
     if self.mesh is None:
-      return train_lib.model_fns(converted)
+      return step_lib.model_fns(converted)
     x_spec = self.batch_specs[0]
     if not any(isinstance(t, surgery.Spatial) for t in self.base):
       return data_parallel(converted, self.mesh, axis=x_spec[0])
-    return train_lib.model_fns(converted)._replace(
+    return step_lib.model_fns(converted)._replace(
         sharding=NamedSharding(self.mesh, P()), batch_sharding=NamedSharding(self.mesh, x_spec))
 
   @property
@@ -411,14 +414,16 @@ def _policies(choices) -> tuple[Policy, ...]:
   return tuple(t for t in (c.technique() for c in choices) if t is not None)
 
 
-def compile_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None):
-  """``model``'s donating train step (`jmem.train`'s, with ``optimizer``) compiled for the
-  batch ``x``, ``y`` (arrays or ShapeDtypeStructs); ``abstract``: the train state's shapes,
-  if already known. With ``mesh`` (a `jax.sharding.Mesh`), the batch is sharded over it by
-  ``specs`` (x's and y's `PartitionSpec`) and the train state replicated, as
-  `jmem.plan(mesh=...)` compiles it: its figures are then per device."""
+def compile_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None,
+                 loss_fn=None):
+  """``model``'s donating train step (`jmem.step`'s, with ``optimizer`` and ``loss_fn``,
+  default: cross-entropy with integer labels) compiled for the batch ``x``, ``y`` (arrays
+  or ShapeDtypeStructs); ``abstract``: the train state's shapes, if already known. With
+  ``mesh`` (a `jax.sharding.Mesh`), the batch is sharded over it by ``specs`` (x's and
+  y's `PartitionSpec`) and the train state replicated, as `jmem.plan(mesh=...)` compiles
+  it: its figures are then per device."""
   return _lowered_step(model, optimizer, x, y, abstract=abstract, mesh=mesh,
-                       specs=specs).compile()
+                       specs=specs, loss_fn=loss_fn).compile()
 
 
 def _lowered_step(model, optimizer, x, y, **kwargs):
@@ -427,12 +432,13 @@ def _lowered_step(model, optimizer, x, y, **kwargs):
   return step.lower(*args)
 
 
-def _train_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None):
+def _train_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None,
+                loss_fn=None):
   """``(step, args)``: `compile_step`'s jitted step and the abstract arguments it is
   compiled for (the same arguments)."""
-  fns = train_lib.model_fns(model)
+  fns = step_lib.model_fns(model)
   if abstract is None:
-    abstract = train_lib.abstract_state(fns, optimizer, x)
+    abstract = step_lib.abstract_state(fns, optimizer, x)
   if (mesh is None) != (specs is None) or specs is not None and (
       isinstance(specs, P) or len(specs) != 2 or not all(isinstance(s, P) for s in specs)):
     raise ValueError(f"compile_step takes mesh= and specs=(x's PartitionSpec, y's) together "
@@ -442,14 +448,15 @@ def _train_step(model, optimizer, x, y, *, abstract=None, mesh=None, specs=None)
                                               sharding=NamedSharding(mesh, spec))
     x, y = on(x, specs[0]), on(y, specs[1])
     abstract = jax.tree.map(lambda a: on(a, P()), abstract)
-  return train_lib.make_train_step(fns, optimizer, donate=True), (abstract, x, y)
+  return step_lib.make_train_step(fns, optimizer, donate=True, loss_fn=loss_fn), (abstract, x, y)
 
 
 def step_cost(model, optimizer, x, y, *, abstract=None, mesh=None,
-              specs=None) -> tuple[int, float]:
+              specs=None, loss_fn=None) -> tuple[int, float]:
   """``(device bytes, FLOPs)`` of `compile_step` (the same arguments): per device with
   ``mesh``; FLOPs by `jmem.measure.step_flops` (off the CPU, the lowered module's)."""
-  lowered = _lowered_step(model, optimizer, x, y, abstract=abstract, mesh=mesh, specs=specs)
+  lowered = _lowered_step(model, optimizer, x, y, abstract=abstract, mesh=mesh, specs=specs,
+                          loss_fn=loss_fn)
   return measure.device_bytes_and_flops(lowered.compile(), lowered)
 
 
@@ -527,7 +534,7 @@ def _nnx_probe(model, paths, record):
   return probe
 
 
-def _estimate_sites(model, optimizer, x, y, paths) -> tuple[list[_Site], float]:
+def _estimate_sites(model, optimizer, x, y, paths, loss_fn=None) -> tuple[list[_Site], float]:
   """Per-example residual bytes, input bytes and forward FLOPs of each site, and the
   residual bytes no site holds; traced at the example batch."""
   batch = x.shape[0]
@@ -540,18 +547,18 @@ def _estimate_sites(model, optimizer, x, y, paths) -> tuple[list[_Site], float]:
       sites[path].input_values = float(sum(a.size for a in arrays))
 
   if isinstance(model, nnx.Module):
-    fns = train_lib.model_fns(_nnx_probe(model, set(paths), record))
+    fns = step_lib.model_fns(_nnx_probe(model, set(paths), record))
     calls = contextlib.nullcontext
   else:
-    fns = train_lib.model_fns(model)
+    fns = step_lib.model_fns(model)
 
     def intercept(next_fun, args, kwargs, context):    # linen: method interception
       if context.method_name == "__call__" and context.module.scope:
         record("/".join(context.module.scope.path), args)
       return next_fun(*args, **kwargs)
     calls = lambda: nn.intercept_methods(intercept)
-  abstract = train_lib.abstract_state(fns, optimizer, x)
-  loss = train_lib.make_loss(fns)
+  abstract = step_lib.abstract_state(fns, optimizer, x)
+  loss = step_lib.make_loss(fns, loss_fn)
   rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   report = measure.saved_residuals(lambda *a: loss(*a)[0], abstract.params,
                                    abstract.model_state, x, y, rng, argnums=0)
@@ -720,7 +727,7 @@ def _default_sites(model, x, where: str | None = None) -> list[str]:
   probe = Policy("save", where=where)
   if isinstance(model, nnx.Module):
     return list(surgery.sites(_converted(model, [probe])).get("save", []))
-  kw = {"train": True} if train_lib.takes_train(model) else {}
+  kw = {"train": True} if step_lib.takes_train(model) else {}
   return list(surgery.sites(surgery.convert(model, probe), x, **kw).get(repr(probe), []))
 
 
@@ -729,7 +736,7 @@ def _default_sites(model, x, where: str | None = None) -> list[str]:
 _DOMINANT, _COVERED, _MAX_DEPTH = 0.5, 0.9, 3
 
 
-def _split_dominant(model, optimizer, xs, ys, paths, sites, outside):
+def _split_dominant(model, optimizer, xs, ys, paths, sites, outside, loss_fn=None):
   """``(paths, sites, outside, notes)`` with a site that holds most of the saved activations
   (a per-frame CNN applied as one submodule, an encoder) replaced by the module calls
   directly inside it (inside the one module it wraps, where it wraps one), repeatedly: one
@@ -752,7 +759,7 @@ def _split_dominant(model, optimizer, xs, ys, paths, sites, outside):
       break
     at = paths.index(big.path)
     new_paths = paths[:at] + inner + paths[at + 1:]
-    new_sites, new_outside = _estimate_sites(model, optimizer, xs, ys, new_paths)
+    new_sites, new_outside = _estimate_sites(model, optimizer, xs, ys, new_paths, loss_fn)
     covered = sum(s.residual_bytes for s in new_sites if s.path in inner)
     if covered < _COVERED * big.residual_bytes:
       notes.append(f"the site {big.path!r} holds {big.residual_bytes / total:.0%} of the saved "
@@ -779,14 +786,17 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
          mesh=None, spatial_axes: tuple | None = ("h", "w"),
          data_axis: str | None = None, devices=None,
          policies: Sequence[str] | None = None,
-         bits: Sequence[int] | int | None = None, target=None, where=None) -> Plan:
+         bits: Sequence[int] | int | None = None, target=None, where=None,
+         loss_fn=None) -> Plan:
   """Per-site policies that fit ``model``'s train step into ``budget`` (module docstring).
 
   Args:
-    model: a classifier, an unbound linen module (``apply(variables, x, train=...)``) or an
-      NNX module (``model(x)``, ``model.train()``; left unchanged: planned on copies);
-      integer labels, one per example or per pixel.
-    example_batch: ``(x, y)`` arrays or `jax.ShapeDtypeStruct`s (shapes are enough).
+    model: an unbound linen module (``apply(variables, x, train=...)``) or an NNX module
+      (``model(x)``, ``model.train()``; left unchanged: planned on copies): a classifier
+      with integer labels (one per example or per pixel), or any model with ``loss_fn``.
+    example_batch: ``(x, y)`` arrays or `jax.ShapeDtypeStruct`s (shapes are enough): the
+      inputs and their labels (with ``loss_fn``, its targets, e.g. float regression
+      targets).
     budget: device bytes (int), a size string (``"16GiB"``), or a share of the exact
       step's device bytes at the batch (``"50%"``).
     batch_size: the batch to plan for (default: ``x``'s).
@@ -852,6 +862,11 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       class, or a regular expression over module paths such as ``"layer1/.*"``);
       default: jmem.convert's default block sites (the direct children of the top module
       but its Dense layers).
+    loss_fn: the training loss, ``loss_fn(outputs, targets) -> losses`` one per example
+      (or per pixel) as optax's losses are, e.g. ``lambda out, y: optax.l2_loss(out,
+      y).sum(-1)`` for a regression head; every step planned and compiled minimises their
+      mean (`jmem.step.make_loss`), and the sensitivities of ``calibration_batch`` are
+      measured on it. Default: softmax cross-entropy with integer labels.
 
   Returns:
     A `Plan`; ``jmem.convert(model, *plan.techniques)`` is the planned model. If nothing
@@ -888,16 +903,20 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                      "jmem.Spatial comes with mesh= or devices=.")
   if not (isinstance(example_batch, (tuple, list)) and len(example_batch) == 2):
     raise ValueError(
-        "example_batch must be (x, y), the inputs and their integer labels (arrays or "
+        "example_batch must be (x, y), the inputs and their labels or targets (arrays or "
         f"jax.ShapeDtypeStructs), got {type(example_batch).__name__}"
         f"{' ' + str(example_batch.shape) if hasattr(example_batch, 'shape') else ''}: e.g. "
         "jmem.plan(model, (x, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)), budget).")
   x, y = example_batch
-  if hasattr(y, "dtype") and not jnp.issubdtype(y.dtype, jnp.integer):
+  if loss_fn is None and hasattr(y, "dtype") and not jnp.issubdtype(y.dtype, jnp.integer):
     raise ValueError(
-        f"jmem.plan trains with integer class labels (softmax cross-entropy), but the labels "
-        f"y have dtype {y.dtype}: give class indices (e.g. y.astype(jnp.int32), or a "
-        "jax.ShapeDtypeStruct of int32); a regression or another loss cannot be planned yet.")
+        f"jmem.plan's default loss is softmax cross-entropy with integer class labels, but "
+        f"the labels y have dtype {y.dtype}: give class indices (e.g. y.astype(jnp.int32), or "
+        "a jax.ShapeDtypeStruct of int32), or plan with your loss, e.g. for regression "
+        "loss_fn=lambda out, y: optax.l2_loss(out, y).sum(-1) (one loss per example).")
+  if loss_fn is not None and not callable(loss_fn):
+    raise TypeError(f"loss_fn must be a function (outputs, targets) -> per-example losses, "
+                    f"got {type(loss_fn).__name__}.")
   if not (np.ndim(x) and np.ndim(y)) or x.shape[0] != y.shape[0]:
     raise ValueError(f"example_batch must be (x, y) with one label (or label map) per example; "
                      f"got x of shape {np.shape(x)} and y of shape {np.shape(y)}.")
@@ -909,7 +928,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   if batch < 1:
     raise ValueError(f"batch_size must be positive, got {batch}.")
   spec = lambda a, b: jax.ShapeDtypeStruct((b,) + tuple(a.shape[1:]), a.dtype)
-  optimizer = optimizer or train_lib.default_optimizer(1e-3, 100)
+  optimizer = optimizer or step_lib.default_optimizer(1e-3, 100)
   notes = []
   candidates = [(mesh, data_axis, spatial_axes)]
   if devices is not None:
@@ -920,10 +939,10 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     notes += [why] if why else []
   layouts = [_layout(model, m, axes, d, x, batch) for m, d, axes in candidates]
   layout = layouts[0]           # the same devices, the same batch split: only H x W differs
-  fns = train_lib.model_fns(model)
+  fns = step_lib.model_fns(model)
   trace_batch = max(2, min(int(x.shape[0]), 8))
   xs, ys = spec(x, trace_batch), spec(y, trace_batch)
-  abstract = train_lib.abstract_state(fns, optimizer, x)
+  abstract = step_lib.abstract_state(fns, optimizer, x)
   try:
     paths = _default_sites(model, jnp.zeros(xs.shape, xs.dtype), where=where)
   except surgery.NothingMatched as e:
@@ -936,9 +955,9 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                      "sites: the direct children of the top module but its Dense layers); "
                      "name them with where= (a module class or a regular expression over "
                      "module paths).")
-  sites, outside = _estimate_sites(model, optimizer, xs, ys, paths)
+  sites, outside = _estimate_sites(model, optimizer, xs, ys, paths, loss_fn)
   paths, sites, outside, split = _split_dominant(model, optimizer, xs, ys, paths, sites,
-                                                 outside)
+                                                 outside, loss_fn)
   notes += split
   held = sum(s.residual_bytes for s in sites)
   share = held / max(held + outside, 1e-30)
@@ -965,7 +984,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     if bad:
       raise ValueError(f"sensitivities must be finite and >= 0, got {bad}.")
   elif calibration_batch is not None:
-    sens, measured_on = _measured_sensitivities(model, paths, calibration_batch, x, y)
+    sens, measured_on = _measured_sensitivities(model, paths, calibration_batch, x, y,
+                                                loss_fn)
     weights = "the model's weights" if isinstance(model, nnx.Module) else "the initial weights"
     notes.append(f"gradient sensitivities measured at 2 bits on {measured_on} examples at "
                  f"{weights}: one gradient compile and {2 * len(paths) + 1} gradients, "
@@ -996,7 +1016,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                                   "the data axis (XLA cannot split a Pallas call over it)")
           if on.xla else contextlib.nullcontext()):
       step, args = _train_step(m, optimizer, spec(x, b), spec(y, b), abstract=abstract,
-                               mesh=on.mesh, specs=on.specs(x, y))
+                               mesh=on.mesh, specs=on.specs(x, y), loss_fn=loss_fn)
       args = device.place(args) if device.deviceless else args
       with device.lowering():
         heap = _heap_of(step, args, notes) if heap_of is not None and read_heaps else None
@@ -1495,7 +1515,7 @@ def _inplace_abn(model, x, allowed: bool, max_compiles: int):
          for t in getattr(model, "techniques", ())):
     return None, ("InPlace-ABN not tried: the model's BatchNorms were converted already "
                   "(SyncBN or InPlaceABN)")
-  kw = {"train": True} if isinstance(model, nn.Module) and train_lib.takes_train(model) else {}
+  kw = {"train": True} if isinstance(model, nn.Module) and step_lib.takes_train(model) else {}
   paths = surgery.inplace_abn_sites(model, jnp.zeros(x.shape, x.dtype), **kw)
   if not paths:
     return None, ("InPlace-ABN not applicable: no BatchNorm followed by leaky_relu or elu in "
@@ -1753,9 +1773,11 @@ def _undo_tries(state, at, anchor, estimate, relax, cost, affordable, budget,
   return state, (device_bytes, flops), notes
 
 
-def _measured_sensitivities(model, paths, batch, x, y) -> tuple[dict[str, float], int]:
+def _measured_sensitivities(model, paths, batch, x, y, loss_fn=None
+                            ) -> tuple[dict[str, float], int]:
   """``C`` of each site the probe sees, measured at 2 bits on the examples ``batch`` at
-  the model's initial weights, and the number of examples used."""
+  the model's initial weights (of ``loss_fn``, default cross-entropy), and the number of
+  examples used."""
   ok = isinstance(batch, (tuple, list)) and len(batch) == 2
   cx, cy = batch if ok else (None, None)
   if not ok or (tuple(np.shape(cx)[1:]), tuple(np.shape(cy)[1:])) != (
@@ -1772,11 +1794,11 @@ def _measured_sensitivities(model, paths, batch, x, y) -> tuple[dict[str, float]
       raise ValueError(f"calibration_batch's {name} holds {bad} non-finite values (NaN or "
                        "inf): every site's gradient sensitivity would be NaN. Pass real, "
                        "finite examples (or sensitivities=).")
-  params, loss_fn, data = actnn_technique.calibration_problem_on(model, cx, cy,
-                                                                 max_values=_CALIBRATION_VALUES)
+  params, probe_loss, data = actnn_technique.calibration_problem_on(
+      model, cx, cy, max_values=_CALIBRATION_VALUES, loss_fn=loss_fn)
   where = "|".join(re.escape(p) for p in paths)
-  c, _ = surgery.sensitivities(model, loss_fn, params, data, surgery.ActNN("L3", where=where),
-                               bits=2)
+  c, _ = surgery.sensitivities(model, probe_loss, params, data,
+                               surgery.ActNN("L3", where=where), bits=2)
   bad = {p: v for p, v in c.items() if p in paths and not math.isfinite(v)}
   if bad:
     raise ValueError(f"The gradient sensitivities measured on calibration_batch are not finite "

@@ -1,10 +1,9 @@
-"""One jit-compiled training step and loop for Flax linen and Flax NNX classifiers.
+"""The training loop for Flax linen and Flax NNX models, with orbax checkpoints.
 
-A model of either API is first turned into a pair of pure functions (`ModelFns`), so the
-step, the loop, the checkpointing and the memory measurements in `jmem.measure` are
-written once. Randomness is a pure function of ``(seed, step)`` and batches are a pure
-function of ``(seed, step)`` too, so a run resumed from a checkpoint is bit-identical to an
-uninterrupted one.
+The step it runs, and the model adapter (`ModelFns`) under it, are `jmem.step`'s (re-exported
+here). Randomness is a pure function of ``(seed, step)`` and batches are a pure function of
+``(seed, step)`` too, so a run resumed from a checkpoint is bit-identical to an uninterrupted
+one.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import inspect
 import json
 import logging
 import math
@@ -31,247 +29,39 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, traverse_util
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jmem import _bn_core as bn_core
-from jmem import _context as context
 from jmem import data as data_lib
 from jmem import measure
+# The step and its model adapter live in jmem.step (below this loop); re-exported here, so
+# jmem.train.<name> keeps working.
+from jmem.step import ModelFns as ModelFns
+from jmem.step import TrainState as TrainState
+from jmem.step import abstract_state as abstract_state
+from jmem.step import check_batch as check_batch
+from jmem.step import check_learning_rate as check_learning_rate
+from jmem.step import default_optimizer as default_optimizer
+from jmem.step import LossFn as LossFn
+from jmem.step import global_batch as global_batch
+from jmem.step import init_state as init_state
+from jmem.step import make_loss as make_loss
+from jmem.step import make_train_step as make_train_step
+from jmem.step import model_fns as model_fns
+from jmem.step import padded_size as padded_size
+from jmem.step import per_example_losses as per_example_losses
+from jmem.step import takes_train as takes_train
+from jmem.step import (_check_takes_mask, _is_key, _per_label,  # pylint: disable=unused-import
+                       _rows_sharding)
 
 _LOG = logging.getLogger("jmem")
 
 __all__ = [
     "ModelFns", "TrainState", "TrainConfig", "TrainResult", "model_fns", "init_state",
     "abstract_state",
-    "check_batch", "make_loss", "make_train_step", "evaluate", "default_optimizer", "train",
+    "check_batch", "make_loss", "make_train_step", "evaluate", "evaluate_loss",
+    "default_optimizer", "train",
     "override_params", "check_learning_rate", "takes_train", "CheckpointFallbackWarning",
     "Interrupted",
 ]
-
-
-class ModelFns(NamedTuple):
-  """A classifier as pure functions.
-
-  Attributes:
-    init: ``(key, x) -> (params, model_state)``.
-    apply: ``(params, model_state, x, *, train, rng) -> (logits, new_model_state)``.
-    module: the original linen module or NNX graph definition (for reference).
-    sharding: the `jax.sharding.Sharding` of every leaf of the training state (e.g.
-      replicated over a mesh), or None (the default device). `train` puts the initial state
-      there, where the step leaves it, so that the step compiles once.
-    batch_sharding: the `jax.sharding.NamedSharding` of a batch's inputs ``x`` on that mesh
-      (e.g. ``P("data")``: data parallel), or None (the default device). The labels and the
-      validity mask take the partitioning of its first axis. With it, `train` and `evaluate`
-      build every batch as a global array from the rows each process holds, and pad (and
-      mask) a batch that the data axis does not divide.
-
-  ``apply`` also takes ``mask=`` (boolean ``[N]``, True = a real example) in training when a
-  batch is padded; the models `model_fns` makes pass it to their BatchNorm layers
-  (`jmem.batch_mask`), and refuse a BatchNorm that would ignore it.
-  """
-
-  init: Callable[..., tuple[Any, Any]]
-  apply: Callable[..., tuple[jax.Array, Any]]
-  module: Any
-  sharding: Any = None
-  batch_sharding: Any = None
-
-
-def takes_train(module: nn.Module) -> bool:
-  """Whether ``module`` is called with ``train=``: a model whose mode is a field
-  (``UNet(train=True)``) is called without one. A wrapper that forwards ``**kwargs``
-  (`jmem.convert`'s) is asked about the model it wraps."""
-  while True:
-    try:
-      params = inspect.signature(module.__call__).parameters
-    except (TypeError, ValueError):
-      return True
-    if "train" in params:
-      return True
-    inner = getattr(module, "model", None)
-    if (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        and isinstance(inner, nn.Module)):
-      module = inner
-      continue
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _mode(module: nn.Module) -> Callable[[bool], tuple[nn.Module, dict[str, Any]]]:
-  """``train -> (module to call, keyword arguments)``: ``train=`` at call time where the
-  model takes it, else the model cloned with its ``train`` field (a `jmem.convert`
-  wrapper's wrapped model cloned), else the model as it is."""
-  if takes_train(module):
-    return lambda train: (module, {"train": train})
-  fields = lambda m: {f.name for f in dataclasses.fields(m)}
-  if "train" in fields(module):
-    return lambda train: (module.clone(train=train), {})
-  inner = getattr(module, "model", None)
-  if isinstance(inner, nn.Module) and "train" in fields(inner):
-    return lambda train: (module.clone(model=inner.clone(train=train)), {})
-  return lambda train: (module, {})
-
-
-def _from_linen(module: nn.Module) -> ModelFns:
-  mode = _mode(module)
-
-  def init(key, x):
-    k_params, k_dropout = jax.random.split(key)
-    m, kw = mode(False)
-    variables = m.init({"params": k_params, "dropout": k_dropout}, x, **kw)
-    variables = dict(variables)
-    params = variables.pop("params")
-    return params, variables
-
-  def apply(params, model_state, x, *, train, rng=None, mask=None):
-    variables = {"params": params, **model_state}
-    # "actnn" / "sbp": the streams of jmem.convert's ActNN and SBP sites.
-    rngs = ({"dropout": rng, "actnn": jax.random.fold_in(rng, 0x61),
-             "sbp": jax.random.fold_in(rng, 0x73)} if rng is not None else {})
-    if rng is None and not train:
-      # Evaluation has no backward pass, so ActNN's rounding and SBP's sampling draw nothing
-      # that is used; a fixed key spares the "no 'actnn' RNG stream" warning.
-      rngs = {"actnn": jax.random.key(0), "sbp": jax.random.key(0)}
-    m, kw = mode(train)
-    with _masked(mask, linen=not getattr(module, "_jmem_guards_batch_mask", False)):
-      if train and model_state:
-        logits, new_state = m.apply(variables, x, **kw, rngs=rngs, mutable=list(model_state))
-        return logits, dict(new_state)
-      return m.apply(variables, x, **kw, rngs=rngs), model_state
-
-  return ModelFns(init, apply, module)
-
-
-def _padding_error(path: str, what: str) -> ValueError:
-  return ValueError(
-      f"The batch holds padded rows (the data axis does not divide the batch size, so jmem "
-      f"pads it and masks the padding out), but {what} at {path or '<top>'!r} keeps BatchNorm "
-      "statistics and ignores masks: the padding would enter its statistics. Use a batch size "
-      "that the mesh's data axis divides, or convert the model with jmem.convert(model, "
-      "jmem.SyncBN()) (or jmem.InPlaceABN()), whose BatchNorm skips masked rows.")
-
-
-def _linen_mask_guard(next_fun, args, kwargs, ctx):
-  """Raises for a linen BatchNorm-like module that would ignore `jmem.batch_mask`."""
-  y = next_fun(*args, **kwargs)
-  mod = ctx.module
-  if (ctx.method_name == "__call__" and not getattr(mod, "_jmem_reads_batch_mask", False)
-      and bn_core.linen_has_bn_variables(mod)):
-    raise _padding_error("/".join(map(str, mod.scope.path)) if mod.scope else "",
-                         type(mod).__name__)
-  return y
-
-
-def _nnx_mask_check(model: nnx.Module) -> None:
-  """Raises for an NNX BatchNorm-like module that would ignore `jmem.batch_mask` (jmem.convert
-  sites and guards, which read or refuse it themselves, pass)."""
-  for path, m in nnx.iter_graph(model):
-    if not isinstance(m, nnx.Module) or getattr(m, "_jmem_reads_batch_mask", False):
-      continue
-    if any("_jmem_site" in k.__dict__ for k in type(m).__mro__):
-      continue
-    if bn_core.nnx_has_bn_stats(m):
-      raise _padding_error("/".join(map(str, path)), type(m).__name__)
-
-
-@contextlib.contextmanager
-def _masked(mask, *, linen: bool):
-  """`jmem.batch_mask(mask)` (nothing for None); ``linen``: refusing linen BatchNorm-like
-  modules that would ignore it."""
-  if mask is None:
-    yield
-    return
-  with context.batch_mask(mask):
-    if linen:
-      with nn.intercept_methods(_linen_mask_guard):
-        yield
-    else:
-      yield
-
-
-def _reseed(model_state, rng):
-  """Replaces every PRNG key in an NNX state by ``fold_in(rng, i)`` (i: its leaf index)."""
-  leaves, treedef = jax.tree.flatten(model_state)
-  keys = iter(range(len(leaves)))
-  leaves = [jax.random.fold_in(rng, next(keys)) if _is_key(x) and x.shape == () else x
-            for x in leaves]
-  return jax.tree.unflatten(treedef, leaves)
-
-
-def _from_nnx(model: nnx.Module) -> ModelFns:
-  graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-
-  def init(key, x):
-    del key, x  # an NNX model is initialised when it is constructed
-    return params, model_state
-
-  def apply(params, model_state, x, *, train, rng=None, mask=None):
-    if rng is not None:
-      model_state = _reseed(model_state, rng)
-    m = nnx.merge(graphdef, params, model_state)
-    if train:
-      m.train()
-    else:
-      m.eval()
-    if mask is not None:
-      _nnx_mask_check(m)
-    with _masked(mask, linen=False):
-      if rng is None:
-        logits = m(x)
-      else:
-        with context.rngs(actnn=jax.random.fold_in(rng, 0x61),    # jmem.convert's sites
-                          sbp=jax.random.fold_in(rng, 0x73)):
-          logits = m(x)
-    _, _, new_state = nnx.split(m, nnx.Param, ...)
-    return logits, new_state
-
-  return ModelFns(init, apply, graphdef)
-
-
-def model_fns(model: nn.Module | nnx.Module | ModelFns) -> ModelFns:
-  """Wraps a linen module (called as ``apply(v, x, train=...)``) or an NNX module.
-
-  An NNX module is used through ``model.train()`` / ``model.eval()`` and its RNG streams are
-  reseeded from the step's key, so it gets the same determinism as a linen module.
-  """
-  if isinstance(model, ModelFns):
-    return model
-  if isinstance(model, nn.Module):
-    return _from_linen(model)
-  if isinstance(model, nnx.Module):
-    return _from_nnx(model)
-  raise TypeError(
-      f"Expected a flax.linen.Module, a flax.nnx.Module or jmem.train.ModelFns, got "
-      f"{type(model).__name__}.")
-
-
-class TrainState(NamedTuple):
-  """Everything a training step reads and writes.
-
-  Attributes:
-    step: ``int32[]`` number of steps taken.
-    params: trainable parameters.
-    model_state: non-trainable variables (BatchNorm statistics, NNX RNG counters).
-    opt_state: optimiser state.
-  """
-
-  step: jax.Array
-  params: Any
-  model_state: Any
-  opt_state: Any
-
-
-def init_state(fns: ModelFns, optimizer: optax.GradientTransformation, key: jax.Array,
-               example_x) -> TrainState:
-  """Initialises parameters, model state and optimiser state (works under eval_shape)."""
-  params, model_state = fns.init(key, example_x)
-  return TrainState(jnp.zeros((), jnp.int32), params, model_state, optimizer.init(params))
-
-
-def abstract_state(fns: ModelFns, optimizer: optax.GradientTransformation, x) -> TrainState:
-  """The train state's shapes for a batch like ``x`` (an array or ShapeDtypeStruct; one
-  example is traced, nothing is computed)."""
-  return jax.eval_shape(lambda k, v: init_state(fns, optimizer, k, v), jax.random.key(0),
-                        jax.ShapeDtypeStruct((1,) + tuple(x.shape[1:]), x.dtype))
 
 
 def override_params(params, initial):
@@ -287,160 +77,6 @@ def override_params(params, initial):
                        f"parameter has {np.shape(flat[path])}.")
     flat[path] = jnp.asarray(value, flat[path].dtype)
   return traverse_util.unflatten_dict(flat)
-
-
-def check_batch(x, y) -> None:
-  """Raises ValueError for an empty batch (shapes are static: at trace time).
-
-  A mean over zero examples is NaN: the loss, BatchNorm's running statistics and, through
-  them, gradients and parameters (a ResNet-8 had all its statistics and 9 of its 29
-  parameter arrays NaN after two such steps).
-  """
-  for name, a in (("x", x), ("y", y)):
-    shape = np.shape(a)
-    if shape and shape[0] == 0:
-      raise ValueError(
-          f"Empty batch: {name} has shape {shape}, so the mean loss over it is NaN and a "
-          "step would turn batch statistics and parameters NaN. Give each step at least one "
-          "example (check batch_size, and a data pipeline whose last batch may be empty).")
-
-
-def make_loss(fns: ModelFns) -> Callable[..., tuple[jax.Array, tuple[jax.Array, Any]]]:
-  """``loss(params, model_state, x, y, rng, mask=None) -> (mean cross-entropy, (logits,
-  new_state))``.
-
-  With a boolean ``mask`` (True = a real example) the mean is over the real examples only,
-  and the model gets the mask (``fns.apply(..., mask=mask)``) for its BatchNorm statistics.
-
-  Raises:
-    ValueError: (when traced) for an empty batch (see `check_batch`).
-  """
-
-  def loss(params, model_state, x, y, rng, mask=None):
-    check_batch(x, y)
-    kw = {} if mask is None else {"mask": mask}
-    logits, new_state = fns.apply(params, model_state, x, train=True, rng=rng, **kw)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
-    return _mean(ce, mask), (logits, new_state)
-
-  return loss
-
-
-def _mean(v, mask):
-  """Mean of ``v`` (one value per example, or per pixel) over the examples ``mask`` keeps
-  (all for None; 0 if it keeps none)."""
-  if mask is None:
-    return v.mean()
-  w = jnp.broadcast_to(_per_label(mask, v.ndim), v.shape).astype(jnp.float32)
-  return jnp.sum(v * w) / jnp.maximum(jnp.sum(w), 1.0)
-
-
-def _per_label(mask, ndim: int):
-  """The examples' ``mask`` (``[N]``) shaped to broadcast over ``ndim``-dimensional labels
-  (per example: 1; per pixel: 3)."""
-  return mask.reshape(mask.shape + (1,) * (ndim - 1))
-
-
-def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
-                    seed: int = 0, donate: bool = True) -> Callable[..., Any]:
-  """The jit-compiled step ``(state, x, y) -> (state, metrics)``.
-
-  The step's PRNG key is ``fold_in(key(seed), state.step)``: no key is carried in the
-  state, so randomness depends only on the seed and the step number. An empty batch
-  raises ValueError when the step is traced (`check_batch`), before any parameter changes.
-  The step also takes ``mask`` (boolean ``[N]``: the real examples of a padded batch, see
-  `make_loss`); loss and accuracy are then over those.
-  """
-  loss_fn = make_loss(fns)
-  base_key = jax.random.key(seed)
-
-  def step(state: TrainState, x, y, mask=None):
-    rng = jax.random.fold_in(base_key, state.step)
-    (loss, (logits, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, state.model_state, x, y, rng, mask)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    accuracy = _mean(jnp.argmax(logits, -1) == y, mask)
-    return (TrainState(state.step + 1, params, new_model_state, opt_state),
-            {"loss": loss, "accuracy": accuracy})
-
-  return measure.jit(step, donate_argnums=(0,) if donate else ())
-
-
-# ---------------------------------------------------------------- batches on a mesh
-
-def _data_shards(sharding) -> int:
-  """How many ways ``sharding`` (a NamedSharding) splits an array's first axis."""
-  first = sharding.spec[0] if len(sharding.spec) else None
-  if first is None:
-    return 1
-  names = first if isinstance(first, tuple) else (first,)
-  return math.prod(sharding.mesh.shape[n] for n in names)
-
-
-def _rows_sharding(sharding, ndim: int = 1) -> NamedSharding:
-  """The sharding of ``ndim``-dimensional labels (per example: 1; per pixel: 3) and of the
-  mask: the partitioning of ``sharding``'s first ``ndim`` axes (per-pixel labels split
-  over H and W as the images are)."""
-  spec = (tuple(sharding.spec) + (None,) * ndim)[:ndim]
-  return NamedSharding(sharding.mesh, P(*spec))
-
-
-def _check_takes_mask(fns: ModelFns) -> None:
-  """Raises unless ``fns.apply`` takes ``mask=`` (needed for a padded batch)."""
-  try:
-    params = inspect.signature(fns.apply).parameters
-  except (TypeError, ValueError):
-    return
-  if "mask" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-    raise ValueError(
-        "The batch must be padded (the mesh's data axis does not divide the batch size), but "
-        "this ModelFns' apply takes no mask= to keep the padding out of the model's "
-        "statistics. Use a batch size that the data axis divides, or give apply a mask "
-        "keyword (the ModelFns that jmem.train.model_fns makes have one).")
-
-
-def padded_size(fns: ModelFns, n: int) -> int:
-  """``n`` rounded up to a multiple of the ways ``fns.batch_sharding`` splits a batch."""
-  k = 1 if fns.batch_sharding is None else _data_shards(fns.batch_sharding)
-  return -(-n // k) * k
-
-
-def global_batch(fns: ModelFns, x_all: np.ndarray, y_all: np.ndarray, idx: np.ndarray,
-                 size: int) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-  """``(x_all[idx], y_all[idx], mask)`` padded with zero rows to ``size``, where ``mask``
-  (True = a real example) is None when nothing is padded.
-
-  On ``fns.batch_sharding`` every process reads only the rows (and, sharded spatially, the
-  H/W blocks) that its own devices hold, and the pieces form one global array
-  (`jax.make_array_from_callback`): the batch is a function of ``idx`` alone, whatever the
-  number of processes. Without a batch sharding: arrays on the default device.
-  """
-  n = len(idx)
-  if n > size:
-    raise ValueError(f"global_batch: {n} examples do not fit a batch of {size}.")
-  mask = None if size == n else np.arange(size) < n
-  if fns.batch_sharding is None:
-    if mask is not None:
-      raise ValueError("Only a model with a batch_sharding pads its batches.")
-    return jnp.asarray(x_all[idx]), jnp.asarray(y_all[idx]), None
-
-  def take(a, index):
-    sel = np.arange(size)[index[0]]          # global rows of this shard, ascending
-    block = a[idx[sel[sel < n]]]
-    block = block[(slice(None),) + tuple(index[1:])]
-    pad = int(np.sum(sel >= n))
-    if pad:
-      block = np.concatenate([block, np.zeros((pad,) + block.shape[1:], block.dtype)])
-    return block
-
-  xs = fns.batch_sharding
-  x = jax.make_array_from_callback((size,) + x_all.shape[1:], xs, lambda i: take(x_all, i))
-  y = jax.make_array_from_callback((size,) + y_all.shape[1:], _rows_sharding(xs, y_all.ndim),
-                                   lambda i: take(y_all, i))
-  m = None if mask is None else jax.make_array_from_callback(
-      (size,), _rows_sharding(xs), lambda i: mask[i])
-  return x, y, m
 
 
 def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
@@ -485,6 +121,52 @@ def evaluate(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray, *,
   return correct / np.size(y)
 
 
+def evaluate_loss(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray,
+                  loss_fn: LossFn, *, batch_size: int = 256) -> float:
+  """The mean of ``loss_fn`` over ``x``, ``y`` with the model in eval mode (running
+  statistics, no dropout): over every loss it returns, one per example or per pixel, as
+  in training (`jmem.step.make_loss`).
+
+  Batched and padded as `evaluate` (the padding is masked out of the mean); on a mesh,
+  every process gets the loss of the whole set.
+  """
+  if len(x) == 0:
+    raise ValueError("evaluate_loss needs at least one example, got none.")
+  total = _loss_sum_fn(fns.apply, loss_fn)
+  sums = []
+  if fns.batch_sharding is not None:
+    size = padded_size(fns, min(batch_size, len(x)))
+    full = jax.make_array_from_callback((size,), _rows_sharding(fns.batch_sharding),
+                                        lambda i: np.ones(size, bool)[i])   # no padding
+    for i in range(0, len(x), size):
+      xb, yb, mb = global_batch(fns, x, y, np.arange(i, min(i + size, len(x))), size)
+      sums.append(total(state.params, state.model_state, xb, yb, full if mb is None else mb))
+  else:
+    mesh = getattr(fns.sharding, "mesh", None)
+    multiple = int(mesh.devices.size) if mesh is not None else 1
+    size = -(-min(batch_size, len(x)) // multiple) * multiple
+    pad = lambda a, n: np.concatenate([a, np.zeros((size - n,) + a.shape[1:], a.dtype)])
+    for i in range(0, len(x), size):
+      xb, yb = np.asarray(x[i:i + size]), np.asarray(y[i:i + size])
+      n = len(xb)
+      if n < size:
+        xb, yb = pad(xb, n), pad(yb, n)
+      sums.append(total(state.params, state.model_state, jnp.asarray(xb), jnp.asarray(yb),
+                        jnp.arange(size) < n))
+  value, count = (sum(float(v[k]) for v in sums) for k in (0, 1))
+  return value / max(count, 1.0)
+
+
+@functools.lru_cache(maxsize=16)
+def _loss_sum_fn(apply: Callable[..., Any], loss_fn: LossFn) -> Callable[..., Any]:
+  def total(params, model_state, x, y, valid):
+    outputs = apply(params, model_state, x, train=False)[0]
+    v = per_example_losses(loss_fn, outputs, y)
+    w = jnp.broadcast_to(_per_label(valid, v.ndim), v.shape).astype(jnp.float32)
+    return jnp.sum(v * w), jnp.sum(w)
+  return measure.jit(total)
+
+
 @functools.lru_cache(maxsize=16)
 def _predict_fn(apply: Callable[..., Any]) -> Callable[..., jax.Array]:
   def predict(params, model_state, x):
@@ -498,24 +180,6 @@ def _count_correct_fn(apply: Callable[..., Any]) -> Callable[..., jax.Array]:
     logits = apply(params, model_state, x, train=False)[0]
     return jnp.sum((jnp.argmax(logits, -1) == y) & _per_label(valid, y.ndim))
   return measure.jit(count)
-
-
-def default_optimizer(learning_rate: float, steps: int, *,
-                      weight_decay: float = 1e-4) -> optax.GradientTransformation:
-  """AdamW with linear warm-up (5% of steps) and cosine decay to zero."""
-  warmup = max(1, steps // 20)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1))
-  return optax.adamw(schedule, weight_decay=weight_decay)
-
-
-def check_learning_rate(learning_rate: float) -> None:
-  """Raises a ValueError unless ``learning_rate`` is a finite number > 0.
-
-  A NaN or infinite rate would train without complaint and turn every parameter NaN.
-  """
-  if not (math.isfinite(learning_rate) and learning_rate > 0):
-    raise ValueError(f"learning_rate must be a finite number > 0, got {learning_rate!r}; "
-                     "pass e.g. --learning-rate 3e-3.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -591,16 +255,21 @@ class TrainResult(NamedTuple):
 
   Attributes:
     state: final `TrainState`.
-    test_accuracy: accuracy on the test set at the end.
-    history: one dict per evaluation: ``step``, ``loss``, ``train_accuracy``,
-      ``test_accuracy``.
+    test_accuracy: accuracy on the test set at the end (None with a ``loss_fn``: accuracy
+      is the default loss's, of class labels).
+    history: one dict per evaluation: ``step``, ``loss`` (the training step's), and with
+      the default loss ``train_accuracy`` and ``test_accuracy``, with a ``loss_fn``
+      ``test_loss``.
     resumed_from: step the run resumed from (0 for a fresh run).
+    test_loss: with a ``loss_fn``, its mean on the test set at the end (`evaluate_loss`);
+      else None.
   """
 
   state: TrainState
-  test_accuracy: float
+  test_accuracy: float | None
   history: list[dict[str, float]]
   resumed_from: int
+  test_loss: float | None = None
 
 
 def _collectives_need_waiting(state) -> bool:
@@ -783,10 +452,6 @@ class _StallWatch:
 
 
 # ---------------------------------------------------------------- checkpointing (orbax)
-
-def _is_key(x) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
 
 def _to_savable(state: TrainState) -> list[Any]:
   leaves = jax.tree.leaves(state)
@@ -1037,7 +702,8 @@ def _first_line(e: Exception) -> str:
 
 
 def _run_record(state, dataset: data_lib.Dataset, config: TrainConfig, *,
-                default_optimizer_used: bool, run_info: dict[str, Any] | None) -> dict[str, Any]:
+                default_optimizer_used: bool, run_info: dict[str, Any] | None,
+                loss_given: bool = False) -> dict[str, Any]:
   """What a checkpoint's state means, as JSON: compared field by field on resume."""
   record = dict(run_info or {})
   leaves = jax.tree.leaves(state)
@@ -1053,21 +719,30 @@ def _run_record(state, dataset: data_lib.Dataset, config: TrainConfig, *,
                   weight_decay=config.weight_decay, steps=config.steps)
   else:
     record.update(optimizer="given")
+  if loss_given:         # the default loss is not recorded: earlier runs resume as they were
+    record.update(loss="given")
   return json.loads(json.dumps(record))
 
 
 def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
           config: TrainConfig = TrainConfig(), *,
           optimizer: optax.GradientTransformation | None = None,
+          loss_fn: LossFn | None = None,
           initial_params: Any = None, stop_after: int | None = None,
           run_info: dict[str, Any] | None = None) -> TrainResult:
-  """Trains a classifier on ``dataset`` with one jit-compiled step.
+  """Trains ``model`` on ``dataset`` with one jit-compiled step (`jmem.step`'s).
 
   Args:
     model: a linen module (``__call__(x, train)``), an NNX module or `ModelFns`.
-    dataset: the data (see `jmem.data`).
+    dataset: the data (see `jmem.data`): with the default loss, integer class labels;
+      with a ``loss_fn``, whatever targets it takes (float regression targets, say).
     config: a `TrainConfig`.
     optimizer: overrides `default_optimizer` (``config.learning_rate`` is then unused).
+    loss_fn: ``loss_fn(outputs, targets) -> losses``, one per example (or per pixel), as
+      optax's losses are (``lambda out, y: optax.l2_loss(out, y).sum(-1)``); the step
+      minimises their mean (`jmem.step.make_loss`). Default: softmax cross-entropy with
+      integer labels, with accuracy reported; with a ``loss_fn`` the loop reports the
+      training loss and the test loss (`evaluate_loss`), and no accuracy.
     initial_params: a sub-tree of the parameters to start from instead of the fresh
       initialisation (e.g. ``{"spatial": pretrained_cnn_params}``); a checkpoint being
       resumed wins over it.
@@ -1104,7 +779,8 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
     checkpoints = _Checkpoints(config.checkpoint_dir, config.checkpoint_every,
                                resume=config.resume)
     record = _run_record(jax.eval_shape(lambda k, x: init_state(fns, optimizer, k, x), key, x1),
-                         dataset, config, default_optimizer_used=default_used, run_info=run_info)
+                         dataset, config, default_optimizer_used=default_used, run_info=run_info,
+                         loss_given=loss_fn is not None)
     if config.resume:
       checkpoints.check_record(record)
   if fns.sharding is not None and isinstance(fns.module, nn.Module):
@@ -1128,7 +804,7 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
   # The step donates its state; copy it so arrays the caller owns (an NNX model's
   # parameters, say) are never invalidated.
   state = jax.tree.map(lambda a: a.copy(), state)
-  step_fn = make_train_step(fns, optimizer, seed=config.seed)
+  step_fn = make_train_step(fns, optimizer, seed=config.seed, loss_fn=loss_fn)
   x_all, y_all = dataset.x_train, dataset.y_train
   # The global batch of a step is a function of (seed, step); on a mesh each process reads
   # its own rows of it, padded (and masked) to a multiple of the data axis.
@@ -1137,6 +813,17 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
     _check_takes_mask(fns)
   history: list[dict[str, float]] = []
   end = config.steps if stop_after is None else min(stop_after, config.steps)
+
+  def report(metrics) -> dict[str, float]:
+    """The training step's ``metrics`` (None: no step run) and the test set's figures:
+    accuracy with the default loss, the loss with a ``loss_fn``."""
+    out = {} if metrics is None else {"loss": float(metrics["loss"])}
+    if loss_fn is not None:
+      return {**out, "test_loss": evaluate_loss(fns, state, dataset.x_test, dataset.y_test,
+                                                loss_fn)}
+    if metrics is not None:
+      out["train_accuracy"] = float(metrics["accuracy"])
+    return {**out, "test_accuracy": evaluate(fns, state, dataset.x_test, dataset.y_test)}
 
   from rich.progress import Progress  # pylint: disable=g-import-not-at-top
   show = config.progress and jax.process_index() == 0
@@ -1171,19 +858,14 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
               saved_step = done
         if config.eval_every and done % config.eval_every == 0 and done != config.steps:
           with watch.paused():
-            history.append({"step": done, "loss": float(metrics["loss"]),
-                            "train_accuracy": float(metrics["accuracy"]),
-                            "test_accuracy": evaluate(fns, state, dataset.x_test,
-                                                      dataset.y_test)})
+            history.append({"step": done, **report(metrics)})
         bar.update(task, completed=done)
   finally:
     if checkpoints is not None:
       checkpoints.close()
   if stop_after is not None and end < config.steps:
-    return TrainResult(state, float("nan"), history, start)
-  acc = evaluate(fns, state, dataset.x_test, dataset.y_test)
-  final = {"step": config.steps, "test_accuracy": acc}
-  if metrics is not None:
-    final.update(loss=float(metrics["loss"]), train_accuracy=float(metrics["accuracy"]))
+    return TrainResult(state, None if loss_fn is not None else float("nan"), history, start,
+                       float("nan") if loss_fn is not None else None)
+  final = {"step": config.steps, **report(metrics)}
   history.append(final)
-  return TrainResult(state, acc, history, start)
+  return TrainResult(state, final.get("test_accuracy"), history, start, final.get("test_loss"))

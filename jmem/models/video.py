@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jmem import train as train_lib
 from jmem.models.resnet import resnet as make_resnet
 
 __all__ = ["TokenBlock", "FrameEncoder", "StTVideo", "VideoTransformer", "group_norm",
@@ -251,6 +250,8 @@ def pretrain_backbone(model: StTVideo | VideoTransformer, frames, config) -> tup
     ``(initial_params, frame_test_accuracy)``; ``initial_params`` is the sub-tree of
     ``model``'s parameters to start from.
   """
+  # The loop sits above the models: imported here, where it trains.
+  from jmem import train as train_lib  # pylint: disable=g-import-not-at-top
   if len(frames.example_shape) != 3:
     raise ValueError(f"pretrain_backbone needs single frames [N, H, W, C], got examples of "
                      f"shape {frames.example_shape}.")

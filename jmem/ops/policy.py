@@ -138,17 +138,18 @@ def recomputed(spec: SiteSpec, f):
   return jax.checkpoint(f, policy=policy, prevent_cse=True)
 
 
-def site_transform(spec: SiteSpec, key=None):
+def site_transform(spec: SiteSpec, key=None, *, missing_key=None):
   """``pure -> g`` for a block site: ``g(variables, rngs, *arrays)`` as ``pure``, whose
   residuals are kept as ``spec`` says (arguments 0 and 1, the site's variables and RNG
-  keys, are never compressed or moved: they are alive anyway)."""
+  keys, are never compressed or moved: they are alive anyway). ``key``: the stochastic
+  rounding's; ``missing_key``: `jmem.ops.actnn.compress`'s hook where it is None."""
   def transform(pure):
     f = recomputed(spec, pure)
     if spec.bits is not None:
       return functools.partial(
           q.compress(f, bits=spec.bits, group_size=spec.group_size, param_argnums=(0, 1),
                      offload=spec.offload, implementation=spec.implementation,
-                     arguments_only=spec.keeps_exact),
+                     arguments_only=spec.keeps_exact, missing_key=missing_key),
           key=key)
     if spec.offload:
       return q.offload_residuals(f, param_argnums=(0, 1))

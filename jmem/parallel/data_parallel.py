@@ -10,13 +10,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmem import _backends
-from jmem import train as train_lib
+from jmem import step as step_lib
 
 __all__ = ["data_parallel"]
 
 
-def data_parallel(model, mesh: Mesh | None = None, *, axis: str = "data") -> train_lib.ModelFns:
-  """`jmem.train.ModelFns` of ``model`` trained data-parallel over ``mesh``'s ``axis``.
+def data_parallel(model, mesh: Mesh | None = None, *, axis: str = "data") -> step_lib.ModelFns:
+  """`jmem.step.ModelFns` of ``model`` trained data-parallel over ``mesh``'s ``axis``.
 
   The training state is replicated on ``mesh`` and every batch is sharded along ``axis``
   (``P(axis)``), so `jmem.train.train` runs one ``jax.jit`` over global arrays: XLA's SPMD
@@ -33,7 +33,7 @@ def data_parallel(model, mesh: Mesh | None = None, *, axis: str = "data") -> tra
   raises a ValueError naming it.
 
   Args:
-    model: a linen module, an NNX module or `jmem.train.ModelFns` (its ``apply`` runs as is).
+    model: a linen module, an NNX module or `jmem.step.ModelFns` (its ``apply`` runs as is).
     mesh: the device mesh (None: all devices, one axis named ``axis``).
     axis: the mesh axis (or tuple of axes) the batch is split over.
 
@@ -50,7 +50,7 @@ def data_parallel(model, mesh: Mesh | None = None, *, axis: str = "data") -> tra
   if missing:
     raise ValueError(f"data_parallel: axis {missing[0]!r} is not an axis of the mesh "
                      f"{dict(mesh.shape)}; pass axis= one of {mesh.axis_names}.")
-  fns = train_lib.model_fns(model)
+  fns = step_lib.model_fns(model)
   shards = math.prod(mesh.shape[a] for a in names)
   reason = (f"the batch is sharded over {shards} devices by jax.jit (data_parallel), and "
             "XLA cannot split a Pallas kernel over it (it would gather the operands onto "

@@ -59,9 +59,13 @@ the nodes makes the backward re-run the kept queries against every key and value
 **Masks.** `batch_mask` passes a validity mask to every converted BatchNorm site of a model
 whose own calls pass none.
 
-**Randomness.** ActNN's stochastic rounding takes its key from the Flax RNG stream
-``"actnn"``, SBP's kept nodes from ``"sbp"`` (linen ``apply(..., rngs={"actnn": key})``) or
-from `rngs` (both APIs); without one, from the data, with a one-time warning.
+**Randomness.** ActNN's stochastic rounding (and a quantizing `Policy`'s) takes its key
+from the RNG stream ``"actnn"``, SBP's kept nodes from ``"sbp"``: ``jmem.rngs(key)`` makes
+both (and ``"dropout"``) from one key, for linen ``apply(..., rngs=jmem.rngs(key))`` or, for
+NNX and plain code, as a context, ``with jmem.rngs(key): y = model(x)``. A site that is
+differentiated without its key raises ValueError naming the streams; inference needs no
+key. The one switch back to keys drawn from the data (they repeat for a repeated batch) is
+`data_keys`: ``with jmem.surgery.data_keys(): ...`` around the model's call.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ from jmem.surgery import _common
 from jmem.surgery._common import CoverageWarning as CoverageWarning
 from jmem.surgery._common import NothingMatched as NothingMatched
 from jmem.surgery._common import batch_mask as batch_mask
+from jmem.surgery._common import data_keys as data_keys
 from jmem.surgery._common import rngs as rngs
 from jmem._technique import BenchTechnique
 from jmem._technique import Technique as Technique
@@ -98,6 +103,7 @@ from jmem.techniques import technique as technique
 
 __all__ = ["convert", "Technique", "TECHNIQUE_TYPES", "Remat", "ActNN", "Policy", "SyncBN",
            "InPlaceABN", "SBP", "Spatial", "technique", "technique_names", "batch_mask", "rngs",
+           "data_keys",
            "sites", "inplace_abn_sites", "inplace_abn_params", "sensitivities", "calibrate",
            "gradient_noise",
            "convert_nnx", "NothingMatched", "CoverageWarning"]
@@ -181,7 +187,7 @@ def calibrate(model, loss_fn, params, batch, technique: ActNN | None = None, *,
     model: the unconverted linen or NNX model (NNX: probed through copies, left as it is).
     loss_fn: ``loss_fn(module, params, batch) -> scalar``, called with a probing conversion
       of ``model`` (same parameters; NNX: ``nnx.merge`` the module's graph with
-      ``params``, an ``nnx.Param`` state, as `jmem.train.model_fns` does).
+      ``params``, an ``nnx.Param`` state, as `jmem.step.model_fns` does).
     params, batch: the weights and the calibration batch.
     technique: an L3-L5 `ActNN` (its ``where=`` chooses the sites).
     budget: average bits (default: the level's block bits).
@@ -261,7 +267,7 @@ def sites(model, *args, rngs=None, **kwargs) -> dict[str, list[str]]:
   collected: dict = {}
   token = _linen.RECORD.set(collected)
   try:
-    streams = {"params": jax.random.key(0), "actnn": jax.random.key(0), **(rngs or {})}
+    streams = {"params": jax.random.key(0), **_common.rngs(jax.random.key(0)), **(rngs or {})}
     jax.eval_shape(lambda: model.apply(
         model.init(streams, *args, **kwargs), *args, mutable=True, rngs=streams, **kwargs))
   finally:

@@ -14,7 +14,8 @@ from flax import nnx
 
 from jmem import _warn
 from jmem._context import (  # pylint: disable=unused-import
-    active_mask, batch_mask, context_key, current_rngs, data_key, mask_for, rngs)
+    RngStreams, active_mask, batch_mask, context_key, current_rngs, data_key, data_keys,
+    mask_for, missing_key, rngs)
 from jmem._bn_core import linen_has_bn_variables, nnx_has_bn_stats  # pylint: disable=unused-import
 from jmem._elementwise import ABNConfig
 from jmem.ops.actnn.technique import ActNN
@@ -31,19 +32,26 @@ def warn_once(tag: str, message: str, category: type[Warning] = UserWarning) -> 
     _warn.warn(message, category)
 
 
-def no_sbp_key_warning():
-  warn_once("sbp-key", "jmem.convert SBP sites: no 'sbp' RNG stream reached a site (linen: "
-            "apply(..., rngs={'sbp': key}); either API: with jmem.surgery.rngs(sbp=key) inside "
-            "the jitted step), so the kept nodes are drawn with a key derived from the data (it "
-            "changes as the data change, but repeats for repeated batches).")
+def streams_of(techniques) -> tuple[str, ...]:
+  """The RNG streams the sites of ``techniques`` draw from in training: ``"actnn"`` for
+  ActNN and quantizing policies, ``"sbp"`` for SBP."""
+  out = set()
+  for t in techniques:
+    if isinstance(t, SBP):
+      out.add("sbp")
+    elif isinstance(t, ActNN) or getattr(t, "bits", None) is not None:
+      out.add("actnn")
+  return tuple(sorted(out))
 
 
-def no_key_warning():
-  warn_once("actnn-key", "jmem.convert ActNN sites: no 'actnn' RNG stream reached a site "
-            "(linen: apply(..., rngs={'actnn': key}), and inside nn.scan / nn.vmap add 'actnn' "
-            "to split_rngs; either API: with jmem.surgery.rngs(actnn=key) inside the jitted "
-            "step), so the stochastic-rounding key is derived from the data (it changes as the "
-            "data change, but repeats for repeated batches).")
+def missing_actnn_key(path: str, streams=None):
+  """`jmem._context.missing_key` for an ActNN (or quantizing policy) site."""
+  return missing_key("actnn", path, "compressing site (stochastic rounding)", streams)
+
+
+def missing_sbp_key(path: str, streams=None):
+  """`jmem._context.missing_key` for an SBP site."""
+  return missing_key("sbp", path, "SBP site (the nodes it keeps)", streams)
 
 
 # ---------------------------------------------------------------- recognising BatchNorm
@@ -244,11 +252,11 @@ def probe_of(found):
   return None if t is None else (t.probe, t.resolved_level().group_size)
 
 
-def block_transform(probe, spec: SiteSpec, key, path: str):
+def block_transform(probe, spec: SiteSpec, key, path: str, missing=None):
   """``pure -> g`` of a block site: the calibration ``probe`` (`probe_of`) if there is
-  one, else `site_transform` of ``spec``."""
+  one, else `site_transform` of ``spec`` (``missing``: its hook for a missing key)."""
   if probe is None:
-    return site_transform(spec, key)
+    return site_transform(spec, key, missing_key=missing)
   probe, group_size = probe
   return lambda pure: probe.site(recomputed(spec, pure), path, group_size=group_size,
                                  arguments_only=spec.keeps_exact)
@@ -268,13 +276,14 @@ def check_sbp_alone(found, path: str) -> None:
         "techniques disjoint where=.")
 
 
-def sbp_transform(technique, key, path: str):
-  """``pure -> g`` with SBP over the nodes of the site's first array argument."""
+def sbp_transform(technique, key, path: str, streams=None):
+  """``pure -> g`` with SBP over the nodes of the site's first array argument. Without a
+  ``key``, differentiating it raises (`missing_sbp_key`: ``streams`` are the model's) unless
+  `data_keys` is entered; the forward pass alone draws nothing that is used."""
   def transform(pure):
-    # Without a key: warned about only where the site is differentiated (not in eval).
     g = sbp_sites.sbp_site(pure, keep_ratio=technique.keep_ratio, axis=technique.axis,
                            sampler=technique.sampler, mode=technique.mode, where=path,
-                           on_backward=no_sbp_key_warning if key is None else None)
+                           on_backward=missing_sbp_key(path, streams) if key is None else None)
 
     def run(state, rngs, x, *rest):
       k = key if key is not None else data_key((x,))

@@ -392,18 +392,19 @@ class _Trace:
           self.sbp_keys[index] = mod.make_rng("sbp")
         else:
           self.sbp_keys[index] = c.sbp_key(path, (args, kwargs))
-      transform = c.sbp_transform(t, self.sbp_keys[index], path)
+      transform = c.sbp_transform(t, self.sbp_keys[index], path,
+                                  c.streams_of(self.techniques))
     else:
-      key = None
+      key = missing = None
       probe = c.probe_of(found)
       if c.needs_key(probe, spec):
         if mod.scope.has_rng("actnn"):
           key = mod.make_rng("actnn")
         else:
           key = c.context_key("actnn", path, (args, kwargs, mod.variables))
-          if key is None:
-            c.no_key_warning()
-      transform = c.block_transform(probe, spec, key, path)
+          if key is None:     # raises if differentiated (a forward pass needs no key)
+            missing = c.missing_actnn_key(path, c.streams_of(self.techniques))
+      transform = c.block_transform(probe, spec, key, path, missing)
 
     def fn(cloned, *a, **kw):
       self.in_site.add(id(cloned))

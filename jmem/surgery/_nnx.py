@@ -44,7 +44,7 @@ def _block_call(base, cfg):
     graphdef, state = nnx.split(self)
     arrays, rebuild = c.split_arrays(args, kwargs)
 
-    # The keys of `jmem.surgery.rngs` go through the transform as an argument (never
+    # The keys of `jmem.rngs` go through the transform as an argument (never
     # compressed): a site inside this one reads them as values of the transform's trace,
     # not as constants captured from outside it.
     keys = c.current_rngs()
@@ -55,7 +55,7 @@ def _block_call(base, cfg):
       if keys is None:
         y = base.__call__(module, *a, **kw)
       else:
-        with c.rngs(**keys):
+        with c.RngStreams(keys):
           y = base.__call__(module, *a, **kw)
       return y, nnx.state(module)
 
@@ -63,12 +63,12 @@ def _block_call(base, cfg):
       # One key for every site of the technique: blocks over the same tokens keep the same.
       transform = c.sbp_transform(opts, c.sbp_key(path, (arrays,)), path)
     else:
-      key = None
+      key = missing = None
       if c.needs_key(probe, opts):
         key = c.context_key("actnn", path, (arrays, state))
-        if key is None:
-          c.no_key_warning()
-      transform = c.block_transform(probe, opts, key, path)
+        if key is None:       # raises if differentiated (a forward pass needs no key)
+          missing = c.missing_actnn_key(path)
+      transform = c.block_transform(probe, opts, key, path, missing)
     y, new_state = transform(pure)(state, keys, *arrays)
     nnx.update(self, new_state)
     return y

@@ -489,7 +489,8 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
              min_size: int = 1024, param_argnums: tuple[int, ...] = (0,),
              offload: bool = False, implementation: str | None = None,
              interpret: bool | None = None,
-             arguments_only: bool = False) -> Callable[..., Any]:
+             arguments_only: bool = False,
+             missing_key: Callable[[], None] | None = None) -> Callable[..., Any]:
   """``f`` whose backward pass uses ``bits``-bit copies of its floating residuals.
 
   Residuals that are leaves of the ``param_argnums`` arguments (parameters) are kept as
@@ -515,6 +516,9 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
       arguments, and keep every other residual as it is (booleans still bit-packed): for a
       ``jax.checkpoint``-ed ``f``, whose residuals are its inputs plus what its policy
       chose to keep exactly (`jmem.ops.policy.save_masks_and_statistics`).
+    missing_key: called when ``g`` is differentiated without a ``key``, before the key is
+      derived from the data (`jmem.convert`'s sites raise there: a forward pass alone
+      needs no key).
 
   Returns:
     ``g(*args, key=None)`` with ``g(*args) == f(*args)`` in the forward pass. The
@@ -531,7 +535,7 @@ def compress(f: Callable[..., Any], *, bits: int = 2, group_size: int = 256,
   return _saving_residuals(f, bits=bits, group_size=group_size, min_size=min_size,
                            param_argnums=param_argnums, offload=offload,
                            implementation=implementation, interpret=interpret,
-                           arguments_only=arguments_only)
+                           arguments_only=arguments_only, missing_key=missing_key)
 
 
 def offload_residuals(f: Callable[..., Any], *, min_size: int = 1024,
@@ -553,7 +557,7 @@ def offload_residuals(f: Callable[..., Any], *, min_size: int = 1024,
 
 
 def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
-                      implementation, interpret, arguments_only=False):
+                      implementation, interpret, arguments_only=False, missing_key=None):
   """`compress` (``bits``) or `offload_residuals` (``bits=None``: floats kept as they are)."""
   kernel_kw = dict(bits=bits, group_size=group_size)
 
@@ -570,6 +574,8 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
           f, args, index_max_pools=True)
       kept = _param_leaves(args, param_argnums)
       inputs = jax.tree.leaves(args) if arguments_only else None
+      if key is None and missing_key is not None:
+        missing_key()
       key = data_key(jax.tree.leaves(args)) if key is None else key
       # Resolved here, where the kernels first run (so a wrapper built outside
       # `lowering_for_gpu` makes the choice for a GPU inside it); the backward reuses it.

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmem import train as train_lib
+from jmem import step as step_lib
 from jmem._backends import check_implementation
 from jmem._technique import BenchTechnique, Technique
 from jmem.ops.actnn import levels
@@ -31,8 +31,9 @@ class ActNN(Technique):
   except its ``nn.Dense`` / ``nnx.Linear`` layers (a head, an embedding: one matmul, little
   to save; name them in ``where=`` to include them), as `Remat`'s. L0 changes nothing.
   Per-site bits of a calibrated level are keyed by the site's path. The rounding key comes
-  from the RNG stream ``"actnn"`` (``apply(..., rngs={"actnn": key})`` in linen,
-  `jmem.surgery.rngs` in both APIs); without it, from the data, with a one-time warning.
+  from the RNG stream ``"actnn"``: ``apply(..., rngs=jmem.rngs(key))`` in linen, ``with
+  jmem.rngs(key):`` in either API. Differentiated without it, a site raises ValueError
+  (inference needs no key); inside ``jmem.surgery.data_keys()`` it draws one from the data.
   """
 
   level: Any = "L3"
@@ -72,23 +73,25 @@ def calibration_problem(model, dataset, batch_size: int):
   """``(params, loss_fn, batch)`` on which the ``actnn-L3``..``L5`` techniques calibrate
   their bits (`jmem.surgery.calibrate`): the initial weights (seed 0) and the first
   training examples, at most `CALIBRATION_BATCH` and at most `CALIBRATION_VALUES` input
-  values (but 2 examples at least); ``loss_fn`` is the training loss of `jmem.train`."""
+  values (but 2 examples at least); ``loss_fn`` is the training loss of `jmem.step`."""
   return calibration_problem_on(model, dataset.x_train[:batch_size],
                                 dataset.y_train[:batch_size])
 
 
-def calibration_problem_on(model, x, y, *, max_values: int = CALIBRATION_VALUES):
+def calibration_problem_on(model, x, y, *, max_values: int = CALIBRATION_VALUES,
+                           loss_fn=None):
   """`calibration_problem` on the examples ``x``, ``y`` (arrays; the first of them, as many
-  as `calibration_problem` takes, or up to ``max_values`` input values)."""
+  as `calibration_problem` takes, or up to ``max_values`` input values), the loss the
+  mean of ``loss_fn`` (`jmem.step.make_loss`; default: cross-entropy)."""
   per_example = int(np.prod(np.shape(x)[1:]))
   n = min(len(x), max(2, min(CALIBRATION_BATCH, max_values // max(per_example, 1))))
   x, y = jnp.asarray(x[:n]), jnp.asarray(y[:n])
-  params, state = train_lib.model_fns(model).init(jax.random.key(0), x[:1])
+  params, state = step_lib.model_fns(model).init(jax.random.key(0), x[:1])
 
-  def loss_fn(module, p, batch):
-    loss = train_lib.make_loss(train_lib.model_fns(module))
+  def probe_loss(module, p, batch):
+    loss = step_lib.make_loss(step_lib.model_fns(module), loss_fn)
     return loss(p, state, *batch, jax.random.key(1))[0]
-  return params, loss_fn, (x, y)
+  return params, probe_loss, (x, y)
 
 
 def _convert(level: str):

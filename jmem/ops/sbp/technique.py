@@ -33,9 +33,10 @@ class SBP(Technique):
 
   BatchNorm layers in training mode inside a site are computed by jmem: their all-node
   statistics are used in the forward (and for the running averages) and held constant in
-  the backward. The keep key comes from the RNG stream ``"sbp"`` (linen
-  ``apply(..., rngs={"sbp": key})``; either API ``jmem.surgery.rngs(sbp=key)``); without
-  one, from the data, with a one-time warning.
+  the backward. The keep key comes from the RNG stream ``"sbp"``: linen
+  ``apply(..., rngs=jmem.rngs(key))``, either API ``with jmem.rngs(key):``. Differentiated
+  without it, a site raises ValueError (inference needs no key); inside
+  ``jmem.surgery.data_keys()`` it draws one from the data.
   """
 
   keep_ratio: float = 0.5

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jmem import train as train_lib
+from jmem import step as step_lib
 from jmem.parallel.spatial.halo import halo_conv
 
 __all__ = ["HaloConv", "spatial_mesh", "activation_spec", "replicated", "spatial_model_fns"]
@@ -103,12 +103,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def spatial_model_fns(model, mesh: Mesh):
-  """`jmem.train.ModelFns` of ``model`` run with its activations sharded on ``mesh``.
+  """`jmem.step.ModelFns` of ``model`` run with its activations sharded on ``mesh``.
 
   ``model`` is a linen module with ``axis_names`` and ``data_axis`` fields (e.g.
   `jmem.models.ConvNeXt`); ``mesh`` a `spatial_mesh` ``(data, h, w)``. Parameters are
   initialised by the unsharded model (they are the same) and replicated; ``apply`` runs the
-  sharded clone inside ``jax.shard_map``, so the training step of `jmem.train` is unchanged:
+  sharded clone inside ``jax.shard_map``, so the training step of `jmem.step` is unchanged:
   autodiff of the shard_map all-reduces the replicated parameters' gradients. The training
   state is replicated over ``mesh`` (``sharding``), as the step returns it.
   """
@@ -120,7 +120,7 @@ def spatial_model_fns(model, mesh: Mesh):
   size = dict(zip(mesh.axis_names, mesh.devices.shape))
   sharded = model.clone(axis_names=(h if size[h] > 1 else None, w if size[w] > 1 else None),
                         data_axis=data if size[data] > 1 else None)
-  base, local = train_lib.model_fns(model), train_lib.model_fns(sharded)
+  base, local = step_lib.model_fns(model), step_lib.model_fns(sharded)
   x_spec = activation_spec(mesh)
   out_spec = P(data) if size[data] > 1 else P()
 
@@ -139,5 +139,5 @@ def spatial_model_fns(model, mesh: Mesh):
     return jax.shard_map(run, mesh=mesh, in_specs=(P(), P(), x_spec, P()) + (out_spec,) * len(masks),
                          out_specs=(out_spec, P()))(params, model_state, x, rng, *masks)
 
-  return train_lib.ModelFns(base.init, apply, sharded, sharding=replicated(mesh),
+  return step_lib.ModelFns(base.init, apply, sharded, sharding=replicated(mesh),
                             batch_sharding=NamedSharding(mesh, x_spec))
