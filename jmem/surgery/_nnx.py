@@ -136,6 +136,12 @@ def bn_activation_pairs(modules) -> dict:
   return pairs
 
 
+def _kernel_value(m: nnx.Module):
+  """The module's own ``kernel`` array (None where it has none)."""
+  k = getattr(m, "kernel", None)
+  return k.get_value() if isinstance(k, nnx.Variable) else None
+
+
 def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
   nodes = list(nnx.iter_graph(model))
   done = [("/".join(str(k) for k in p) or "<top>") for p, n in nodes
@@ -285,7 +291,7 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
 
   c.check_all_matched(techniques, hits, seen, "module")
   c.check_coverage(techniques, hits, {
-      name(p): (type(m), c.conv_like(getattr(getattr(m, "kernel", None), "value", None)))
+      name(p): (type(m), c.conv_like(_kernel_value(m)))
       for p, m in modules}, type(model).__name__)
   for action in actions:
     action()
