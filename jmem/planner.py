@@ -255,6 +255,14 @@ class SiteChoice:
     return Policy(self.kind, bits=self.bits, where=re.escape(self.path))
 
 
+# What every compiled figure of a plan is for: train your converted model the same way.
+ASSUMES = ("Each figure is the whole train step (forward, backward and the optimiser's "
+           "update), compiled with jmem.jit, its parameters, optimiser state and batch "
+           "statistics donated (jmem.train_step builds that step); compiled otherwise it can "
+           "need more: on XLA:CPU plain jax.jit kept much of what the techniques remove, and "
+           "without donation the old and the new state are both held.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """What `plan` chose and what the compiler says about it.
@@ -385,6 +393,7 @@ class Plan:
       lines.append(f"Largest batch within the budget, predicted from two compiled batch "
                    f"sizes: {self.max_batch} (exact: {self.exact_max_batch}).")
     lines.append(f"{self.compiles} steps compiled.")
+    lines.append(ASSUMES)
     lines += [f"Note: {n}" for n in self.notes]
     return "\n".join(lines)
 

@@ -45,6 +45,8 @@ def test_readme_quickstart_runs_as_written(capsys):
   exec(compile(code, "README.md quickstart", "exec"), scope)  # pylint: disable=exec-used
   printed = capsys.readouterr().out
   assert printed.strip(), "print(plan) printed nothing"
+  # The plan says what its figures assume, so that the user's step matches them.
+  assert "compiled with jmem.jit" in printed and "donated" in printed, printed
   assert scope["plan"].techniques is not None
   metrics = scope["metrics"]
   assert bool(jnp.isfinite(metrics["loss"])), metrics
