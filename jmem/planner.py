@@ -47,7 +47,7 @@ peak). Each site gets a `jmem.Policy`. How:
    4, the cheaper of the walk's plan and a fixed-cost alternative keeps that). Not a
    proof, and it has failed: the compiled steps that steer the walk and the undo step
    depend on the budget, and compiled FLOPs need not grow along the path as estimated
-   (the 2 x 4-device CNN of benchmarks/results/plan_ladder_sweep.md with the walk of
+   (the 2 x 4-device CNN of the plan_ladder_sweep study of docs/decisions.md with the walk of
    commit 08fb59f, before the cheaper-top try of item 3: 1.125x exact's FLOPs at 92%,
    1.084x at 90%, where a site at 1 bit compiled to more FLOPs than recomputed from 2
    bits).
@@ -95,7 +95,7 @@ peak). Each site gets a `jmem.Policy`. How:
    needed, and never gave the plan in a sweep of the third-party NNX CNN, where no policy
    stacked on InPlace-ABN compiles more than 0.1% below InPlace-ABN alone's bytes (inside
    a compressed site its output stays full precision:
-   `benchmarks/results/plan_inplace_abn_stack.md`).
+   the plan_inplace_abn_stack study of docs/decisions.md).
 
 5. **Devices.** With ``mesh=``, every step (the exact one too) is compiled with the batch
    split over ``data_axis`` (data parallelism) and/or its H and W over ``spatial_axes``
@@ -106,8 +106,8 @@ peak). Each site gets a `jmem.Policy`. How:
    cannot split a Pallas call over the batch). With ``devices=N`` instead of a mesh, the
    planner lays the devices out: the batch over the most of them that divide it and N
    (per device, splitting the batch or the image keeps the same share of the
-   activations, and the batch needs no halo exchange: in `benchmarks/results/
-   plan_layouts.md`, at batch 8 the 8-way batch split has both the fewest bytes and the
+   activations, and the batch needs no halo exchange: in the plan_layouts study of
+   docs/decisions.md, at batch 8 the 8-way batch split has both the fewest bytes and the
    fewest collectives; at batch 2 the fewest bytes are with the batch split 2 ways, 702
    MiB, and no layout leaving it unsplit needs under 735 MiB), the image's H x W over
    the rest, split every way the sides allow (at most 4), the exact step compiled on each:
@@ -117,7 +117,7 @@ peak). Each site gets a `jmem.Policy`. How:
 Not searched: ``offload``. On CPU, one memory for host and device, it saves nothing, so
 only a GPU compile could measure it; on a GPU the walk's cost, FLOPs, counts none of its
 host transfers, and where it was measured it lost on both figures: on an H100, ResNet-50
-224² at batch 64 (benchmarks/results/gpu_nvidia_h100_80gb_hbm3_run4.md), full-precision
+224² at batch 64 (benchmarks/results/gpu/gpu_nvidia_h100_80gb_hbm3_run4.md), full-precision
 ``Policy("offload")`` at every site compiled to 0.97x exact's temp bytes and stepped in
 11.5x exact's time (310.6 against 27.1 ms), where ``recompute-2bit`` compiled to 0.29x at
 1.21x; in an earlier run (gpu_h100_first_figures.md, run 3: unmasked kernels, a non-finite
@@ -1045,7 +1045,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     return out
 
   # devices=: where H x W can be split several ways, the exact step compiled on each (the
-  # halo sizes do not rank them: plan_layouts.md); of those within 2% of the fewest device
+  # halo sizes do not rank them: decisions.md); of those within 2% of the fewest device
   # bytes, the fewest collectives, then the fewest bytes.
   if len(layouts) > 1:
     counts = []
@@ -1181,7 +1181,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
         left() > 0):
     # The walk's plan fits, but the estimate says the top rung everywhere costs fewer
     # FLOPs: where a model's convolutions are small the quantizer's elementwise work
-    # outweighs a recomputation (the 2 x 4-device CNN of plan_ladder_sweep.md: 1.208x
+    # outweighs a recomputation (the 2 x 4-device CNN in decisions.md: 1.208x
     # exact's FLOPs at 1 and 2 bits, 1.084x recomputed from 2 bits). One compile tries it.
     top_bytes, top_flops = cost(top, _TOP_RUNG)
     ratio = lambda f: f"{f / max(exact_flops, 1):.3f}x"
@@ -1199,7 +1199,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     # Nothing fits: the smallest step compiled, which need not be the last (past a point
     # the largest block's backward sets the peak, and recomputing adds its own working
     # set: on ResNet-20 and ResNet-50 recomputing from 2-bit inputs compiles larger than
-    # compressing at 2 bits, benchmarks/results/plan_one_bit.md).
+    # compressing at 2 bits, the plan_one_bit study of docs/decisions.md).
     tried = {walk[0]: (exact_bytes, exact_flops), **costs}
     smallest = min((s_ for s_ in tried if s_ in walk or s_ == top), key=lambda s_: tried[s_])
     name = lambda s_: ("exact" if s_ == walk[0] else f"walk point {walk.index(s_)}"
@@ -1418,7 +1418,7 @@ def _lay_out(devices, batch: int, x) -> tuple[list, str | None]:
   """``([(mesh, data_axis, spatial_axes), ...], note)`` for ``jmem.plan(devices=...)``: the
   batch over the most devices that divide it and the device count (per device, splitting
   the batch or the image keeps the same share of the activations, and halo exchanges add
-  collectives: plan_layouts.md), the image's H x W over the rest, every way ``h x w`` the
+  collectives: decisions.md), the image's H x W over the rest, every way ``h x w`` the
   sides allow, for `plan` to compile (the halo sizes do not rank them), at most 4: where
   the devices left for H x W split more ways (12 or more of them), the 4 with the fewest
   halo values per device and convolution, ``(h > 1) * W / w + (w > 1) * H / h`` (a
@@ -1611,7 +1611,7 @@ def _relax(state, sites, ladder, sensitivity, fits, least: float = 0.0):
 # The least share of a plan's added gradient variance a try guided by the heap layout
 # undoes a reduction for (`_relax`'s ``least``): on ResNet-20 at 25% the layout predicts
 # seven of nine blocks put back alone within 0.014 MiB, but stage2_block2 (0.6% of the
-# variance) 0.45 MiB short (benchmarks/results/plan_undo_peak.md), and a try holding such
+# variance) 0.45 MiB short (the plan_undo_peak study of docs/decisions.md), and a try holding such
 # an undo risks its compile for next to nothing. They get a try of their own where the
 # layout predicts no other undo to fit (ResNet-50 224², 8 GiB, batch 256: four such
 # reductions, and nothing else predicted to fit).
@@ -1661,7 +1661,7 @@ def _heap_prediction(heap, at, at_bytes, paths, ladder):
   placed again (`HeapLayout.simulate`), the difference to the simulated ``at`` added to
   ``at_bytes``. Unlike the per-site estimate it sees when the codes are live and where they
   lie in the heap: codes dead at the peak can cost nothing, or grow the heap's layout
-  (benchmarks/results/plan_undo_peak.md). A changed state's prediction adds how far the
+  (the plan_undo_peak study of docs/decisions.md). A changed state's prediction adds how far the
   simulation of ``at``'s own heap is from XLA's temp allocation: XLA's placement is not
   one best fit, and the two part more on a larger heap (ResNet-20 32² at batch 128: 0.01
   MiB of 70; ResNet-50 224² at batch 512: 171 MiB of 15464, where undoing stage2_block2

@@ -180,8 +180,8 @@ def step_flops(compiled, lowered=None) -> float:
   On a GPU, XLA compiles convolutions (and likely matrix products) into library calls
   (cuDNN, cuBLAS) that its cost analysis of the compiled module counts as nothing: jmem's
   ResNet-50 224² train step compiled on an H100 had 0.27 GFLOP per example
-  (benchmarks/results/gpu_nvidia_h100_80gb_hbm3_run4.json, exact at batch 32 and 64), where
-  XLA:CPU counts 23.9 (benchmarks/results/plan_resnet50.json, exact at batch 256). The
+  (benchmarks/results/gpu/gpu_nvidia_h100_80gb_hbm3_run4.json, exact at batch 32 and 64), where
+  XLA:CPU counts 23.9 (exact at batch 256: docs/decisions.md, "Planner"). The
   lowered module still holds them as convolution and dot ops. Its cost analysis is XLA's
   for the CPU client (``Lowered.cost_analysis`` has none under a PJRT plugin such as JAX's
   CUDA one); on CPU its count is within 2% of the compiled one's for jmem's steps, and the

@@ -82,7 +82,7 @@ class PeakReport:
     """The compiled temp allocation less `live_temp_bytes`: what XLA's placement of the
     buffers in one heap adds over what is live at the peak (buffers of different times
     that cannot share addresses). It changes where no live buffer at the peak does: on
-    ResNet-20 at 25% (benchmarks/results/plan_undo_peak.md) storing stage-2 and stage-3
+    ResNet-20 at 25% (docs/decisions.md) storing stage-2 and stage-3
     residuals at 8 bits instead of 4 left the peak's live bytes unchanged and added 6.5 MiB
     here. It can be slightly negative: two live values sharing one buffer (an in-place
     update) are counted twice in the live bytes. None without ``memory``."""
@@ -291,7 +291,7 @@ class HeapLayout:
   `simulate` places the buffers again, resized, to predict what the temp allocation of a
   step whose buffers change size (a residual stored at 8 bits instead of 4) would be,
   without compiling it. What live bytes alone cannot say: a larger buffer that is dead at
-  the peak can still grow the allocation (benchmarks/results/plan_undo_peak.md).
+  the peak can still grow the allocation (docs/decisions.md, "Planner": the plan_undo_peak study).
   """
 
   buffers: tuple[HeapBuffer, ...]
@@ -313,7 +313,7 @@ class HeapLayout:
     XLA's placement is of this kind, but it tries more than one order and keeps the best
     and breaks ties its own way, so the simulated size is not XLA's to the byte: on
     ResNet-20's planned steps it came within 0.03 MiB of 70-76 MiB four times of five, and
-    2.2 MiB over once (plan_undo_peak.md). Differences between two calls (the same
+    2.2 MiB over once (docs/decisions.md). Differences between two calls (the same
     buffers, resized or not) are the prediction to use.
     """
     n = len(self.buffers)

@@ -302,7 +302,7 @@ def sensitivities(model: nn.Module, loss_fn: LossFn, params: Any, batch: Any, *,
       ``|g_i - g|^2`` (``g``: the exact gradient; ``g_i``: site i alone at ``bits``).
       On ResNet-20, ``C / 15^2`` from 2 bits came to 0.38-1.59x each site's measured
       4-bit variance, from the 1-bit probes to 0.14-0.43x, unevenly across sites
-      (benchmarks/results/plan_sensitivity.md; `jmem.plan` measures at 2 bits).
+      (docs/decisions.md, "Planner": the plan_sensitivity study; `jmem.plan` measures at 2 bits).
     num_seeds: dithers per site when ``bits`` is given.
 
   Returns:
