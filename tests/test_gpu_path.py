@@ -1,6 +1,7 @@
 """The GPU path from a CPU machine: whole train steps with the Pallas kernels lower for CUDA."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from pallas_kernels import lowering_for_gpu
 
 @pytest.mark.parametrize("technique,dtype", [("actnn-L3:pallas", jnp.float32),
                                              ("inplace-abn:pallas", jnp.bfloat16),
-                                             ("actnn-L3", jnp.bfloat16),   # automatic
+                                             ("actnn-L3:pallas", jnp.bfloat16),
                                              ("inplace-abn", jnp.float32),
                                              ("sync-bn:pallas", jnp.bfloat16)])
 def test_train_step_lowers_for_cuda_with_its_kernels(technique, dtype):
@@ -33,6 +34,25 @@ def test_train_step_lowers_for_cuda_with_its_kernels(technique, dtype):
   # launches per layer (statistics, normalise, backward sums, dx); SyncBN: one per layer
   # (statistics; resnet8 has 9 BatchNorms).
   assert text.count("__gpu$xla.gpu.triton") >= 8
+
+
+def test_automatic_actnn_lowers_no_kernels_for_cuda():
+  """ActNN's automatic choice on a GPU is its XLA path (benchmarks/results/gpu/: the
+  kernels made the step slower and bigger): no kernel in the lowered step, no warning."""
+  model = bench.build_model("actnn-L3", models.create_model("resnet8", 10,
+                                                            dtype=jnp.bfloat16),
+                            bench.make_dataset("resnet8", 16), 8)
+  fns = train.model_fns(model)
+  opt = train.default_optimizer(1e-3, 10)
+  one = jax.ShapeDtypeStruct((1, 16, 16, 1), jnp.float32)
+  state = jax.eval_shape(lambda k, x: train.init_state(fns, opt, k, x), jax.random.key(0), one)
+  step = train.make_train_step(fns, opt)
+  with lowering_for_gpu(), warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)
+    text = step.trace(state, jax.ShapeDtypeStruct((8, 16, 16, 1), jnp.float32),
+                      jax.ShapeDtypeStruct((8,), jnp.int32)).lower(
+                          lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" not in text
 
 
 def test_technique_implementation_suffix():
