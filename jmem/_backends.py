@@ -136,19 +136,23 @@ def choose(implementation, op_names: Sequence[str], what: str, **config) -> str:
   ``implementation`` is validated (`check_implementation`). ``None`` is the automatic
   choice: XLA unless the default backend is a GPU (or inside
   `pallas_kernels.compiled_kernels`, lowering for one); there, the ops' GPU default (XLA
-  where none is registered: ActNN's, whose kernels make a step slower) when it takes ``config`` (and no `automatic_xla` context says otherwise), else XLA with a
-  warning saying why (a slower path is never taken silently). A named backend that cannot take ``config`` raises ValueError.
+  where none is registered: ActNN's, whose kernels make a step slower) when it takes
+  ``config`` and no `automatic_xla` context says otherwise, else XLA with a warning saying
+  why (a slower path is never taken silently). A named backend that cannot take ``config``
+  raises ValueError.
   """
   check_implementation(implementation, op_names, what)
   if implementation is None:
     if not targets_gpu():
       return XLA
+    name = _gpu_default(op_names)
+    if name == XLA:               # nothing to fall back from: no warning
+      return XLA
     if _AUTOMATIC_XLA.get() is not None:
       _warn.warn(f"{what}: {_AUTOMATIC_XLA.get()}; using the XLA path (name "
                  "implementation='pallas' to run the kernels anyway).")
       return XLA
-    name = _gpu_default(op_names)
-    reason = _reason(name, op_names, config) if name != XLA else None
+    reason = _reason(name, op_names, config)
     if reason:
       _warn.warn(f"{what}: {reason}; using the slower XLA path.")
       return XLA
@@ -195,7 +199,7 @@ def automatic_xla(reason: str):
 
 
 def targets_gpu() -> bool:
-  """Whether ``implementation=None`` should pick the kernels: on a GPU backend, and inside
-  `compiled_kernels` / `pallas_kernels.lowering_for_gpu` (lowering for a GPU from another
-  machine)."""
+  """Whether ``implementation=None`` makes a GPU's choice (`choose`): on a GPU backend, and
+  inside `compiled_kernels` / `pallas_kernels.lowering_for_gpu` (lowering for a GPU from
+  another machine)."""
   return jax.default_backend() == "gpu" or _FORCE_COMPILED.get()

@@ -308,6 +308,10 @@ def test_automatic_choice_is_made_where_the_step_is_traced():
     with backends.automatic_xla("a sharded batch"):
       with pytest.warns(UserWarning, match="a sharded batch; using the XLA path"):
         assert count() == 0
+      # ActNN's GPU choice is XLA anyway: nothing to warn about.
+      with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.choose(None, Q.OPS, "ActNN", bits=2, group_size=256) == "xla"
 
 
 def _interpret_warnings(fn, *args, **kwargs):

@@ -24,8 +24,9 @@ def data_parallel(model, mesh: Mesh | None = None, *, axis: str = "data") -> ste
   over the global batch, as a synchronised BatchNorm does. ``mesh`` may span several
   processes (`jmem.distributed`); each then loads only its own rows of each batch.
 
-  On a GPU the kernels' automatic choice (``implementation=None`` of ActNN, InPlace-ABN,
-  SyncBN) is XLA here, with a warning: XLA cannot split a Pallas call over the sharded batch.
+  On a GPU the kernels' automatic choice (``implementation=None`` of InPlace-ABN and SyncBN;
+  ActNN's is XLA everywhere) is XLA here, with a warning: XLA cannot split a Pallas call
+  over the sharded batch.
 
   A batch size that ``axis`` does not divide is padded with masked rows: the loss skips them
   and so must the model's BatchNorms, which a `jmem.convert(model, jmem.SyncBN())` model

@@ -99,11 +99,9 @@ CODES_SCOPE = "actnn_codes"
 def resolve_implementation(implementation: str | None, *, bits: int, group_size: int) -> str:
   """The registered implementation that runs ``(bits, group_size)`` (`jmem._backends.choose`).
 
-  ``None`` picks the Pallas kernels when the default backend is a GPU (or inside
-  `pallas_kernels.lowering_for_gpu`) and the kernels take
-  ``(bits, group_size)``; where they do not, it warns and uses XLA (never silently slower).
-  A named backend is validated against the registry; one that cannot take the
-  configuration raises ValueError.
+  ``None`` is the XLA path everywhere, GPUs included, where a step with the Pallas kernels
+  was slower and bigger (the registration below). A named backend is validated against
+  the registry; one that cannot take the configuration raises ValueError.
   """
   return _backends.choose(implementation, OPS, "ActNN", bits=bits,
                           group_size=group_size)
