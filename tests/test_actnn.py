@@ -26,6 +26,7 @@ def _roundtrip(x, key, bits, group_size=256):
                       bits=bits, group_size=group_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_quantizer_is_unbiased_and_bounded(bits):
   x = _x()
@@ -45,6 +46,7 @@ def test_quantizer_is_unbiased_and_bounded(bits):
   assert np.all(mean_err <= 5 * (step / 2) / np.sqrt(1000) + 1e-5), mean_err.max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", backends.implementations(*Q.OPS))
 @pytest.mark.parametrize("offset,width", [(1001.5, 1.0), (0.0, 1e-6), (1.0, 1e-4)])
 def test_offset_data_error_stays_within_the_group_range(implementation, offset, width):
@@ -67,6 +69,7 @@ def test_offset_data_error_stays_within_the_group_range(implementation, offset, 
   assert np.sqrt(np.mean(err**2 / step**2)) < 0.45, np.sqrt(np.mean(err**2 / step**2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("shape,bits,group", [((3, 5, 7), 2, 256), ((2, 1000), 4, 64),
                                               ((7,), 1, 8), ((1, 3, 3, 17), 8, 256)])
@@ -106,6 +109,7 @@ def _mlp_data():
   return params, jax.random.normal(k[2], (128, 64)), jax.random.normal(k[3], (128, 32))
 
 
+@pytest.mark.slow
 def test_compress_transform_grads_8bit_close_2bit_unbiased():
   params, x, ct = _mlp_data()
   exact = jax.grad(lambda p: jnp.sum(_mlp(p, x) * ct))(params)
@@ -131,6 +135,7 @@ def test_compress_transform_grads_8bit_close_2bit_unbiased():
                  and l.shape != (256, 32) for l in leaves)
 
 
+@pytest.mark.slow
 def test_compress_composes_with_scan_vmap_checkpoint():
   params, x, ct = _mlp_data()
   g = Q.compress(_mlp, bits=8)
@@ -146,6 +151,7 @@ def test_compress_composes_with_scan_vmap_checkpoint():
       assert float(jnp.linalg.norm(got[k] - want[k]) / jnp.linalg.norm(want[k])) < 0.03
 
 
+@pytest.mark.slow
 def test_levels_on_resnet_memory_and_exact_l0():
   model = models.create_model("resnet20", 10)
   opt = optax.sgd(0.1)
@@ -175,6 +181,7 @@ def _resnet_batch(name, size):
   return model, x, y, params, state
 
 
+@pytest.mark.slow
 def test_l0_is_exact_and_l2_gradients_are_close():
   model, x, y, params, state = _resnet_batch("resnet8", 16)
   fns = train.model_fns(model)
@@ -190,6 +197,7 @@ def test_l0_is_exact_and_l2_gradients_are_close():
     assert np.sqrt(num / den) <= tol, (lv, np.sqrt(num / den))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 def test_finite_values_near_float32s_limit_round_trip_finite(implementation):
   """A group whose range nears float32's (finite values around +-5e37 at 8 bits, +-2e38 at
@@ -228,6 +236,7 @@ def test_bad_input_errors():
     actnn.Level("mine", block_bits=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits,shape,dtype", [(1, (5, 3, 7, 11), jnp.float32),
                                               (2, (5, 3, 7, 11), jnp.float32),
                                               (4, (5, 3, 7, 11), jnp.float32),
@@ -249,6 +258,7 @@ def test_pallas_kernels_bit_identical_in_interpret_mode(bits, shape, dtype):
       rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_broadcast_constant_residuals_are_stored_as_one_number():
   # jax.nn.relu's derivative selects from a full-size broadcast of 0.0: compress keeps the
   # number, not a quantized full-size copy of it (and XLA has no constant min/max to fold).
@@ -270,6 +280,7 @@ def test_broadcast_constant_residuals_are_stored_as_one_number():
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inside_jit", [False, True])
 def test_compress_max_pools_save_an_index_and_keep_the_gradient_exact(inside_jit):
   # A max pool inside a compressed site (nn.max_pool, an inline stem's) saves a uint8 index
@@ -318,6 +329,7 @@ class _UserNet(nn.Module):
     return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
 
 
+@pytest.mark.slow
 def test_convert_actnn_indexes_a_user_stems_max_pool_and_lowers_the_peak(monkeypatch):
   import jmem  # pylint: disable=g-import-not-at-top
   model = _UserNet()
@@ -340,6 +352,7 @@ def test_convert_actnn_indexes_a_user_stems_max_pool_and_lowers_the_peak(monkeyp
   assert "select_and_scatter" in lowered.as_text()
   assert temp < measure.compiled_memory(grad_fn(converted), variables["params"]).temp_bytes
 
+@pytest.mark.slow
 def test_compress_leaves_pools_it_cannot_index_to_jax():
   # Integer and boolean pools (no gradient; -inf padding does not exist for them), windows
   # over 256 positions (the index is a uint8) and empty outputs keep lax.reduce_window.
@@ -366,6 +379,7 @@ def test_pallas_kernels_mask_every_access():
   assert helpers.unmasked_kernel_accesses(roundtrip, jnp.ones((5, 300))) == []
 
 
+@pytest.mark.slow
 def test_nnx_graph_surgery():
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jmem import surgery  # pylint: disable=g-import-not-at-top
@@ -428,6 +442,7 @@ def _ops():
   }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_ops()[1]))
 def test_compressed_ops_match_reference(name):
   _, ops = _ops()
@@ -452,6 +467,7 @@ def test_compressed_ops_match_reference(name):
     assert saved < saved_ref, (name, saved, saved_ref)
 
 
+@pytest.mark.slow
 def test_compressed_dense_two_bit_is_unbiased():
   C, _ = _ops()
   x = jnp.tanh(jax.random.normal(jax.random.key(1), (64, 32)))
@@ -468,6 +484,7 @@ def test_compressed_dense_two_bit_is_unbiased():
 
 # ------------------------------------------------------------------- per-layer bit allocation
 
+@pytest.mark.slow
 def test_fake_quantize_probe_matches_quantizer_statistics():
   x = _x((2, 700))
   ident = Q.fake_quantize(x, jnp.float32(0.0), jnp.uint32(0))
@@ -512,6 +529,7 @@ def test_allocate_bits_budget_and_near_optimal():
   assert skewed == {"a": 4, "b": 1, "c": 1}
 
 
+@pytest.mark.slow
 def test_calibrated_level_lowers_gradient_noise_at_same_budget():
   model, x, y, params, state = _resnet_batch("resnet8", 8)
 
@@ -577,6 +595,7 @@ def _variance_at_four_bits(model, params, batch, paths, copy=lambda m: m):
   return measured
 
 
+@pytest.mark.slow
 def test_sensitivities_measured_at_two_bits_predict_the_variance_at_four():
   """``sensitivities(..., bits=2)`` (what `jmem.plan` orders bits by): ``C / (2^4 - 1)^2``
   is each site's measured gradient variance at 4 bits (mean over 4 dithers of
@@ -600,6 +619,7 @@ def test_sensitivities_measured_at_two_bits_predict_the_variance_at_four():
     jmem.surgery.sensitivities(model, loss_fn, params, batch, bits=3)
 
 
+@pytest.mark.slow
 def test_nnx_sensitivities_probe_a_copy_and_predict_the_variance_at_four():
   """`jmem.surgery.sensitivities` on an NNX model (converted in place by jmem.convert)
   probes a copy: the model is left as it was, and ``C / 15^2`` from 2 bits is each site's

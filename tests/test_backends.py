@@ -39,6 +39,7 @@ def _x(shape, dtype=jnp.float32, seed=0):
 
 # ------------------------------------------------------------------ ActNN quantizer
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ACTNN)
 @pytest.mark.parametrize("bits,dtype", [(1, jnp.float32), (2, jnp.bfloat16),
                                         (8, jnp.float32)])
@@ -94,6 +95,7 @@ class _TinyCNN(nn.Module):
     return nn.Dense(4)(jnp.mean(x, axis=(1, 2)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ACTNN)
 def test_convert_actnn_l3_gradient(implementation):
   """``jmem.convert(model, ActNN("L3", implementation=...))``: the same gradient as XLA's
@@ -178,6 +180,7 @@ def test_bn_moments_are_exact(implementation, dtype):
   np.testing.assert_allclose(stats.var, xs.var(0), rtol=1e-4, atol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", MOMENTS)
 def test_sync_batch_norm_over_eight_devices_matches_the_full_batch(implementation):
   """`sync_batch_norm(implementation=...)` under shard_map over 8 devices: output and VJP
@@ -321,6 +324,7 @@ def _interpret_warnings(fn, *args, **kwargs):
   return [w for w in caught if "interpret mode" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_explicit_pallas_off_the_gpu_warns_once_per_call():
   """No ``interpret``: the kernels run in interpret mode and say so, once per call (a
   compressed function's gradient warns once, not once per residual and direction)."""

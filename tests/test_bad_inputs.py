@@ -109,6 +109,7 @@ def test_bad_input_raises_a_clear_error(name):
       fn()
 
 
+@pytest.mark.slow
 def test_a_nan_is_not_hidden_by_the_quantizer():
   """A NaN in a residual makes its group's dequantized values NaN, on both backends, so the
   gradient shows it instead of a 2-bit code making it look finite."""

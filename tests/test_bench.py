@@ -14,6 +14,7 @@ import pytest
 from jmem import bench, cli
 
 
+@pytest.mark.slow
 def test_memory_only_rows_and_remat_saves():
   budget = 0.0625                                                   # 64 MiB
   rows = bench.run_bench(bench.BenchConfig(model="resnet8", batch_size=16, image_size=8,
@@ -42,6 +43,7 @@ def test_memory_only_rows_and_remat_saves():
 
 
 
+@pytest.mark.slow
 def test_memory_only_in_bfloat16_against_exact_in_bfloat16():
   config = dict(model="resnet8", batch_size=8, image_size=8, memory_only=True, budgets_gib=())
   f32 = bench.run_bench(bench.BenchConfig(**config, techniques=()), quiet=True)
@@ -70,6 +72,7 @@ def _bench_problem(model, batch):
           jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
+@pytest.mark.slow
 def test_cli_bench_json_and_files(tmp_path, capsys):
   out = tmp_path / "res"
   # exact alone: the rows of other techniques are trained in the video bench test and
@@ -178,6 +181,7 @@ def checkpoint(tmp_path_factory):
   return ckpt, out.getvalue()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_FLAGS))
 def test_cli_bad_flags_exit_2_with_a_clear_message(case, tmp_path, capsys, request):
   """Each bad flag: exit status 2 (as argparse's own errors), one line naming the problem."""
@@ -204,6 +208,7 @@ def test_cli_bad_flags_exit_2_with_a_clear_message(case, tmp_path, capsys, reque
     assert fill(fragment) in err, (fragment, err)
 
 
+@pytest.mark.slow
 def test_registry_one_registration_adds_a_bench_row(monkeypatch):
   from jmem import techniques  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="already registered"):
@@ -220,6 +225,7 @@ def test_registry_one_registration_adds_a_bench_row(monkeypatch):
   assert rows[1]["technique"] == name and rows[1]["saved_ratio"] == 1.0
 
 
+@pytest.mark.slow
 def test_actnn_l3_technique_calibrates_bits_before_measuring():
   import jax
   import jax.numpy as jnp
@@ -240,6 +246,7 @@ def test_actnn_l3_technique_calibrates_bits_before_measuring():
   assert rows[1]["saved_ratio"] < 1 / 8, rows[1]
 
 
+@pytest.mark.slow
 def test_cli_train_resume(checkpoint, tmp_path, capsys):
   ckpt, first = checkpoint
   copy = str(tmp_path / "ckpt")
@@ -262,6 +269,7 @@ def test_every_subcommand_prints_its_help(command, capsys):
       command == "plan" or "plan-50%" in out), out
 
 
+@pytest.mark.slow
 def test_the_unet_is_registered_with_a_label_per_pixel(capsys, monkeypatch):
   import jax
   import jax.numpy as jnp
@@ -338,6 +346,7 @@ def test_plan_flags_reach_the_planner(monkeypatch):
   assert seen["calibration_batch"][0].shape == (16, 16, 16, 3)
 
 
+@pytest.mark.slow
 def test_every_model_trains_and_benches_with_the_default_image_size(capsys, tmp_path):
   """Left out, ``--image-size`` is 16 rounded up to the model's unit (a ConvNeXt's stem and
   halvings, the U-Net's poolings, the video ViT's patch), or for a video model the smallest

@@ -110,6 +110,7 @@ def _run(argv, capsys):
   return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_plan_takes_a_factory_in_a_file(models_file, tmp_path, capsys):
   code, out, err = _run(["plan", "--model", f"{models_file}:make_net", "--input-shape",
                          "16,12,3", "--batch-size", "8", "--budget", "60%", "--bits", "8",
@@ -123,6 +124,7 @@ def test_plan_takes_a_factory_in_a_file(models_file, tmp_path, capsys):
   assert set(plan["verify"]["accuracy"]) == {"exact", "plan"}
 
 
+@pytest.mark.slow
 def test_train_takes_a_package_factory_and_a_technique(models_file, capsys, monkeypatch):
   monkeypatch.syspath_prepend(str(models_file.parent))
   code, out, err = _run(["train", "--model", "user_models:make_net", "--technique", "remat",
@@ -132,6 +134,7 @@ def test_train_takes_a_package_factory_and_a_technique(models_file, capsys, monk
   assert "test accuracy" in out
 
 
+@pytest.mark.slow
 def test_train_and_bench_take_the_input_shape(models_file, tmp_path, capsys):
   spec = f"{models_file}:make_flat"                # 12 x 10 x 3 images only
   code, out, err = _run(["train", "--model", spec, "--input-shape", "12,10,3", "--steps", "2",
@@ -148,6 +151,7 @@ def test_train_and_bench_take_the_input_shape(models_file, tmp_path, capsys):
   assert json.loads(out)[0]["input_shape"] == [12, 10, 3]
 
 
+@pytest.mark.slow
 def test_an_nnx_factory_trains_and_benches(models_file, tmp_path, capsys):
   spec = f"{models_file}:make_nnx"
   code, out, err = _run(["train", "--model", spec, "--steps", "2", "--batch-size", "8",

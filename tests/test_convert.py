@@ -83,6 +83,7 @@ LINEN_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,make,technique", LINEN_CASES,
                          ids=[f"{n}-{type(t).__name__}" for n, make, t in LINEN_CASES])
 def test_linen_exact(name, make, technique):
@@ -114,6 +115,7 @@ NNX_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make,technique", NNX_CASES,
                          ids=[f"{m.__name__}-{type(t).__name__}" for m, t in NNX_CASES])
 def test_nnx_exact(make, technique):
@@ -140,6 +142,7 @@ def _mesh():
   return jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("techniques,check_vma,tol", [
     ((jmem.SyncBN(axis_name="batch"),), False, 1e-5),
     ((jmem.SyncBN(axis_name="batch"),), True, 1e-5),
@@ -191,6 +194,7 @@ def test_sync_bn_eight_devices_masked_unbalanced(techniques, check_vma, tol):
   assert jmem.collective_counts(text)["all-gather"] >= 1
 
 
+@pytest.mark.slow
 def test_remat_and_actnn_under_jit_over_sharded_batch():
   """The jit execution model: global arrays sharded over 8 devices, XLA partitions the
   step; Remat is exact there and ActNN L0 too (no shard_map needed)."""
@@ -209,6 +213,7 @@ def test_remat_and_actnn_under_jit_over_sharded_batch():
     assert_same(upd1, upd0)
 
 
+@pytest.mark.slow
 def test_sync_bn_under_plain_jit_says_what_to_do():
   model = jmem.convert(tp.FunctionalCNN(), jmem.SyncBN(axis_name="batch"))
   variables = model.init(jax.random.key(1), X)
@@ -234,6 +239,7 @@ def _actnn_grad_fn(bits):
   return grads, exact
 
 
+@pytest.mark.slow
 def test_actnn_unbiased_and_error_falls_with_bits():
   grads, exact = _actnn_grad_fn(2)
   draws = jnp.stack([grads(jax.random.key(k)) for k in range(16)])
@@ -257,6 +263,7 @@ def test_actnn_key_from_the_rng_stream():
   assert not np.array_equal(a, c)
 
 
+@pytest.mark.slow
 def test_actnn_memory_on_third_party_resnet():
   """Compile-only, whole train step: L3 (blocks) shrinks what the step saves and its temp."""
   model = tp.ThirdPartyResNet(stage_sizes=(1, 1, 1), num_filters=8)
@@ -310,6 +317,7 @@ def test_unrecognised_batch_norm_raises(norm, match):
       _net(norm).init(jax.random.key(0), X)
 
 
+@pytest.mark.slow
 def test_named_subclass_is_replaced():
   model = _net(OwnCallBN)
   variables = model.init(jax.random.key(0), X)
@@ -319,6 +327,7 @@ def test_named_subclass_is_replaced():
   np.testing.assert_allclose(y, ref, atol=1e-5)          # BatchNorm's math, not "* 2"
 
 
+@pytest.mark.slow
 def test_interceptor_handles_plain_subclass():
   model = tp.ThirdPartyResNet()
   variables = model.init(jax.random.key(1), X)
@@ -378,6 +387,7 @@ def test_identity_abn_on_any_batch_norm():
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_stacking():
   model = tp.ThirdPartyResNet()
   variables = model.init(jax.random.key(1), X)
@@ -460,6 +470,7 @@ def test_compressed_and_convert_nnx_keep_variable_paths():
   assert jax.tree.structure(nnx.state(model)) == paths
 
 
+@pytest.mark.slow
 def test_calibrate_any_linen_model():
   """Per-site bits from gradient sensitivity on a model without jmem's hooks."""
   model = tp.ThirdPartyResNet()
@@ -513,6 +524,7 @@ def test_review_findings_fail_loudly():
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_inplace_abn_inside_actnn_keeps_the_output_it_inverts_exact():
   """InPlace-ABN's backward inverts its saved output (dividing by the slope), so ActNN
   around it keeps that residual exact: the stack's gradient error is ActNN's own (8 bits)
@@ -592,6 +604,7 @@ class _DetachedInsideABlock(nn.Module):
     return nn.Dense(10)(jnp.mean(_AppliesDetached(name="block")(x), axis=(1, 2)))
 
 
+@pytest.mark.slow
 def test_detached_modules_are_no_block_sites(monkeypatch):
   # Modules applied detached inside the model's call (Block(parent=None).apply) are outside
   # its variables. Before, a detached block's inner layers were taken for top-level blocks
@@ -657,6 +670,7 @@ class _NamedLikeTheTop(nn.Module):
     return block.apply(held, x, mutable=["batch_stats"])[0]
 
 
+@pytest.mark.slow
 def test_a_detached_module_named_like_the_top_and_inplace_abn_in_one():
   net = _NamedLikeTheTop()
   v = net.init(jax.random.key(0), X)
@@ -689,6 +703,7 @@ class _ZooNet(nn.Module):
     return nn.Dense(4)(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [
     lambda: nn.Sequential([_FieldBlock(), _FieldBlock()]),
     lambda: _ZooNet((_FieldBlock(), _FieldBlock()))], ids=["nn.Sequential", "field"])
@@ -718,6 +733,7 @@ def test_blocks_held_in_dataclass_fields_are_block_sites(make):
     assert 0 < err < 0.5 * max(float(jnp.max(jnp.abs(a))) for a in jax.tree.leaves(exact))
 
 
+@pytest.mark.slow
 def test_a_zoos_batch_norm_named_in_where_is_taken_and_no_batch_norm_is_said():
   """Issue 48, defect 6: flaxmodels' own BatchNorm class (flax's fields but param_dtype) was
   refused when named in where=, for lacking param_dtype; the fields that only set defaults

@@ -72,6 +72,7 @@ def linen_grads(model, variables, x, reference=None):
   return loss, grads, upd
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_cls,site,keep_ratio", [
     (tp.ClipClassifier, tp.FrameEncoder, 0.25),        # per-node: BatchNorm couples frames
     (tp.FrameTokenViT, tp.ViTBlock, 0.5),              # tokens mixed by attention: rows
@@ -96,6 +97,7 @@ def test_linen_sbp_matches_the_stop_gradient_oracle(model_cls, site, keep_ratio)
     assert len(idx) == 2
 
 
+@pytest.mark.slow
 def test_linen_sbp_saves_memory_and_compute():
   """Compile-only, whole step: temp bytes and FLOPs fall with the keep ratio."""
   model = tp.ClipClassifier()
@@ -138,6 +140,7 @@ def _nnx_oracle(model, site_cls, keep_ratio):
   return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make,site,keep_ratio", [
     (lambda: tp.NNXClipClassifier(frames=8, rngs=nnx.Rngs(0)), tp.NNXFrameEncoder, 0.25),
     (lambda: tp.NNXFrameTokenViT(rngs=nnx.Rngs(0)), tp.NNXViTBlock, 0.5),
@@ -184,6 +187,7 @@ class _JointModel(nn.Module):
     return nn.Dense(10)(x.reshape(b, -1))
 
 
+@pytest.mark.slow
 def test_linen_sbp_joint_attention_is_rows():
   model = _JointModel()
   variables = model.init(jax.random.key(1), CLIPS)
@@ -221,6 +225,7 @@ class _EncoderWithDropout(nn.Module):
     return nn.Dropout(0.5, deterministic=False)(x)
 
 
+@pytest.mark.slow
 def test_sbp_refuses_what_it_cannot_do_exactly():
   x = CLIPS
   with pytest.raises(ValueError, match="needs where="):
@@ -267,6 +272,7 @@ class _FixedFrames(nn.Module):
     return nn.Dense(4)(clips.reshape(clips.shape[0], 8, -1))   # Dense: 192 inputs
 
 
+@pytest.mark.slow
 def test_sbp_under_shard_map_over_the_batch():
   """A converted model inside ``jax.shard_map`` with the batch split over 2 devices: the
   gradients summed over the devices equal the unsharded SBP step's (the key is replicated, so every device

@@ -47,6 +47,7 @@ def _cost(step, *args):
           compiled.memory_analysis().temp_size_in_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,make,spec,shape", [
     ("functional", tp.FunctionalCNN, P(None, "h", "w", None), (4, 32, 32, 3)),
     ("convnext", lambda: models.convnext("convnext-digits", 10), P("data", "h", "w", None),
@@ -80,6 +81,7 @@ def test_linen_spatial_equals_one_device(name, make, spec, shape):
   assert permutes <= xla_permutes and temp <= xla_temp, (permutes, xla_permutes, temp, xla_temp)
 
 
+@pytest.mark.slow
 def test_nnx_spatial_equals_one_device():
   mesh = _mesh()
   x = jax.random.normal(jax.random.key(0), (4, 32, 32, 3))
@@ -111,6 +113,7 @@ class _Dilated(nn.Module):
     return nn.Dense(10)(jnp.mean(nn.relu(x), axis=(1, 2)))
 
 
+@pytest.mark.slow
 def test_uneven_shards_are_exact():
   """30 x 30 images, H over 2 devices and W over 4: the first conv's W = 30 and, after a
   stride 2, the second conv's 15-row blocks do not split evenly; jmem pads them with zeros
@@ -151,6 +154,7 @@ def test_uneven_shards_are_exact():
   _close(g1, g0)
 
 
+@pytest.mark.slow
 def test_spatial_refuses_what_it_cannot_do():
   mesh = _mesh()
   with pytest.raises(ValueError, match="not an axis of the mesh"):
@@ -173,6 +177,7 @@ def test_spatial_refuses_what_it_cannot_do():
     jax.jit(inside).trace(jax.device_put(x, NamedSharding(mesh, P(None, "h", "w", None))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,kernel,strides,padding,groups", [
     ((2, 30, 14, 3), (3, 3), (2, 2), "SAME", 1),   # 15 rows per device at stride 2; 14 on 4
     ((2, 8, 21, 3), (5, 5), (1, 3), "VALID", 1),
@@ -205,6 +210,7 @@ def test_sharded_conv_equals_lax_on_uneven_blocks(shape, kernel, strides, paddin
   _close(vjp1(ct), vjp0(ct))
 
 
+@pytest.mark.slow
 def test_depthwise_bfloat16_with_a_float32_result():
   """bfloat16 input and kernel, float32 output (``preferred_element_type``): the depthwise
   kernel gradient (jmem's own form on CPU) is as close to XLA's as bfloat16 allows."""
@@ -232,6 +238,7 @@ def test_depthwise_bfloat16_with_a_float32_result():
     _close(a.astype(jnp.float32), b.astype(jnp.float32), tol=1e-2)
 
 
+@pytest.mark.slow
 def test_unet_spatial_equals_one_device():
   """jmem's U-Net (the segmentation benchmark's model: max pools, nearest upsampling, skip
   concatenations, per-pixel loss) sharded 2 x 4 over H x W equals one device."""

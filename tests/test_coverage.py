@@ -7,6 +7,7 @@ import warnings
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -78,6 +79,7 @@ def test_remat_on_a_flat_model_says_its_sites_are_single_layers():
   assert not _coverage_warnings(lambda: actnn.init(jax.random.key(0), x))
 
 
+@pytest.mark.slow
 def test_spatial_names_the_convolutions_it_cannot_see():
   mesh = jax.make_mesh((2, 4), ("h", "w"), axis_types=(AxisType.Auto,) * 2)
   x = jnp.ones((2, 16, 16, 3))

@@ -38,6 +38,7 @@ def _max_diff(a, b):
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["convert", "SyncBatchNorm"])
 def test_padded_data_parallel_batches_equal_one_device(how):
   """20 examples over 8 devices: padded to 24, the 4 padding rows (one device has none
@@ -56,6 +57,7 @@ def test_padded_data_parallel_batches_equal_one_device(how):
   assert eight.test_accuracy == one.test_accuracy
 
 
+@pytest.mark.slow
 def test_padded_batches_on_a_data_and_spatial_mesh_equal_one_device():
   """A data x H x W = 2 x 2 x 2 mesh (both at once): 7 examples padded to 8, each device
   given its rows and its H/W block, the padding masked out of the loss (through the
@@ -87,6 +89,7 @@ def test_global_batch_rows_and_mask():
   assert train.global_batch(fns, ds.x_train, ds.y_train, np.arange(8), 8)[2] is None
 
 
+@pytest.mark.slow
 def test_padding_refused_by_a_batchnorm_that_ignores_masks():
   """Flax's own BatchNorm would count the padding: linen and NNX raise, naming it."""
   ds = _digits()

@@ -3,6 +3,10 @@
 import importlib.util
 import os
 
+import pytest
+
+pytestmark = pytest.mark.slow     # each test compiles whole steps
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

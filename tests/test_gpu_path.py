@@ -11,6 +11,7 @@ from jmem import bench, models, train
 from pallas_kernels import lowering_for_gpu
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("technique,dtype", [("actnn-L3:pallas", jnp.float32),
                                              ("inplace-abn:pallas", jnp.bfloat16),
                                              ("actnn-L3:pallas", jnp.bfloat16),
@@ -66,6 +67,7 @@ def test_technique_implementation_suffix():
       bench.get_technique(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["actnn-L3:pallas", "inplace-abn:pallas", "sync-bn:pallas"])
 def test_converted_third_party_step_lowers_for_cuda_with_its_kernels(name):
   """``implementation=`` through jmem.convert's technique objects, on a model jmem did not
@@ -143,6 +145,7 @@ def _gpu_script(name="gpu"):
   return module
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_rows_are_registered_techniques_on_models_users_have():
   """Every row of benchmarks/gpu.py is a registered name on a plain model, converted as a
   user converts it (flaxmodels' ResNet50 among them), and its H100-target prediction

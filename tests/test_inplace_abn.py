@@ -19,6 +19,7 @@ def _data(dtype=jnp.float32, seed=0, shape=(16, 5, 5, 8)):
   return bn_data(shape, dtype, seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("activation,kw", [("leaky_relu", dict(slope=0.1)),
                                            ("elu", dict(alpha=0.7)), ("identity", {})])
@@ -48,6 +49,7 @@ def test_saves_only_its_output():
   assert ref.activation_bytes >= 2 * x.nbytes
 
 
+@pytest.mark.slow
 def test_sync_unbalanced_matches_single_device():
   counts, cap = [5, 0, 3, 8, 1, 0, 2, 7], 8
   x, g, b, ct = _data(shape=(8 * cap, 3, 4), seed=1)
@@ -78,6 +80,7 @@ def test_sync_unbalanced_matches_single_device():
   assert counted["all-gather"] == 1 and counted["all-reduce"] <= 2, counted
 
 
+@pytest.mark.slow
 def test_elu_saturation_has_no_nan():
   x = jnp.concatenate([jnp.full((4, 2), -1e4), jnp.ones((4, 2))], 0)
   g = jax.grad(lambda x: jnp.sum(iabn.inplace_abn(x, jnp.ones(2), jnp.zeros(2),
@@ -145,6 +148,7 @@ def _step_memory(model):
   return bench.step_memory(train.model_fns(model), train.default_optimizer(1e-3, 10), x, y)
 
 
+@pytest.mark.slow
 def test_preactivation_step_saves_memory():
   twin = models.create_model("preact20", 10)          # its activation: leaky_relu 0.01
   pairs = jmem.surgery.inplace_abn_sites(twin, jnp.zeros((2, 16, 16, 1)))

@@ -26,6 +26,7 @@ def _pallas(cfg_kw, tiles=SMALL):
   return f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (37, 3), (40, 8)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("activation,kw", [("leaky_relu", dict(slope=0.1)),
@@ -64,6 +65,7 @@ def test_offset_statistics_are_exact(axis_name):
   check_exact(np.asarray(x), mask, z, mean, var)
 
 
+@pytest.mark.slow
 def test_public_switch_and_sync_over_eight_devices():
   """``implementation="pallas"`` with axis_name: one collective each way, equals the full batch."""
   x, g, b, ct = bn_data((8 * 6, 5))

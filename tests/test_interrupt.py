@@ -34,6 +34,7 @@ def _tmp_folders(directory):
   return [p for p in os.listdir(directory) if "tmp" in p]
 
 
+@pytest.mark.slow
 def test_a_signal_during_a_save_stops_after_it(tmp_path, monkeypatch):
   """SIGTERM arriving while step 4 is written: the write finishes, then `Interrupted`
   names step 4; resuming from it ends bit-identical to a run never stopped."""
@@ -64,6 +65,7 @@ def test_a_signal_during_a_save_stops_after_it(tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_jmem_train_stops_on_a_real_sigint_with_one_line(tmp_path):
   """Issue 50: Ctrl-C printed 110-120 lines of orbax tracebacks and left a tmp folder.
   (SIGTERM, exit 143, is the in-process test's.)"""
@@ -130,6 +132,7 @@ _BLOCKED = _program(2, _WAIT_IN_NATIVE_CODE.format("blocked"), "steps=4",
                     setup="train._Stop.GRACE_SECONDS = 2.0")
 
 
+@pytest.mark.slow
 def test_a_process_blocked_in_native_code_still_ends_on_sigterm():
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   proc = subprocess.Popen([sys.executable, "-c", _BLOCKED], stdout=subprocess.PIPE,
@@ -151,6 +154,7 @@ def test_a_process_blocked_in_native_code_still_ends_on_sigterm():
 _STALLED = _program(3, _WAIT_IN_NATIVE_CODE.format("stalled"), "steps=6, stall_timeout=2")
 
 
+@pytest.mark.slow
 def test_a_stalled_run_ends_with_a_clear_error():
   """Issue 50: two processes stalled in a collective (both alive at 0% CPU, so no heartbeat
   fired) held a run for good. Steps that stop finishing end the run with one line."""
@@ -187,6 +191,7 @@ signal.signal(signal.SIGUSR1, lambda *a: got.append(1))   # e.g. a scheduler's n
     end='print("done", len(got), flush=True)')
 
 
+@pytest.mark.slow
 def test_a_signal_of_the_users_own_is_left_to_its_handler():
   """The watchdog answers SIGINT and SIGTERM only: a SIGUSR1 the program handles itself
   (a scheduler's preemption notice) once ended the run after the grace period."""
@@ -197,6 +202,7 @@ def test_a_signal_of_the_users_own_is_left_to_its_handler():
   assert out.stdout.strip().splitlines()[-1] == "done 1"
 
 
+@pytest.mark.slow
 def test_an_unreadable_checkpoint_ends_with_its_message_alone(tmp_path):
   """Issue 50: a checkpoint that cannot be read gave its message, then up to 8 stray
   'Event loop is closed' tracebacks as the process ended. In a process of its own (those

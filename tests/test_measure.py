@@ -137,6 +137,7 @@ def _chain_loss(ws, x, remat):
   return x.sum()
 
 
+@pytest.mark.slow
 def test_jmem_jit_keeps_unrolled_remat_on_cpu():
   ws = [jax.ShapeDtypeStruct((128, 128), jnp.float32)] * 12
   x = jax.ShapeDtypeStruct((512, 128), jnp.float32)
@@ -210,6 +211,7 @@ def _mlp_gradient():
   return jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2)), params, x
 
 
+@pytest.mark.slow
 def test_peak_buffers_names_the_layer_and_the_pass():
   """A four-layer MLP's gradient: at the peak, buffers of the forward pass (saved for the
   backward), of the backward pass and the arguments, each with its layer's path."""
@@ -349,6 +351,7 @@ def _step_and_args(technique):
   return planner._train_step(model, train.default_optimizer(1e-3, 10), x, y)
 
 
+@pytest.mark.slow
 def test_step_flops_of_the_lowered_module_count_what_the_compiled_one_does_on_cpu():
   """Off the CPU `step_flops` takes the lowered module's FLOPs (a GPU's compiled module
   counts cuDNN and cuBLAS calls as nothing). That figure is sound where it can be checked:
@@ -368,6 +371,7 @@ def test_step_flops_of_the_lowered_module_count_what_the_compiled_one_does_on_cp
       assert cuda_flops == pytest.approx(low, rel=1e-6), technique
 
 
+@pytest.mark.slow
 def test_step_flops_of_a_sharded_step_off_the_cpu_are_about_one_devices(monkeypatch):
   """With the platform said to be a GPU, a sharded step's `step_flops` come from its lowered
   module: the whole program under XLA's partitioning (the batch split 8 ways), divided by

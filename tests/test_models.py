@@ -38,6 +38,7 @@ def _stack_blocks(params, stage_sizes):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transform", [None, nn.remat])
 def test_scanned_and_remat_equal_exact(transform):
   exact = models.resnet("resnet20", 10, num_filters=4)

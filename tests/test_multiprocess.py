@@ -140,6 +140,7 @@ def _max_diff(a, b):
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_resume_exactly_and_die_together(tmp_path):
   assert jax.device_count() == 8
   full, killed = tmp_path / "full", tmp_path / "killed"

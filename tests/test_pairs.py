@@ -127,6 +127,7 @@ class _Clip(nn.Module):
     return nn.Dense(10)(f.reshape(f.shape[0], -1))
 
 
+@pytest.mark.slow
 def test_sbp_pairs():
   """SBP on the per-frame encoder with each other technique: on the temporal part
   (Remat, Policy: exact; ActNN: as close as alone, unbiased at 2 bits) or inside the SBP
@@ -240,6 +241,7 @@ def _halo_exchanges(m, variables, xs):
   return jmem.collective_counts(text)["collective-permute"]
 
 
+@pytest.mark.slow
 def test_batch_norm_techniques_with_spatial_and_remat():
   """Under plain jit with the activations sharded over H x W of 8 devices: Spatial with
   Remat, SyncBN (no axis name: XLA partitions its global statistics) or InPlace-ABN equals
@@ -273,6 +275,7 @@ def test_batch_norm_techniques_with_spatial_and_remat():
   assert 0 < _err(triple(xs, key), exact) <= 2 * alone
 
 
+@pytest.mark.slow
 def test_policies_beside_remat_and_actnn():
   """A Policy on one site, Remat or ActNN on another: each as close to exact as its
   approximate part alone (8 bits), and keeping less than either alone."""
@@ -291,6 +294,7 @@ def test_policies_beside_remat_and_actnn():
   assert saved(actnn_block, recompute_stem) < min(saved(actnn_block), saved(recompute_stem))
 
 
+@pytest.mark.slow
 def test_actnn_with_spatial_is_unbiased():
   """2-bit ActNN on activations sharded over H x W: the mean gradient of 64 keys is the
   one-device exact gradient within 3 standard errors."""
@@ -328,6 +332,7 @@ def _batch_mesh():
   return jax.make_mesh((8,), ("batch",), axis_types=(AxisType.Explicit,))
 
 
+@pytest.mark.slow
 def test_sync_bn_with_inplace_abn_under_shard_map():
   """SyncBN and InPlace-ABN on one BatchNorm: synchronised InPlace-ABN over 8 devices
   equals InPlace-ABN on the whole batch on one device (1e-5; statistics of each device's
@@ -340,6 +345,7 @@ def test_sync_bn_with_inplace_abn_under_shard_map():
   assert _err(got, want) < 1e-5
 
 
+@pytest.mark.slow
 def test_actnn_with_sync_bn_under_shard_map():
   """ActNN with SyncBN over 8 devices (shard_map's type checks on): at 8 bits as close to
   exact as ActNN alone on one device, at 2 bits the mean of 64 keys is exact's within 3
@@ -362,6 +368,7 @@ def test_actnn_with_sync_bn_under_shard_map():
   assert ok, detail
 
 
+@pytest.mark.slow
 def test_nnx_stack_of_three():
   """An NNX model with InPlace-ABN on its Sequential pair, Remat and 8-bit ActNN on the
   same blocks (recompute from a compressed input): as close to InPlace-ABN alone as ActNN
@@ -388,6 +395,7 @@ def test_nnx_stack_of_three():
   assert _err(jitted, abn) == pytest.approx(stacked, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_a_bfloat16_model_with_each_technique():
   """A user's mixed-precision model (bfloat16 compute, float32 parameters) under each
   technique: the gradient as close to the plain bfloat16 model's as in float32 (here

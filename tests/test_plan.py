@@ -52,6 +52,7 @@ def _device_bytes(model, optimizer):
   return plan_lib.step_cost(model, optimizer, X, Y)[0]
 
 
+@pytest.mark.slow
 def test_plans_fit_and_a_tighter_budget_never_needs_fewer_flops():
   model = tp.ThirdPartyResNet()
   optimizer = train.default_optimizer(1e-3, 100)
@@ -85,6 +86,7 @@ def test_plans_fit_and_a_tighter_budget_never_needs_fewer_flops():
   assert "fits" in table and "BottleneckBlock_0" in table
 
 
+@pytest.mark.slow
 def test_exact_only_plans_keep_the_gradients_exact():
   model = models.create_model("resnet8", 10)
   x = jax.ShapeDtypeStruct((64, 16, 16, 1), jnp.float32)
@@ -120,6 +122,7 @@ def test_exact_only_plans_keep_the_gradients_exact():
       plan_lib.plan(model, (x, y), budget, policies=bad, approximate=bad != ("compress",))
 
 
+@pytest.mark.slow
 def test_where_nothing_fits_the_plan_is_the_smallest_step_compiled():
   """Past some rung the compiled step grows again (here the last walk point, recomputing
   from 2-bit inputs, compiles larger than an earlier one): the plan is the smallest."""
@@ -144,6 +147,7 @@ def test_where_nothing_fits_the_plan_is_the_smallest_step_compiled():
   assert jmem.measure.device_bytes_and_flops(step)[0] == p.device_bytes
 
 
+@pytest.mark.slow
 def test_a_model_whose_mode_is_a_field():
   """The U-Net takes no ``train=`` at call time (its mode is a field): the loop and the
   planner call it without one; a converted U-Net too."""
@@ -189,6 +193,7 @@ def test_estimates_of_a_converted_model_are_its_own():
     plan_lib.plan(jmem.convert(model, jmem.Remat()), (X, Y), "1GiB")
 
 
+@pytest.mark.slow
 def test_nnx_models_are_planned_through_copies():
   """An NNX model (converted in place by jmem.convert) is planned on copies: yours is left as
   it was; its sites' residuals are found through name scopes of their paths; converting it
@@ -222,6 +227,7 @@ def test_nnx_models_are_planned_through_copies():
     plan_lib.plan(converted, (x, y), "1GiB")
 
 
+@pytest.mark.slow
 def test_inplace_abn_alone_is_the_plan_where_it_fits_at_fewer_flops():
   """Where the exact step does not fit, the planner also compiles InPlace-ABN alone on every
   BatchNorm it can take (`jmem.surgery.inplace_abn_sites`) and takes it where it fits at
@@ -257,6 +263,7 @@ def test_inplace_abn_alone_is_the_plan_where_it_fits_at_fewer_flops():
     plan_lib.plan(jmem.convert(nnx.clone(model), jmem.SyncBN()), (x, Y), "90%")
 
 
+@pytest.mark.slow
 def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
   """With ``mesh=`` every step is compiled with jmem.Spatial and the batch sharded over H x W
   (8 devices): the exact step is Spatial alone, the figures are per device, and the plan's
@@ -329,6 +336,7 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
         (2, 2, 2), ("data", "h", "w"), axis_types=(AxisType.Auto,) * 3))
 
 
+@pytest.mark.slow
 def test_a_data_axis_splits_the_batch_with_or_without_spatial():
   """``data_axis=`` splits the batch over a mesh axis (data parallelism; the bytes, not the
   BatchNorm statistics, are checked): clips, which Spatial does not take, on 4 devices; the
@@ -371,6 +379,7 @@ def test_a_data_axis_splits_the_batch_with_or_without_spatial():
     plan_lib.plan(model, (x, y), "80%", mesh=data, spatial_axes=None)
 
 
+@pytest.mark.slow
 def test_devices_are_laid_out_batch_first_then_h_and_w():
   """``devices=N``: the batch over the most devices that divide it, H x W over the rest
   (each split's exact step compiled: of those within 2% of the fewest bytes, the fewest
@@ -462,6 +471,7 @@ def test_devices_are_laid_out_batch_first_then_h_and_w():
   np.testing.assert_allclose(losses[2:], losses[:2], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_budgets_and_bad_input():
   assert plan_lib.parse_bytes("16GiB") == 16 * 2**30
   assert plan_lib.parse_bytes("800 MiB") == 800 * 2**20
@@ -523,6 +533,7 @@ def test_budgets_and_bad_input():
       n.endswith("so no batch is likely to fit") for n in tiny.notes), tiny.notes
 
 
+@pytest.mark.slow
 def test_jmem_video_models_have_sites_and_a_dominant_site_is_split(monkeypatch):
   # jmem's own video models call their blocks as bound submodules: the ViT's sites are its
   # blocks. The per-frame CNN of stt-resnet8 holds most of the saved activations as one
@@ -584,6 +595,7 @@ class _NNXEncoderNet(nnx.Module):
     return self.head(x.reshape(x.shape[0], -1))
 
 
+@pytest.mark.slow
 def test_plan_cli(tmp_path, capsys, monkeypatch):
   out = tmp_path / "out"
   trained, train_ = [], train.train             # what --verify-steps trains
@@ -663,6 +675,7 @@ def test_plan_cli(tmp_path, capsys, monkeypatch):
   assert "--verify-image-size 58 or more" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkeypatch):
   """Down the compression rungs (the same FLOPs per byte at every site) the walk lowers
   first the site that adds the least gradient variance per byte saved; without
@@ -937,6 +950,7 @@ def test_undo_tries_take_the_heap_layouts_prediction_until_it_misses():
   assert tried[0] == (2, 2, 1)
 
 
+@pytest.mark.slow
 def test_a_plan_says_where_the_heap_layout_names_no_sites_codes(monkeypatch):
   """NNX modules leave their paths out of the compiled step's names: the heap layout cannot
   be told site by site, and the plan says the undoing uses the per-site estimate alone."""
@@ -964,6 +978,7 @@ def _resnet8_at_64_with_calibration():
   return model, x, y, batch
 
 
+@pytest.mark.slow
 def test_a_backend_without_dumps_plans_on_the_estimate_and_says_so(monkeypatch):
   """Where the backend writes no buffer-assignment dump, the first walk compile finds out,
   the plan says so, and no other compile asks again."""
@@ -1080,6 +1095,7 @@ def test_the_offload_note_names_the_platform_the_plan_compiles_for():
   assert plan_lib._offload_note(None, h100).startswith("offload not searched (gpu)")
 
 
+@pytest.mark.slow
 def test_offload_by_hand_beside_a_plans_policies():
   """What the refusal of policies=('offload',) advises: jmem.Policy('offload', where=...)
   beside a plan's techniques converts on a site the plan leaves at save, and its step's
@@ -1114,6 +1130,7 @@ def test_offload_by_hand_beside_a_plans_policies():
                        x, train=True)
 
 
+@pytest.mark.slow
 def test_off_the_cpu_the_planner_counts_the_lowered_steps_flops(monkeypatch):
   """On a GPU the compiled step's FLOPs leave out cuDNN and cuBLAS calls, so off the CPU
   every step the planner compiles (heap-layout compiles included) and `step_cost` hand
@@ -1159,6 +1176,7 @@ def test_the_front_is_the_estimate_through_the_compiled_points():
       (100.0, 1.0), (0.0, 2.0))
 
 
+@pytest.mark.slow
 def test_plan_takes_where():
   """Issue 48, defect 3: jmem.plan raised NothingMatched '... Give where=' on a zoo's model
   but took no where=. It plans the sites ``where=`` names, and says when it names none."""

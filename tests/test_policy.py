@@ -28,6 +28,7 @@ EXACT = [jmem.Policy("save"), jmem.Policy("recompute"), jmem.Policy("offload"),
          jmem.Policy("recompute", checkpoint_policy=jax.checkpoint_policies.dots_saveable)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("technique", EXACT, ids=lambda t: t.kind)
 def test_exact_policies_match_the_plain_model(technique):
   model = tp.ThirdPartyResNet()
@@ -43,6 +44,7 @@ def test_exact_policies_match_the_plain_model(technique):
       ["BottleneckBlock_0", "BottleneckBlock_1", "bn_init", "conv_init"]]
 
 
+@pytest.mark.slow
 def test_nnx_policies():
   """NNX: exact policies match, and Remat + ActNN on the same blocks is recompute from a
   compressed input (close at 8 bits)."""
@@ -82,6 +84,7 @@ def _mean_error(grads, exact, keys=4):
                         for k in range(keys)]) / jnp.linalg.norm(exact))
 
 
+@pytest.mark.slow
 def test_recompute_from_a_compressed_input_is_as_close_as_actnn():
   model = tp.ThirdPartyResNet()
   variables = model.init(jax.random.key(1), X)
@@ -105,6 +108,7 @@ def test_recompute_from_a_compressed_input_is_as_close_as_actnn():
   assert 0 < err(top, jmem.Remat()) <= 2 * top_alone
 
 
+@pytest.mark.slow
 def test_recompute_from_a_2bit_input_is_unbiased():
   """Mean of 64 keys within 3 standard errors of the exact gradient (the norm of the mean's
   error over the norm of its standard errors; ~1 for an unbiased estimate). Recomputed
@@ -121,6 +125,7 @@ def test_recompute_from_a_2bit_input_is_unbiased():
   assert z < 3, z
 
 
+@pytest.mark.slow
 def test_recompute_compressed_saves_what_it_says():
   """Compile-only, whole train step on a third-party ResNet: recomputing from a 2-bit input
   keeps far fewer bytes than recomputation alone, and the step's temp is lower too."""
@@ -136,6 +141,7 @@ def test_recompute_compressed_saves_what_it_says():
   assert both[1] < remat[1], (both, remat)
 
 
+@pytest.mark.slow
 def test_offload_lowers_to_host_placements_for_the_gpu():
   """On a CPU host and device memory are one memory; the GPU lowering carries a placement in
   pinned host memory for every offloaded residual, full precision or compressed."""
@@ -204,6 +210,7 @@ def test_policy_bad_input_and_conflicts():
     jmem.convert(net, jmem.Policy("offload"), jmem.ActNN("L3"))
 
 
+@pytest.mark.slow
 def test_a_technique_on_a_site_inside_its_own_and_another():
   """A technique covering an inner site through an enclosing one of its own leaves the other
   technique of that inner site to apply there (it was dropped); NNX's nested compression
@@ -231,6 +238,7 @@ def test_policy_spec_names():
   assert isinstance(jmem.convert(tp.FunctionalCNN(), jmem.Policy("save")), nn.Module)
 
 
+@pytest.mark.slow
 def test_policies_with_spatial_sharding():
   """Spatial (plain jit, H x W over 8 devices) stacked with block policies: recomputation
   and full-precision offload stay exact against one device; recomputing from an 8-bit
@@ -271,6 +279,7 @@ def test_policies_with_spatial_sharding():
   assert gathers(jmem.convert(model, spatial, *stack)) <= gathers(jmem.convert(model, spatial))
 
 
+@pytest.mark.slow
 def test_row_layout_is_the_per_sample_quantization_where_the_shards_lie():
   """`compress` stores residuals of 3+ dims in rows of their last two dims: the same codes as
   per-sample groups (bit for bit), old-style uint32 keys included; masks packed per row. On
@@ -313,6 +322,7 @@ def test_row_layout_is_the_per_sample_quantization_where_the_shards_lie():
   assert stacked[0] <= alone[0] and stacked[1] <= alone[1], (stacked, alone)
 
 
+@pytest.mark.slow
 def test_policies_with_inplace_abn():
   """InPlace-ABN (its backward inverts its saved output) under every policy: the exact ones
   equal InPlace-ABN alone; compressing, or recomputing from a compressed input, keeps that

@@ -7,6 +7,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow     # each test compiles whole steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,6 +4,8 @@ import ast
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -78,6 +80,7 @@ def test_imports_point_down():
         assert not {m for m in got if _under(m, ("jmem.train",))}, (path, got)
 
 
+@pytest.mark.slow
 def test_a_bare_import_reaches_every_public_submodule():
   """Issue 48, defect 8: ``import jmem; jmem.models.create_model(...)`` raised
   AttributeError (``jmem.models`` was not imported by ``import jmem``)."""

@@ -29,6 +29,7 @@ def _setup(seed=0, shape=(3, 16, 5)):
   return p, x, ct
 
 
+@pytest.mark.slow
 def test_keep_ratio_one_is_exact_bit_for_bit():
   p, x, ct = _setup()
   g = S.sbp(_mlp, keep_ratio=1.0, axis=1)
@@ -38,6 +39,7 @@ def test_keep_ratio_one_is_exact_bit_for_bit():
     assert jnp.array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampler", list(S.SAMPLERS))
 @pytest.mark.parametrize("keep_ratio", [0.5, 0.25, 0.3])
 def test_gradients_equal_stop_gradient_oracle(sampler, keep_ratio):
@@ -57,6 +59,7 @@ def test_gradients_equal_stop_gradient_oracle(sampler, keep_ratio):
   assert np.all(np.asarray(got[1])[:, dropped] == 0)          # no gradient to dropped nodes
 
 
+@pytest.mark.slow
 def test_composes_with_vmap_and_scan_and_saves_only_the_kept_slice():
   p, x, ct = _setup(shape=(2, 3, 16, 5))
   g = S.sbp(_mlp, keep_ratio=0.25, axis=1)
@@ -78,6 +81,7 @@ def test_composes_with_vmap_and_scan_and_saves_only_the_kept_slice():
   assert report.activation_bytes <= x1.nbytes // 4 + 64, report.activation_bytes
 
 
+@pytest.mark.slow
 def test_samplers_are_deterministic_sorted_and_spread():
   x = jnp.zeros((1, 64, 3))
   key = jax.random.key(0)
@@ -171,6 +175,7 @@ def _grads(model, params, x, y, key):
   return jax.jit(jax.grad(loss))(params)
 
 
+@pytest.mark.slow
 def test_stt_sbp_through_convert_equals_the_stop_gradient_oracle():
   """The StT model's SBP (its per-frame CNN as the site, nodes mode): gradients equal
   plain autodiff with the dropped frames' features held constant, and differ from exact."""
@@ -188,6 +193,7 @@ def test_stt_sbp_through_convert_equals_the_stop_gradient_oracle():
   assert max(jax.tree.leaves(spatial_diff)) > 1e-4          # r < 1 really drops frames
 
 
+@pytest.mark.slow
 def test_stt_spatial_memory_falls_with_keep_ratio():
   """The per-frame CNN under SBP: saved bytes <= (r + 0.03) of exact; temp falls with r.
 
@@ -216,6 +222,7 @@ def test_stt_spatial_memory_falls_with_keep_ratio():
     last = temp / temp_exact
 
 
+@pytest.mark.slow
 def test_video_transformer_sbp_blocks():
   """The ViT's SBP (its blocks but the last, rows mode, one draw shared): the forward is
   the exact forward, the gradients equal the oracle with the dropped tokens' block outputs
@@ -244,6 +251,7 @@ def test_video_transformer_sbp_blocks():
     model.init(jax.random.key(0), x[:, 0])
 
 
+@pytest.mark.slow
 def test_sbp_rows_backward_equals_the_oracle():
   """`sbp_rows` on an attention block: the kept-rows backward equals the oracle (dropped
   rows held constant), the forward is exact, and only the block input is kept."""
@@ -273,6 +281,7 @@ def test_sbp_rows_backward_equals_the_oracle():
   assert saved.activation_bytes == 0          # only the block input (an argument) is kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["video-vit", "stt-resnet8"])
 def test_video_models_in_bfloat16(name):
   """Mixed precision: float32 parameters and logits, bfloat16 activations (SBP's saved
@@ -296,6 +305,7 @@ def test_video_models_in_bfloat16(name):
   assert saved.by_dtype().get("bfloat16", 0) > saved.by_dtype().get("float32", 0)
 
 
+@pytest.mark.slow
 def test_video_transformer_sbp_recomputes_in_the_backward():
   """Each SBP block's kept-rows re-run waits for its cotangent. Scheduled early (as XLA
   did before the re-run was tied to the cotangent) every block's re-run attention is live
@@ -314,6 +324,7 @@ def test_video_transformer_sbp_recomputes_in_the_backward():
   assert ratio < 0.45, ratio
 
 
+@pytest.mark.slow
 def test_bench_sbp_techniques_on_video():
   rows = bench.run_bench(bench.BenchConfig(model="stt-resnet8", techniques=("sbp-0.25",),
                                            batch_size=4, image_size=24, num_frames=16,
@@ -339,6 +350,7 @@ def test_spatial_lr_scale():
     video.spatial_lr_scale(optax.sgd(1.0), 0.1, "spatail").init(params)
 
 
+@pytest.mark.slow
 def test_pretrained_backbone_starts_the_video_model():
   clips = data.moving_digits(8, frame_size=16, digit_size=5, num_train=32, num_test=16)
   frames = data.Dataset("f", clips.x_train[:, 0], clips.y_train // 4, clips.x_test[:, 0],

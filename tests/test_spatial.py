@@ -32,6 +32,7 @@ CASES = [  # kernel, stride, dilation, groups, padding
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("k,s,d,g,pad", CASES)
 def test_halo_conv_matches_unsharded(mesh_name, k, s, d, g, pad):
@@ -117,6 +118,7 @@ def test_global_pool_and_drop_path_agree_across_shards():
   assert 0 < dropped.sum() < 16            # whole samples dropped, the same on every shard
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_convnext_train_step_on_spatial_mesh_equals_single_device(mesh_name):
   model = models.create_model("convnext-digits", 10, drop_path_rate=0.2)
@@ -134,6 +136,7 @@ def test_convnext_train_step_on_spatial_mesh_equals_single_device(mesh_name):
     assert_close_scaled(a, b)
 
 
+@pytest.mark.slow
 def test_per_device_temp_of_a_convnext_stage_on_eight_devices():
   """A ConvNeXt stage (3 blocks, dim 64, 64x256) on a 2x4 mesh: <= 0.15x one device's temp."""
   block_stack = models.ConvNeXt(depths=(3,), dims=(64,), num_classes=10, stem_patch=1)
@@ -171,6 +174,7 @@ def test_bad_input_errors():
     spatial.spatial_model_fns(models.create_model("resnet8", 10), mesh)
 
 
+@pytest.mark.slow
 def test_bench_technique_spatial_8():
   rows = bench.run_bench(bench.BenchConfig(model="convnext-digits", techniques=("spatial-8",),
                                            batch_size=8, image_size=32, memory_only=True,

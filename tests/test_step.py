@@ -13,6 +13,8 @@ from flax import nnx
 import jmem
 import third_party_models as tp
 
+pytestmark = pytest.mark.slow     # most tests compile a train step or plan
+
 X = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
 CLIPS = jax.random.normal(jax.random.key(1), (2, 4, 8, 8, 3))
 KEY = jax.random.key(7)

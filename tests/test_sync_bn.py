@@ -55,6 +55,7 @@ def _sharded_loss(fn, mesh):
                        out_specs=(P(), P("d")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", [sync_bn.sync_batch_norm, sync_bn.sync_batch_norm_reference])
 def test_unbalanced_masked_matches_plain_bn_on_valid_samples(fn):
   mesh = _mesh()
@@ -103,6 +104,7 @@ def test_all_devices_empty_is_finite():
     assert np.isfinite(np.asarray(a)).all()
 
 
+@pytest.mark.slow
 def test_pmap_and_vmap_give_per_device_parameter_grads():
   x, mask, g, b, ct = _data(1)
   valid = mask[:, 0, 0]
@@ -147,6 +149,7 @@ def test_axis_index_groups(transform):
     np.testing.assert_allclose(ys[sel], _plain_bn(x[sel], g, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tuple_of_axis_names():
   """Statistics over two named axes, under nested vmap and under a 2-D shard_map."""
   x, _, _, _, _ = _data(6)
@@ -196,6 +199,7 @@ def test_running_stats_and_eval_mode():
   assert sum(measure.collective_counts(f, variables, x).values()) == 0
 
 
+@pytest.mark.slow
 def test_linen_module_matches_flax_batch_norm():
   x = jax.random.normal(jax.random.key(0), (8, 5, 5, 4)) * 3 + 2
   ours, theirs = sync_bn.SyncBatchNorm(momentum=0.9), nn.BatchNorm(momentum=0.9)
@@ -327,6 +331,7 @@ def test_offset_data_large_unbalanced_counts_every_path(path):
   check_exact(x, mask, y, mean, var)
 
 
+@pytest.mark.slow
 def test_offset_data_module_first_step():
   """SyncBatchNorm(momentum=0.9): the running mean (the old shift) starts at 0."""
   x, mask = offset_data()
@@ -406,6 +411,7 @@ def test_non_finite_padding_is_isolated(fn):
   np.testing.assert_allclose(grads1[2], grads0[2], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_all_masked_batch_is_identity_statistics():
   """No valid sample anywhere: statistics mean 0 / var 1 / count 0, normalised to 0: y = β
   (not amplified by 1/sqrt(ε)), no gradient."""
@@ -514,6 +520,7 @@ def test_running_stats_follow_pytorch_update_rule(module):
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_running_stats_masked_unbalanced_on_eight_devices():
   """N is the global valid count (26 rows x 2 positions), not a device's or the padded one."""
   rng = np.random.default_rng(8)

@@ -49,6 +49,7 @@ def _resnet50_step_as_measured_on_the_h100():
   return jax.jit(step, donate_argnums=(0, 1, 2)), (*state, x, y)
 
 
+@pytest.mark.slow
 def test_h100_target_gives_the_real_h100s_temp_bytes_within_1_percent():
   step, args = _resnet50_step_as_measured_on_the_h100()
   h100 = measure.target("h100")
@@ -87,6 +88,7 @@ def _small_step(model, batch, side=16):
   return fns, opt, train.abstract_state(fns, opt, x)
 
 
+@pytest.mark.slow
 def test_fit_step_on_the_h100_target_confirms_its_largest_batch():
   """A remat step (jmem.jit's XLA:CPU option would make XLA:GPU refuse it) fitted on the
   H100 target: the slope from batches 8 and 16, the largest batch in a small limit
@@ -110,6 +112,7 @@ def test_fit_step_on_the_h100_target_confirms_its_largest_batch():
     measure.fit_step(step, spec, target=None)          # XLA:CPU has no limit of its own
 
 
+@pytest.mark.slow
 def test_the_h100_target_takes_the_kernels_a_gpu_takes():
   """The H100 target makes a GPU's automatic choice: for ActNN its XLA path (a step with the
   kernels was slower and bigger on an H100 and an H200), the Pallas (Triton) kernels where
@@ -273,6 +276,7 @@ def _cli(*argv):
                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_refuses_what_a_target_cannot_do():
   out = _cli("plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "8",
              "--target", "h100", "--verify-steps", "5")
@@ -289,6 +293,7 @@ def test_cli_refuses_what_a_target_cannot_do():
   assert out.returncode == 2 and "Unknown target 'tpu9'" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_a_plain_linen_model_has_another_peak_on_the_h100_than_on_xla_cpu():
   """What the targets are for: one step, two buffer assignments."""
   fns, opt, state = _small_step(_CNN(), 32, side=32)

@@ -30,6 +30,7 @@ def _same_tree(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_linen_resnet_learns_digits(digits8):
   cfg = train.TrainConfig(steps=120, batch_size=64, progress=False, eval_every=60)
   result = train.train(resnet("resnet8", 10), digits8, cfg)
@@ -40,6 +41,7 @@ def test_linen_resnet_learns_digits(digits8):
   assert float(jnp.abs(stats).sum()) > 0
 
 
+@pytest.mark.slow
 def test_nnx_model_learns_and_threads_state(digits8):
   model = SmallCNN(1, 10, rngs=nnx.Rngs(0))
   cfg = train.TrainConfig(steps=150, batch_size=64, progress=False)
@@ -53,6 +55,7 @@ def test_nnx_model_learns_and_threads_state(digits8):
   assert float(jnp.abs(model.bn1.mean[...]).sum()) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_resume_is_bit_identical(kind, digits8, tmp_path):
   def make():
@@ -89,6 +92,7 @@ def _flip_bytes(step_dir):
     f.write(bytes(b ^ 0xFF for b in chunk))
 
 
+@pytest.mark.slow
 def test_resume_falls_back_past_a_corrupted_checkpoint(digits8, tmp_path):
   """Issue 50: a byte flip in the newest checkpoint resumed silently into NaN. Now its
   checksums fail, the run resumes from the step before (saying so, the bad step moved
@@ -208,6 +212,7 @@ def _compiles():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("technique", ["exact", "spatial-8"])
 def test_step_and_evaluate_compile_once(technique):
   """A train step called 3 times compiles once, and so does an evaluation called again and
@@ -238,6 +243,7 @@ def test_step_and_evaluate_compile_once(technique):
   assert accuracies == [result.test_accuracy] * 3
 
 
+@pytest.mark.slow
 def test_evaluate_per_pixel_labels_is_pixel_accuracy():
   """Segmentation (one label per pixel): the accuracy is over the pixels, on one device,
   with the batch split over a data axis (padded) and with the images and labels split over
@@ -280,6 +286,7 @@ def test_evaluate_per_pixel_labels_is_pixel_accuracy():
   assert 0 < one.test_accuracy < 1
 
 
+@pytest.mark.slow
 def test_evaluate_on_a_data_axis_any_test_set_size():
   """A mesh with a data axis of 2: a test set of 21 (smaller than the batch size, odd) is
   padded to a multiple of the mesh, and the accuracy equals the one-device model's (the
@@ -295,6 +302,7 @@ def test_evaluate_on_a_data_axis_any_test_set_size():
   assert train.evaluate(fns, state, x, y) == train.evaluate(plain, state, x, y)
 
 
+@pytest.mark.slow
 def test_steps_wait_for_each_other_where_xla_cpu_collectives_need_it(digits8, monkeypatch):
   """Issue 50: XLA:CPU's collectives with many steps in flight aborted (exit 134) or hung a
   multi-device run; `train` waits for each step there (benchmarks/soak_multiprocess.py runs
