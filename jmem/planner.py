@@ -736,7 +736,7 @@ def _default_sites(model, x, where: str | None = None) -> list[str]:
   probe = Policy("save", where=where)
   if isinstance(model, nnx.Module):
     return list(surgery.sites(_converted(model, [probe])).get("save", []))
-  kw = {"train": True} if step_lib.takes_train(model) else {}
+  kw = step_lib.mode_kwargs(model, True)
   return list(surgery.sites(surgery.convert(model, probe), x, **kw).get(repr(probe), []))
 
 
@@ -1524,7 +1524,7 @@ def _inplace_abn(model, x, allowed: bool, max_compiles: int):
          for t in getattr(model, "techniques", ())):
     return None, ("InPlace-ABN not tried: the model's BatchNorms were converted already "
                   "(SyncBN or InPlaceABN)")
-  kw = {"train": True} if isinstance(model, nn.Module) and step_lib.takes_train(model) else {}
+  kw = step_lib.mode_kwargs(model, True) if isinstance(model, nn.Module) else {}
   paths = surgery.inplace_abn_sites(model, jnp.zeros(x.shape, x.dtype), **kw)
   if not paths:
     return None, ("InPlace-ABN not applicable: no BatchNorm followed by leaky_relu or elu in "

@@ -38,6 +38,7 @@ from jmem import measure
 __all__ = [
     "ModelFns", "TrainState", "model_fns", "init_state", "abstract_state", "check_batch",
     "make_loss", "make_train_step", "default_optimizer", "check_learning_rate", "takes_train",
+    "mode_kwargs",
     "padded_size", "global_batch", "per_example_losses", "LossFn", "TrainStep", "train_step",
 ]
 
@@ -75,31 +76,50 @@ class ModelFns(NamedTuple):
   batch_sharding: Any = None
 
 
-def takes_train(module: nn.Module) -> bool:
-  """Whether ``module`` is called with ``train=``: a model whose mode is a field
-  (``UNet(train=True)``) is called without one. A wrapper that forwards ``**kwargs``
-  (`jmem.convert`'s) is asked about the model it wraps."""
+# The keyword a model's __call__ takes for its mode -> its value in training: ``train`` and
+# its spellings, or Flax's ``deterministic`` (dropout's), the other way round.
+MODE_KEYWORDS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+
+
+def mode_keyword(module: nn.Module) -> str | None:
+  """The keyword of `MODE_KEYWORDS` that ``module``'s ``__call__`` takes (None: none; a
+  model whose mode is a field, ``UNet(train=True)``, is called without one). A wrapper that
+  forwards ``**kwargs`` (`jmem.convert`'s) is asked about the model it wraps; ``**kwargs``
+  alone takes ``train``."""
   while True:
     try:
       params = inspect.signature(module.__call__).parameters
     except (TypeError, ValueError):
-      return True
-    if "train" in params:
-      return True
+      return "train"
+    for name in MODE_KEYWORDS:
+      if name in params:
+        return name
     inner = getattr(module, "model", None)
-    if (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        and isinstance(inner, nn.Module)):
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if var_kw and isinstance(inner, nn.Module):
       module = inner
       continue
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return "train" if var_kw else None
+
+
+def mode_kwargs(module: nn.Module, train: bool) -> dict[str, bool]:
+  """The keyword argument that puts ``module`` in training (``train``) or evaluation mode:
+  ``{"train": train}``, ``{"deterministic": not train}``, ... or {} (`mode_keyword`)."""
+  name = mode_keyword(module)
+  return {} if name is None else {name: train if MODE_KEYWORDS[name] else not train}
+
+
+def takes_train(module: nn.Module) -> bool:
+  """Whether ``module`` is called with a mode keyword (`mode_keyword`)."""
+  return mode_keyword(module) is not None
 
 
 def _mode(module: nn.Module) -> Callable[[bool], tuple[nn.Module, dict[str, Any]]]:
-  """``train -> (module to call, keyword arguments)``: ``train=`` at call time where the
-  model takes it, else the model cloned with its ``train`` field (a `jmem.convert`
-  wrapper's wrapped model cloned), else the model as it is."""
+  """``train -> (module to call, keyword arguments)``: the mode keyword at call time where
+  the model takes one (`mode_kwargs`), else the model cloned with its ``train`` field (a
+  `jmem.convert` wrapper's wrapped model cloned), else the model as it is."""
   if takes_train(module):
-    return lambda train: (module, {"train": train})
+    return lambda train: (module, mode_kwargs(module, train))
   fields = lambda m: {f.name for f in dataclasses.fields(m)}
   if "train" in fields(module):
     return lambda train: (module.clone(train=train), {})

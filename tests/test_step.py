@@ -274,3 +274,32 @@ def test_the_step_module_does_not_import_the_loop():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
   assert out.returncode == 0, out.stderr
+
+
+class _DeterministicNet(nn.Module):
+  """A model whose mode keyword is Flax's ``deterministic`` (dropout's), not ``train``."""
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    x = nn.relu(nn.Conv(8, (3, 3))(x))
+    x = nn.Dropout(0.5, deterministic=deterministic)(x)
+    return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
+
+
+def test_a_model_with_deterministic_is_trained_and_evaluated_in_its_mode():
+  """Issue 48, defect 4: ``__call__(x, deterministic)`` models were refused (``Parameter
+  "deterministic" must be passed``); they get ``deterministic=not train``."""
+  from jmem import step as step_lib  # pylint: disable=g-import-not-at-top
+  model = _DeterministicNet()
+  assert step_lib.mode_kwargs(model, True) == {"deterministic": False}
+  assert step_lib.mode_kwargs(jmem.convert(model, jmem.Remat()), False) == {
+      "deterministic": True}
+  x, y = jnp.ones((4, 8, 8, 3)), jnp.arange(4) % 10
+  init, step = jmem.train_step(jmem.convert(model, jmem.Remat()), optax.sgd(0.1))
+  state = init(jax.random.key(0), x)
+  fns = step_lib.model_fns(model)
+  # Evaluation is deterministic (dropout off): the same output twice, without a key.
+  out = [fns.apply(state.params, state.model_state, x, train=False)[0] for _ in range(2)]
+  np.testing.assert_array_equal(out[0], out[1])
+  state, metrics = step(state, x, y)
+  assert bool(jnp.isfinite(metrics["loss"]))
