@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -223,7 +223,9 @@ class TrainConfig:
   wait_each_step: bool | None = None
   stall_timeout: float | None = None
 
-  def validate(self, num_train: int) -> None:
+  def validate(self, num_train: int | None) -> None:
+    """Raises a ValueError for a bad setting; ``num_train``: the training examples, if
+    known (None: batches from an iterable)."""
     if self.stall_timeout is not None and not (
         isinstance(self.stall_timeout, (int, float)) and 0 <= self.stall_timeout < math.inf):
       raise ValueError(f"stall_timeout must be a number of seconds >= 0 (0: off), got "
@@ -234,10 +236,11 @@ class TrainConfig:
         0 <= self.seed < 2**32):
       raise ValueError(f"seed must be an integer from 0 to 2**32 - 1 (--seed), got "
                        f"{self.seed!r}.")
-    if not 0 < self.batch_size <= num_train:
+    if not 0 < self.batch_size <= (math.inf if num_train is None else num_train):
       raise ValueError(
           f"batch_size {self.batch_size} must be between 1 and the number of training "
-          f"examples ({num_train}); lower --batch-size.")
+          f"examples ({num_train}); lower --batch-size." if num_train is not None else
+          f"batch_size must be at least 1, got {self.batch_size}.")
     check_learning_rate(self.learning_rate)
     if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
       raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}.")
@@ -256,7 +259,8 @@ class TrainResult(NamedTuple):
   Attributes:
     state: final `TrainState`.
     test_accuracy: accuracy on the test set at the end (None with a ``loss_fn``: accuracy
-      is the default loss's, of class labels).
+      is the default loss's, of class labels; None without a test set: batches from an
+      iterable and no ``eval_data``).
     history: one dict per evaluation: ``step``, ``loss`` (the training step's), and with
       the default loss ``train_accuracy`` and ``test_accuracy``, with a ``loss_fn``
       ``test_loss``.
@@ -701,17 +705,16 @@ def _first_line(e: Exception) -> str:
   return f"perhaps truncated or corrupted: {text[:300]}"
 
 
-def _run_record(state, dataset: data_lib.Dataset, config: TrainConfig, *,
+def _run_record(state, data_record: dict[str, Any], config: TrainConfig, *,
                 default_optimizer_used: bool, run_info: dict[str, Any] | None,
                 loss_given: bool = False) -> dict[str, Any]:
-  """What a checkpoint's state means, as JSON: compared field by field on resume."""
+  """What a checkpoint's state means, as JSON: compared field by field on resume.
+  ``data_record``: what the data is (`_Batches.record`)."""
   record = dict(run_info or {})
   leaves = jax.tree.leaves(state)
   layout = json.dumps([[list(np.shape(x)), str(x.dtype)] for x in leaves])
   params = sum(int(np.prod(np.shape(p))) for p in jax.tree.leaves(state.params))
-  record.update(dataset=dataset.name, example_shape=list(dataset.example_shape),
-                num_classes=dataset.num_classes, num_train=len(dataset.x_train),
-                batch_size=config.batch_size, seed=config.seed,
+  record.update(**data_record, batch_size=config.batch_size, seed=config.seed,
                 state=f"{len(leaves)} arrays, {params:,} parameters, shapes and dtypes "
                       f"#{hashlib.sha256(layout.encode()).hexdigest()[:12]}")
   if default_optimizer_used:       # the schedule depends on the number of steps
@@ -724,18 +727,126 @@ def _run_record(state, dataset: data_lib.Dataset, config: TrainConfig, *,
   return json.loads(json.dumps(record))
 
 
-def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
+class _Batches:
+  """Where `train`'s batches come from: an in-memory `jmem.data.Dataset`, drawn by ``(seed,
+  step)``, or an iterable of ``(x, y)`` batches, taken in order."""
+
+  def __init__(self, dataset, config: TrainConfig):
+    self._config = config
+    if isinstance(dataset, data_lib.Dataset):
+      config.validate(len(dataset.x_train))
+      self._dataset, self._it, self._pending = dataset, None, None
+      self.name, self.first_x = dataset.name, dataset.x_train[:1]
+      self.test = (dataset.x_test, dataset.y_test)
+      self.record = dict(dataset=dataset.name, example_shape=list(dataset.example_shape),
+                         num_classes=dataset.num_classes, num_train=len(dataset.x_train))
+      return
+    config.validate(None)
+    if isinstance(dataset, (tuple, list)) and len(dataset) == 2 and all(
+        not isinstance(a, (tuple, list)) and np.ndim(a) >= 1 for a in dataset):
+      raise TypeError(
+          "train takes a jmem.data.Dataset or an iterable of (x, y) batches, one per step; "
+          "got one (x, y) pair of arrays. Pass [(x, y)] for a single batch, an iterator that "
+          "yields batches, or jmem.data.Dataset(name, x_train, y_train, x_test, y_test, "
+          "num_classes) to draw batches from the arrays.")
+    try:
+      self._it = iter(dataset)
+    except TypeError:
+      raise TypeError(f"train takes a jmem.data.Dataset or an iterable of (x, y) batches, got "
+                      f"{type(dataset).__name__}.") from None
+    first = next(self._it, None)
+    if first is None:
+      raise ValueError("train: the iterable of batches yielded none.")
+    x, _ = self._pair(first, 0)
+    if len(x) != config.batch_size:
+      raise ValueError(
+          f"train: the first batch has {len(x)} examples, TrainConfig.batch_size is "
+          f"{config.batch_size}. Set TrainConfig(batch_size={len(x)}): the batches of an "
+          "iterable all have that many rows (on a mesh the last may have fewer).")
+    self._dataset, self._pending = None, first
+    self.name, self.first_x, self.test = "batches", x[:1], None
+    self.record = dict(dataset="batches", example_shape=list(np.shape(x)[1:]))
+
+  @staticmethod
+  def _pair(batch, step: int):
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+      raise ValueError(f"train: batch {step} is a {type(batch).__name__}; each batch of the "
+                       "iterable must be an (x, y) pair of arrays.")
+    x, y = batch
+    if np.ndim(x) < 1 or np.ndim(y) < 1 or len(x) != len(y):
+      raise ValueError(f"train: batch {step} has x of shape {np.shape(x)} and y of shape "
+                       f"{np.shape(y)}; they must have the same leading (batch) size.")
+    return x, y
+
+  def _next(self):
+    if self._pending is not None:
+      batch, self._pending = self._pending, None
+      return batch
+    return next(self._it, None)
+
+  def skip(self, steps: int) -> None:
+    """Passes over the batches of the first ``steps`` steps (a resumed run's)."""
+    if self._dataset is not None:
+      return
+    for i in range(steps):
+      if self._next() is None:
+        raise ValueError(f"Cannot resume at step {steps}: the iterable of batches ended after "
+                         f"{i} batches. Resume with the iterable the run was started with.")
+
+  def get(self, step: int, fns: ModelFns, size: int):
+    """Step ``step``'s ``(x, y, mask)`` (as `global_batch`), or None where batches ended."""
+    if self._dataset is not None:
+      d = self._dataset
+      idx = data_lib.batch_indices(len(d.x_train), self._config.batch_size, step,
+                                   seed=self._config.seed)
+      return global_batch(fns, d.x_train, d.y_train, idx, size)
+    batch = self._next()
+    if batch is None:
+      return None
+    x, y = self._pair(batch, step)
+    n, want = len(x), self._config.batch_size
+    if tuple(np.shape(x)[1:]) != tuple(self.record["example_shape"]) or n > want or (
+        n < want and fns.batch_sharding is None):
+      raise ValueError(
+          f"train: batch {step} has x of shape {np.shape(x)}; every batch must have "
+          f"{want} examples of shape {tuple(self.record['example_shape'])}"
+          + (" (a shorter last batch is padded and masked only on a mesh: drop the "
+             "remainder)." if n < want else "."))
+    if fns.batch_sharding is None:
+      return jnp.asarray(x), jnp.asarray(y), None
+    return global_batch(fns, np.asarray(x), np.asarray(y), np.arange(n), size)
+
+
+def _eval_pair(test):
+  """``eval_data`` (or a Dataset's test split) checked: ``(x, y)`` of equal length."""
+  if not (isinstance(test, (tuple, list)) and len(test) == 2) or np.ndim(test[0]) < 1 or (
+      np.ndim(test[1]) < 1 or len(test[0]) != len(test[1])):
+    raise ValueError("train: eval_data must be an (x, y) pair of arrays of equal length, got "
+                     f"{type(test).__name__}.")
+  return np.asarray(test[0]), np.asarray(test[1])
+
+
+def train(model: nn.Module | nnx.Module | ModelFns,
+          dataset: data_lib.Dataset | Iterable[tuple[Any, Any]],
           config: TrainConfig = TrainConfig(), *,
           optimizer: optax.GradientTransformation | None = None,
           loss_fn: LossFn | None = None,
           initial_params: Any = None, stop_after: int | None = None,
-          run_info: dict[str, Any] | None = None) -> TrainResult:
+          run_info: dict[str, Any] | None = None,
+          eval_data: tuple[Any, Any] | None = None) -> TrainResult:
   """Trains ``model`` on ``dataset`` with one jit-compiled step (`jmem.step`'s).
 
   Args:
     model: a linen module (``__call__(x, train)``), an NNX module or `ModelFns`.
-    dataset: the data (see `jmem.data`): with the default loss, integer class labels;
-      with a ``loss_fn``, whatever targets it takes (float regression targets, say).
+    dataset: the data: an in-memory `jmem.data.Dataset` (batches drawn by ``(seed,
+      step)``, evaluated on its test split), or any iterable of ``(x, y)`` batches (numpy
+      or JAX arrays; a tf.data / grain / PyTorch loader turned into numpy), one per step:
+      the loop stops at ``config.steps`` or where the iterable ends (with a warning), and
+      every batch must have ``config.batch_size`` rows, except that on a mesh a shorter
+      one is padded and masked. On several processes every process must yield the same
+      global batches. Resuming skips the first batches the checkpoint's steps took, so it
+      is exact where the iterable yields the same batches again. With the default loss,
+      integer class labels; with a ``loss_fn``, whatever targets it takes.
     config: a `TrainConfig`.
     optimizer: overrides `default_optimizer` (``config.learning_rate`` is then unused).
     loss_fn: ``loss_fn(outputs, targets) -> losses``, one per example (or per pixel), as
@@ -752,6 +863,8 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
       ``{"model": "resnet8", "technique": "remat"}``: recorded with every checkpoint, beside
       the data, batch size, seed, optimiser settings and the state's size, and compared on
       resume.
+    eval_data: ``(x, y)`` arrays to evaluate on instead of ``dataset``'s test split (with an
+      iterable of batches, the only test set: without it the result has no test figures).
 
   Returns:
     A `TrainResult`.
@@ -761,7 +874,7 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
       no checkpoint, its latest step is unreadable, or it was written by a run with another
       record; without it, if the directory already holds checkpoints.
   """
-  config.validate(len(dataset.x_train))
+  source = _Batches(dataset, config)
   fns = model_fns(model)
   if jax.process_count() > 1 and fns.batch_sharding is None:
     raise ValueError(
@@ -773,14 +886,14 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
   optimizer = optimizer or default_optimizer(config.learning_rate, config.steps,
                                              weight_decay=config.weight_decay)
   key = jax.random.fold_in(jax.random.key(config.seed), 1)
-  x1 = jnp.asarray(dataset.x_train[:1])
+  x1 = jnp.asarray(source.first_x)
   checkpoints = record = None
   if config.checkpoint_dir is not None:   # directory and record checked before any work
     checkpoints = _Checkpoints(config.checkpoint_dir, config.checkpoint_every,
                                resume=config.resume)
     record = _run_record(jax.eval_shape(lambda k, x: init_state(fns, optimizer, k, x), key, x1),
-                         dataset, config, default_optimizer_used=default_used, run_info=run_info,
-                         loss_given=loss_fn is not None)
+                         source.record, config, default_optimizer_used=default_used,
+                         run_info=run_info, loss_given=loss_fn is not None)
     if config.resume:
       checkpoints.check_record(record)
   if fns.sharding is not None and isinstance(fns.module, nn.Module):
@@ -789,7 +902,7 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
     # larger cost in a fresh process (ConvNeXt on 8 devices: 12.8 s eager).
     init = jax.jit(lambda x: init_state(fns, optimizer, jax.random.fold_in(
         jax.random.key(config.seed), 1), x), out_shardings=fns.sharding)
-    state = init(np.asarray(dataset.x_train[:1]))
+    state = init(np.asarray(source.first_x))
   else:
     state = init_state(fns, optimizer, key, x1)
   if initial_params is not None:
@@ -799,31 +912,35 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
   if checkpoints is not None and config.resume:
     state = checkpoints.restore(state, fns.sharding)
     start = int(state.step)
+    source.skip(start)
   if fns.sharding is not None:     # where the step leaves it: no second compile
     state = _place(state, fns.sharding)
   # The step donates its state; copy it so arrays the caller owns (an NNX model's
   # parameters, say) are never invalidated.
   state = jax.tree.map(lambda a: a.copy(), state)
   step_fn = make_train_step(fns, optimizer, seed=config.seed, loss_fn=loss_fn)
-  x_all, y_all = dataset.x_train, dataset.y_train
-  # The global batch of a step is a function of (seed, step); on a mesh each process reads
-  # its own rows of it, padded (and masked) to a multiple of the data axis.
+  # On a mesh each process reads its own rows of a step's global batch, padded (and masked)
+  # to a multiple of the data axis.
   size = padded_size(fns, config.batch_size)
   if size != config.batch_size:
     _check_takes_mask(fns)
   history: list[dict[str, float]] = []
   end = config.steps if stop_after is None else min(stop_after, config.steps)
 
+  test = eval_data if eval_data is not None else source.test
+  if test is not None:
+    test = _eval_pair(test)
+
   def report(metrics) -> dict[str, float]:
-    """The training step's ``metrics`` (None: no step run) and the test set's figures:
-    accuracy with the default loss, the loss with a ``loss_fn``."""
+    """The training step's ``metrics`` (None: no step run) and the test set's figures (if
+    there is a test set): accuracy with the default loss, the loss with a ``loss_fn``."""
     out = {} if metrics is None else {"loss": float(metrics["loss"])}
     if loss_fn is not None:
-      return {**out, "test_loss": evaluate_loss(fns, state, dataset.x_test, dataset.y_test,
-                                                loss_fn)}
+      return out if test is None else {**out, "test_loss": evaluate_loss(fns, state, *test,
+                                                                          loss_fn)}
     if metrics is not None:
       out["train_accuracy"] = float(metrics["accuracy"])
-    return {**out, "test_accuracy": evaluate(fns, state, dataset.x_test, dataset.y_test)}
+    return out if test is None else {**out, "test_accuracy": evaluate(fns, state, *test)}
 
   from rich.progress import Progress  # pylint: disable=g-import-not-at-top
   show = config.progress and jax.process_index() == 0
@@ -840,11 +957,19 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
                       else checkpoints.directory)
   try:
     with stop, watch, Progress(disable=not show, transient=True) as bar:
-      task = bar.add_task(f"train {dataset.name}", total=config.steps, completed=start)
+      task = bar.add_task(f"train {source.name}", total=config.steps, completed=start)
       metrics = None
       for step in range(start, end):
-        idx = data_lib.batch_indices(len(x_all), config.batch_size, step, seed=config.seed)
-        x, y, mask = global_batch(fns, x_all, y_all, idx, size)
+        batch = source.get(step, fns, size)
+        if batch is None:                              # an iterable of batches ended
+          warnings.warn(f"The batches ended after {done} steps, before steps="
+                        f"{config.steps}: training stops at step {done}.", stacklevel=2)
+          if checkpoints is not None and saved_step != done and done > start:
+            with stop.deferred(), watch.paused():
+              if checkpoints.save(done, state, record, force=True):
+                saved_step = done
+          break
+        x, y, mask = batch
         state, metrics = (step_fn(state, x, y) if mask is None else step_fn(state, x, y, mask))
         if wait:
           jax.block_until_ready(metrics)
@@ -866,6 +991,6 @@ def train(model: nn.Module | nnx.Module | ModelFns, dataset: data_lib.Dataset,
   if stop_after is not None and end < config.steps:
     return TrainResult(state, None if loss_fn is not None else float("nan"), history, start,
                        float("nan") if loss_fn is not None else None)
-  final = {"step": config.steps, **report(metrics)}
+  final = {"step": done, **report(metrics)}
   history.append(final)
   return TrainResult(state, final.get("test_accuracy"), history, start, final.get("test_loss"))
