@@ -395,7 +395,8 @@ def test_nnx_graph_surgery():
       assert surgery.convert_nnx(model, level) is model
     fns = train.model_fns(model)
     params, state = fns.init(None, x)
-    g = jax.grad(lambda p: train.make_loss(fns)(p, state, x, y, jax.random.key(0))[0])(params)
+    g = jax.jit(jax.grad(lambda p: train.make_loss(fns)(p, state, x, y,
+                                                      jax.random.key(0))[0]))(params)
     return jax.tree.leaves(g), bench.step_memory(fns, opt, x_spec, y_spec)[0]
   exact, saved_exact = run(None)
   for level, tol in (("L0", 0.0), ("L2", 0.15)):

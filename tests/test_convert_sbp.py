@@ -68,7 +68,8 @@ def linen_grads(model, variables, x, reference=None):
     with nn.intercept_methods(oracle):
       (loss, upd), grads = jax.value_and_grad(f, (0, 1), has_aux=True)(variables["params"], x)
     return loss, grads, upd, drawn["idx"]
-  (loss, upd), grads = jax.value_and_grad(f, (0, 1), has_aux=True)(variables["params"], x)
+  (loss, upd), grads = jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(
+      variables["params"], x)
   return loss, grads, upd
 
 
@@ -280,7 +281,7 @@ def test_sbp_under_shard_map_over_the_batch():
   mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:2])
   model = jmem.convert(tp.FrameTokenViT(), jmem.SBP(keep_ratio=0.5, where=tp.ViTBlock))
-  variables = model.init(jax.random.key(1), CLIPS)
+  variables = jax.jit(model.init)(jax.random.key(1), CLIPS)
 
   def loss(params, x, y):
     out = model.apply({"params": params}, x, rngs={"sbp": KEY})
@@ -292,7 +293,7 @@ def test_sbp_under_shard_map_over_the_batch():
   sharded = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh,
                                   in_specs=(P(), P("data"), P("data")),
                                   out_specs=P()))(variables["params"], CLIPS, Y)
-  assert_close(sharded, jax.grad(loss)(variables["params"], CLIPS, Y))
+  assert_close(sharded, jax.jit(jax.grad(loss))(variables["params"], CLIPS, Y))
 
 
 class _Wrap(nn.Module):
