@@ -623,5 +623,21 @@ def main(argv: list[str] | None = None) -> int:
     return 128 + int(getattr(signal, e.signal))
 
 
+def run() -> int:
+  """The ``jmem`` command: `main`, where a Ctrl-C outside the training loop (making the
+  data, restoring a checkpoint, the final evaluation, a plan or a bench) ends with one line
+  and exit status 130 instead of a traceback (the loop's own stop is `main`'s). `main`
+  itself lets such a KeyboardInterrupt through, for callers that handle it."""
+  try:
+    return main()
+  except KeyboardInterrupt as e:
+    from jmem import train  # pylint: disable=g-import-not-at-top
+    if isinstance(e, train.Interrupted):     # main answers these; never reaches here
+      raise
+    sys.stderr.write("jmem: interrupted (Ctrl-C) outside the training loop, where no "
+                     "checkpoint is being written.\n")
+    return 130
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(run())

@@ -197,7 +197,8 @@ def budget_share(budget) -> float | None:
 def parse_bytes(budget: int | str) -> int:
   """A device memory size in bytes (int), one meaning everywhere:
 
-  * an int: bytes (``16 * 2**30``);
+  * an int: bytes (``16 * 2**30``), at least 1 KiB (``16`` is refused: 16 GiB is
+    ``"16GiB"``);
   * a string with a unit: ``"16GiB"``, ``"12.5 GB"``, ``"800MiB"``, ``"1000B"``;
   * a string of a bare number: GiB (``"1.5"``), as ``jmem plan --budget 1.5`` and ``jmem
     bench --budgets 16,80`` take it.
@@ -209,6 +210,10 @@ def parse_bytes(budget: int | str) -> int:
   if isinstance(budget, numbers.Integral):
     if budget < 1:
       raise ValueError(f"budget must be more than 0 bytes, got {budget!r}.")
+    if budget < 1024:      # no train step fits: a number of GiB meant as one, surely
+      raise ValueError(f"budget {budget!r} is {budget} bytes (an int is bytes), which no train "
+                       f"step fits in: for {budget} GiB give '{budget}GiB' or "
+                       f"{budget} * 2**30.")
     return int(budget)
   if isinstance(budget, numbers.Real):
     raise ValueError(f"budget {budget!r}: a bare float is ambiguous (bytes or GiB?): give "

@@ -140,7 +140,11 @@ def evaluate_loss(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray
                                         lambda i: np.ones(size, bool)[i])   # no padding
     for i in range(0, len(x), size):
       xb, yb, mb = global_batch(fns, x, y, np.arange(i, min(i + size, len(x))), size)
-      sums.append(total(state.params, state.model_state, xb, yb, full if mb is None else mb))
+      # Each batch's sums read before the next is queued: collectives over several
+      # devices (XLA:CPU's) aborted or hung with many steps in flight, as `evaluate`'s
+      # count per batch already waits.
+      sums.append(jax.device_get(total(state.params, state.model_state, xb, yb,
+                                       full if mb is None else mb)))
   else:
     mesh = getattr(fns.sharding, "mesh", None)
     multiple = int(mesh.devices.size) if mesh is not None else 1
@@ -151,8 +155,9 @@ def evaluate_loss(fns: ModelFns, state: TrainState, x: np.ndarray, y: np.ndarray
       n = len(xb)
       if n < size:
         xb, yb = pad(xb, n), pad(yb, n)
-      sums.append(total(state.params, state.model_state, jnp.asarray(xb), jnp.asarray(yb),
-                        jnp.arange(size) < n))
+      out = total(state.params, state.model_state, jnp.asarray(xb), jnp.asarray(yb),
+                  jnp.arange(size) < n)
+      sums.append(jax.device_get(out) if multiple > 1 else out)
   value, count = (sum(float(v[k]) for v in sums) for k in (0, 1))
   return value / max(count, 1.0)
 
@@ -367,8 +372,9 @@ class _Stop:
         if self.requested is None and self._previous:
           name = signal.Signals(signum).name
           os.write(2, (f"jmem: {name} received but the training loop has not answered in "
-                       f"{self.GRACE_SECONDS:.0f} s (blocked in native code, e.g. a "
-                       "collective waiting for a process that is gone): exiting now\n").encode())
+                       f"{self.GRACE_SECONDS:.0f} s (blocked in native code: compiling the "
+                       "step, or a collective waiting for a process that is gone): exiting "
+                       "now\n").encode())
           os._exit(128 + signum)
     finally:
       os.close(self._read)

@@ -223,3 +223,21 @@ def test_an_unreadable_checkpoint_ends_with_its_message_alone(tmp_path):
   err = [l for l in out.stderr.splitlines() if "cudart_stub" not in l and "absl::" not in l]
   assert err[-1].startswith("jmem train: error: Cannot resume from") and "verifies" in err[-1]
   assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr, err
+
+
+def test_ctrl_c_outside_the_loop_is_one_line_from_the_command(monkeypatch, capsys):
+  """The `jmem` command (`cli.run`): a Ctrl-C outside the training loop (the data being
+  made, here) ends with one line and exit status 130; `cli.main` lets it through."""
+  from jmem import bench, cli  # pylint: disable=g-import-not-at-top
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(bench, "make_dataset", interrupted)
+  argv = ["jmem", "train", "--model", "resnet8", "--steps", "1", "--no-progress"]
+  monkeypatch.setattr(sys, "argv", argv)
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(argv[1:])
+  assert cli.run() == 130
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["jmem: interrupted (Ctrl-C) outside the training loop, where no checkpoint "
+                 "is being written."], err

@@ -476,8 +476,12 @@ def test_budgets_and_bad_input():
   assert plan_lib.parse_bytes("16GiB") == 16 * 2**30
   assert plan_lib.parse_bytes("800 MiB") == 800 * 2**20
   assert plan_lib.parse_bytes("12GB") == 12 * 10**9
-  assert plan_lib.parse_bytes(1000) == 1000
-  assert plan_lib.parse_bytes(np.int64(1000)) == 1000
+  assert plan_lib.parse_bytes(10_000) == 10_000
+  assert plan_lib.parse_bytes(np.int64(10_000)) == 10_000
+  # An int under 1 KiB holds no train step: a number of GiB written as an int, surely.
+  with pytest.raises(ValueError, match=r"budget 16 is 16 bytes \(an int is bytes\).*give "
+                                       r"'16GiB' or 16 \* 2\*\*30"):
+    plan_lib.parse_bytes(16)
   # One meaning for a bare number: GiB in a string (the command line's), bytes in an int; a
   # float is refused as ambiguous, and a size of zero as zero, not as "not a size".
   assert plan_lib.parse_bytes("1.5") == int(1.5 * 2**30) == plan_lib.parse_bytes("1.5GiB")
