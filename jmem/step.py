@@ -401,6 +401,14 @@ def _per_label(mask, ndim: int):
   return mask.reshape(mask.shape + (1,) * (ndim - 1))
 
 
+def class_labels(outputs, y) -> bool:
+  """Whether ``y`` are class labels of ``outputs``: integer labels, and outputs of their shape
+  with a class axis last (logits), where accuracy means something."""
+  return (jnp.issubdtype(jnp.result_type(y), jnp.integer) and
+          jnp.ndim(outputs) == jnp.ndim(y) + 1 and
+          tuple(jnp.shape(outputs)[:-1]) == tuple(jnp.shape(y)))
+
+
 def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
                     seed: int = 0, donate: bool = True,
                     loss_fn: LossFn | None = None) -> Callable[..., Any]:
@@ -413,9 +421,11 @@ def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
   before any parameter changes. ``mask`` (boolean ``[N]``: the real examples of a padded
   batch, see `make_loss`) keeps the padding out of the loss and the metrics.
 
-  ``metrics``: ``loss``, the mean of ``loss_fn`` (`make_loss`), and with the default loss
-  (integer labels) ``accuracy``, the share of examples (or pixels) whose largest logit is
-  the label's; a ``loss_fn`` gives no accuracy.
+  ``metrics``: ``loss``, the mean of ``loss_fn`` (`make_loss`), and where the targets are
+  class labels (integer labels, outputs of their shape plus a class axis: always with the
+  default loss, and with a ``loss_fn`` on such targets) ``accuracy``, the share of examples
+  (or pixels) whose largest logit is the label's. Other targets (a regression's) give no
+  accuracy.
   """
   loss = make_loss(fns, loss_fn)
   base_key = jax.random.key(seed)
@@ -427,7 +437,7 @@ def make_train_step(fns: ModelFns, optimizer: optax.GradientTransformation, *,
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": value}
-    if loss_fn is None:
+    if loss_fn is None or class_labels(outputs, y):
       metrics["accuracy"] = _mean(jnp.argmax(outputs, -1) == y, mask)
     return (state._replace(step=state.step + 1, params=params, model_state=new_model_state,
                            opt_state=opt_state), metrics)

@@ -263,12 +263,13 @@ class TrainResult(NamedTuple):
 
   Attributes:
     state: final `TrainState`.
-    test_accuracy: accuracy on the test set at the end (None with a ``loss_fn``: accuracy
-      is the default loss's, of class labels; None without a test set: batches from an
-      iterable and no ``eval_data``).
-    history: one dict per evaluation: ``step``, ``loss`` (the training step's), and with
-      the default loss ``train_accuracy`` and ``test_accuracy``, with a ``loss_fn``
-      ``test_loss``.
+    test_accuracy: accuracy on the test set at the end, where the targets are class labels
+      (always with the default loss; with a ``loss_fn``, integer labels and logits); None
+      for other targets (a regression's) and without a test set (batches from an iterable
+      and no ``eval_data``).
+    history: one dict per evaluation: ``step``, ``loss`` (the training step's), with a
+      ``loss_fn`` ``test_loss``, and where the targets are class labels ``train_accuracy``
+      and ``test_accuracy``.
     resumed_from: step the run resumed from (0 for a fresh run).
     test_loss: with a ``loss_fn``, its mean on the test set at the end (`evaluate_loss`);
       else None.
@@ -859,7 +860,8 @@ def train(model: nn.Module | nnx.Module | ModelFns,
       optax's losses are (``lambda out, y: optax.l2_loss(out, y).sum(-1)``); the step
       minimises their mean (`jmem.step.make_loss`). Default: softmax cross-entropy with
       integer labels, with accuracy reported; with a ``loss_fn`` the loop reports the
-      training loss and the test loss (`evaluate_loss`), and no accuracy.
+      training loss and the test loss (`evaluate_loss`), and accuracy only on class labels
+      (integer labels, logits).
     initial_params: a sub-tree of the parameters to start from instead of the fresh
       initialisation (e.g. ``{"spatial": pretrained_cnn_params}``); a checkpoint being
       resumed wins over it.
@@ -941,12 +943,15 @@ def train(model: nn.Module | nnx.Module | ModelFns,
     """The training step's ``metrics`` (None: no step run) and the test set's figures (if
     there is a test set): accuracy with the default loss, the loss with a ``loss_fn``."""
     out = {} if metrics is None else {"loss": float(metrics["loss"])}
-    if loss_fn is not None:
-      return out if test is None else {**out, "test_loss": evaluate_loss(fns, state, *test,
-                                                                          loss_fn)}
-    if metrics is not None:
+    if metrics is not None and "accuracy" in metrics:       # class labels (make_train_step)
       out["train_accuracy"] = float(metrics["accuracy"])
-    return out if test is None else {**out, "test_accuracy": evaluate(fns, state, *test)}
+    if test is None:
+      return out
+    if loss_fn is not None:
+      out["test_loss"] = evaluate_loss(fns, state, *test, loss_fn)
+      if "train_accuracy" not in out:       # a regression's targets, say: no accuracy
+        return out
+    return {**out, "test_accuracy": evaluate(fns, state, *test)}
 
   from rich.progress import Progress  # pylint: disable=g-import-not-at-top
   show = config.progress and jax.process_index() == 0

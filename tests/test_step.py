@@ -303,3 +303,25 @@ def test_a_model_with_deterministic_is_trained_and_evaluated_in_its_mode():
   np.testing.assert_array_equal(out[0], out[1])
   state, metrics = step(state, x, y)
   assert bool(jnp.isfinite(metrics["loss"]))
+
+
+def test_a_loss_fn_on_class_labels_reports_accuracy():
+  """Accuracy where it means something: a ``loss_fn`` on integer labels with logits (a
+  smoothed cross-entropy, say) reports it in the step's metrics and the loop's results;
+  the regression above (float targets) reports none."""
+  smoothed = lambda out, y: optax.softmax_cross_entropy(
+      out, optax.smooth_labels(jax.nn.one_hot(y, out.shape[-1]), 0.1))
+  digits = jmem.data.digits(8)
+  init, step = jmem.train_step(tp.FunctionalCNN(), optax.adam(1e-2), loss_fn=smoothed)
+  x, y = jnp.asarray(digits.x_train[:16]), jnp.asarray(digits.y_train[:16])
+  state = init(jax.random.key(0), x)
+  _, metrics = step(state, x, y)
+  assert set(metrics) == {"loss", "accuracy"}
+  result = jmem.train.train(tp.FunctionalCNN(), digits,
+                            jmem.train.TrainConfig(steps=2, batch_size=16, progress=False),
+                            loss_fn=smoothed)
+  assert set(result.history[-1]) == {"step", "loss", "train_accuracy", "test_loss",
+                                     "test_accuracy"}
+  assert 0.0 <= result.test_accuracy <= 1.0 and result.test_loss > 0
+  assert not jmem.step.class_labels(jnp.zeros((4, 2)), jnp.zeros((4, 2)))    # regression
+  assert not jmem.step.class_labels(jnp.zeros((4, 10)), jnp.zeros((4,), jnp.float32))
