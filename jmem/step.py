@@ -485,8 +485,8 @@ def train_step(model: nn.Module | nnx.Module | ModelFns,
     donate: donate the state to the step (the memory the plan counts on).
 
   Returns:
-    A `TrainStep` ``(init, step)``; ``step``'s metrics are ``loss`` and, with the default
-    loss, ``accuracy``.
+    A `TrainStep` ``(init, step)``; ``step``'s metrics are ``loss`` and, where the targets
+    are class labels (`class_labels`), ``accuracy``.
 
   Examples:
     >>> model = jmem.convert(model, jmem.ActNN("L3"))

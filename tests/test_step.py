@@ -325,3 +325,24 @@ def test_a_loss_fn_on_class_labels_reports_accuracy():
   assert 0.0 <= result.test_accuracy <= 1.0 and result.test_loss > 0
   assert not jmem.step.class_labels(jnp.zeros((4, 2)), jnp.zeros((4, 2)))    # regression
   assert not jmem.step.class_labels(jnp.zeros((4, 10)), jnp.zeros((4,), jnp.float32))
+
+
+def test_train_step_keeps_the_saving_that_plain_jax_jit_loses_on_xla_cpu():
+  """Issue 48's defect 1: the step `jmem.train_step` compiles (jmem.jit, state donated)
+  keeps Remat's saving; the same step function under plain ``jax.jit`` on XLA:CPU gives
+  it back (its cse_barrier_expander drops the barriers remat relies on)."""
+  x = jax.ShapeDtypeStruct((32, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((32,), jnp.int32)
+  opt = optax.sgd(0.1)
+
+  def temps(model):
+    _, step = jmem.train_step(model, opt)
+    state = jmem.step.abstract_state(jmem.step.model_fns(model), opt, x)
+    plain = jax.jit(step.__wrapped__, donate_argnums=0)
+    return [f.lower(state, x, y).compile().memory_analysis().temp_size_in_bytes
+            for f in (step, plain)]
+  exact, _ = temps(jmem.models.create_model("resnet8", 10))
+  remat, remat_plain = temps(jmem.convert(jmem.models.create_model("resnet8", 10),
+                                          jmem.Remat()))
+  assert remat < 0.7 * exact, (remat, exact)
+  assert remat_plain > 1.3 * remat, (remat_plain, remat)
