@@ -821,6 +821,8 @@ class _Batches:
              "remainder)." if n < want else "."))
     if fns.batch_sharding is None:
       return jnp.asarray(x), jnp.asarray(y), None
+    if n < size:                          # a short last batch: padded, so masked
+      _check_takes_mask(fns)
     return global_batch(fns, np.asarray(x), np.asarray(y), np.arange(n), size)
 
 
