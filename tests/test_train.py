@@ -390,3 +390,23 @@ def test_an_iterable_of_batches_that_cannot_be_trained_on_is_refused(digits8):
     train.train(_linear_fns(), [(x[:16], y[:16]), (x[:8], y[:8])], cfg)
   with pytest.raises(ValueError, match="eval_data must be an .x, y. pair"):
     train.train(_linear_fns(), [(x[:16], y[:16])], cfg, eval_data=x)
+
+
+@pytest.mark.slow
+def test_an_iterables_short_last_batch_is_padded_and_masked_on_a_mesh(digits8):
+  """On a data axis of 8, batches of 16 and a last one of 10: the short batch is padded to
+  16 and masked (its padding rows out of the loss and the BatchNorm statistics), so the run
+  ends where a Dataset run would not and the parameters stay finite."""
+  import jmem  # pylint: disable=g-import-not-at-top
+  from jmem import parallel  # pylint: disable=g-import-not-at-top
+  x, y = digits8.x_train, digits8.y_train
+  batches = [(x[:16], y[:16]), (x[16:32], y[16:32]), (x[32:42], y[32:42])]
+  cfg = train.TrainConfig(steps=3, batch_size=16, progress=False)
+  # Flax's BatchNorm would take the padding into its statistics: refused, saying what to do.
+  with pytest.raises(ValueError, match=r"BatchNorm at 'stem/bn' keeps BatchNorm statistics "
+                                       r"and ignores masks.*jmem.SyncBN"):
+    train.train(parallel.data_parallel(resnet("resnet8", 10)), batches, cfg)
+  fns = parallel.data_parallel(jmem.convert(resnet("resnet8", 10), jmem.SyncBN()))
+  result = train.train(fns, batches, cfg, eval_data=(digits8.x_test[:64], digits8.y_test[:64]))
+  assert int(result.state.step) == 3 and 0.0 <= result.test_accuracy <= 1.0
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(result.state.params))
