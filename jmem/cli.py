@@ -630,10 +630,7 @@ def run() -> int:
   itself lets such a KeyboardInterrupt through, for callers that handle it."""
   try:
     return main()
-  except KeyboardInterrupt as e:
-    from jmem import train  # pylint: disable=g-import-not-at-top
-    if isinstance(e, train.Interrupted):     # main answers these; never reaches here
-      raise
+  except KeyboardInterrupt:               # main answers the loop's own (train.Interrupted)
     sys.stderr.write("jmem: interrupted (Ctrl-C) outside the training loop, where no "
                      "checkpoint is being written.\n")
     return 130

@@ -776,14 +776,7 @@ class _Batches:
 
   @staticmethod
   def _pair(batch, step: int):
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-      raise ValueError(f"train: batch {step} is a {type(batch).__name__}; each batch of the "
-                       "iterable must be an (x, y) pair of arrays.")
-    x, y = batch
-    if np.ndim(x) < 1 or np.ndim(y) < 1 or len(x) != len(y):
-      raise ValueError(f"train: batch {step} has x of shape {np.shape(x)} and y of shape "
-                       f"{np.shape(y)}; they must have the same leading (batch) size.")
-    return x, y
+    return _xy_pair(batch, f"batch {step}", "each batch of the iterable")
 
   def _next(self):
     if self._pending is not None:
@@ -826,13 +819,17 @@ class _Batches:
     return global_batch(fns, np.asarray(x), np.asarray(y), np.arange(n), size)
 
 
-def _eval_pair(test):
-  """``eval_data`` (or a Dataset's test split) checked: ``(x, y)`` of equal length."""
-  if not (isinstance(test, (tuple, list)) and len(test) == 2) or np.ndim(test[0]) < 1 or (
-      np.ndim(test[1]) < 1 or len(test[0]) != len(test[1])):
-    raise ValueError("train: eval_data must be an (x, y) pair of arrays of equal length, got "
-                     f"{type(test).__name__}.")
-  return np.asarray(test[0]), np.asarray(test[1])
+def _xy_pair(value, name: str, what: str):
+  """``value`` as ``(x, y)``: a pair of arrays with the same leading (batch) size, else a
+  ValueError naming it (``name``, and ``what`` must be such a pair)."""
+  if not (isinstance(value, (tuple, list)) and len(value) == 2):
+    raise ValueError(f"train: {name} is a {type(value).__name__}; {what} must be an (x, y) "
+                     "pair of arrays.")
+  x, y = value
+  if np.ndim(x) < 1 or np.ndim(y) < 1 or len(x) != len(y):
+    raise ValueError(f"train: {name} has x of shape {np.shape(x)} and y of shape "
+                     f"{np.shape(y)}; they must have the same leading (batch) size.")
+  return x, y
 
 
 def train(model: nn.Module | nnx.Module | ModelFns,
@@ -939,7 +936,7 @@ def train(model: nn.Module | nnx.Module | ModelFns,
 
   test = eval_data if eval_data is not None else source.test
   if test is not None:
-    test = _eval_pair(test)
+    test = tuple(np.asarray(a) for a in _xy_pair(test, "eval_data", "eval_data"))
 
   def report(metrics) -> dict[str, float]:
     """The training step's ``metrics`` (None: no step run) and the test set's figures (if

@@ -182,3 +182,17 @@ def sharded_running_stats(models, batches, mask):
     variables = step(put(x), put(mask), variables)
   return [(np.asarray(v["batch_stats"]["mean"]), np.asarray(v["batch_stats"]["var"]))
           for v in variables]
+
+
+def linear_fns():
+  """`jmem.step.ModelFns` of a linear classifier on flattened inputs, 10 classes (compiles
+  in a moment): for tests of the loop rather than of a model."""
+  from jmem import step  # pylint: disable=g-import-not-at-top
+
+  def init(key, x):
+    return {"w": jax.random.normal(key, (x[0].size, 10)) * 0.01}, {}
+
+  def apply(params, model_state, x, *, train, rng=None):
+    del train, rng
+    return x.reshape(x.shape[0], -1) @ params["w"], model_state
+  return step.ModelFns(init, apply, None)

@@ -13,21 +13,11 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import linear_fns
 from jmem import data, train
 
 TRAIN = ["train", "--model", "resnet8", "--image-size", "8", "--batch-size", "16",
          "--steps", "400", "--checkpoint-every", "2", "--no-progress"]
-
-
-def _fns():
-  """A tiny linear classifier (compiles in a moment)."""
-  def init(key, x):
-    return {"w": jax.random.normal(key, (x[0].size, 10)) * 0.01}, {}
-
-  def apply(params, model_state, x, *, train, rng=None):
-    del train, rng
-    return x.reshape(x.shape[0], -1) @ params["w"], model_state
-  return train.ModelFns(init, apply, None)
 
 
 def _tmp_folders(directory):
@@ -40,7 +30,7 @@ def test_a_signal_during_a_save_stops_after_it(tmp_path, monkeypatch):
   names step 4; resuming from it ends bit-identical to a run never stopped."""
   digits = data.digits(8)
   cfg = dict(steps=6, batch_size=16, progress=False, checkpoint_every=2)
-  full = train.train(_fns(), digits, train.TrainConfig(**cfg))
+  full = train.train(linear_fns(), digits, train.TrainConfig(**cfg))
   real_save = train._Checkpoints.save
 
   def save_and_get_interrupted(self, step, *args, **kwargs):
@@ -51,14 +41,14 @@ def test_a_signal_during_a_save_stops_after_it(tmp_path, monkeypatch):
   ckpt = str(tmp_path / "ckpt")
   before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
   with pytest.raises(train.Interrupted) as stopped:
-    train.train(_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt))
+    train.train(linear_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt))
   assert (stopped.value.signal, stopped.value.step, stopped.value.checkpoint) == ("SIGTERM", 4, 4)
   assert f"resume with --resume --checkpoint-dir {ckpt}" in str(stopped.value)
   assert sorted(os.listdir(ckpt)) == ["2", "4"]
   # The handlers are restored (pytest-xdist's workers ignore SIGINT: whatever they were).
   assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
   monkeypatch.setattr(train._Checkpoints, "save", real_save)
-  resumed = train.train(_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt,
+  resumed = train.train(linear_fns(), digits, train.TrainConfig(**cfg, checkpoint_dir=ckpt,
                                                           resume=True))
   assert resumed.resumed_from == 4
   for a, b in zip(jax.tree.leaves(full.state.params), jax.tree.leaves(resumed.state.params)):
@@ -176,7 +166,7 @@ def test_a_stalled_run_ends_with_a_clear_error():
 
 def test_stall_timeout_is_checked():
   with pytest.raises(ValueError, match="stall_timeout must be a number of seconds >= 0"):
-    train.train(_fns(), data.digits(8), train.TrainConfig(steps=1, batch_size=8,
+    train.train(linear_fns(), data.digits(8), train.TrainConfig(steps=1, batch_size=8,
                                                            stall_timeout=-1, progress=False))
 
 

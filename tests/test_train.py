@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import linear_fns
 from jmem import bench, data, models, train
 from jmem.models import SmallCNN, resnet
 
@@ -325,17 +326,6 @@ def test_steps_wait_for_each_other_where_xla_cpu_collectives_need_it(digits8, mo
   assert len(waited) == 3
 
 
-def _linear_fns():
-  """A linear classifier on flattened 8x8 digits (compiles in a moment)."""
-  def init(key, x):
-    return {"w": jax.random.normal(key, (x[0].size, 10)) * 0.01}, {}
-
-  def apply(params, model_state, x, *, train, rng=None):
-    del train, rng
-    return x.reshape(x.shape[0], -1) @ params["w"], model_state
-  return train.ModelFns(init, apply, None)
-
-
 def test_an_iterable_of_batches_trains_as_the_dataset_it_came_from(digits8, tmp_path):
   """`train` takes any iterable of (x, y) batches: fed the batches a Dataset run draws, it
   ends bit-identical to that run, resumes exactly (skipping the batches its checkpoint took),
@@ -347,26 +337,26 @@ def test_an_iterable_of_batches_trains_as_the_dataset_it_came_from(digits8, tmp_
       idx = data.batch_indices(len(digits8.x_train), 16, step, seed=0)
       yield digits8.x_train[idx], digits8.y_train[idx]
   test = (digits8.x_test, digits8.y_test)
-  ref = train.train(_linear_fns(), digits8, train.TrainConfig(**cfg))
-  got = train.train(_linear_fns(), batches(), train.TrainConfig(**cfg), eval_data=test)
+  ref = train.train(linear_fns(), digits8, train.TrainConfig(**cfg))
+  got = train.train(linear_fns(), batches(), train.TrainConfig(**cfg), eval_data=test)
   _same_tree(got.state, ref.state)
   assert got.test_accuracy == ref.test_accuracy and got.history == ref.history
   # No test set: the training figures only.
-  alone = train.train(_linear_fns(), batches(), train.TrainConfig(**cfg))
+  alone = train.train(linear_fns(), batches(), train.TrainConfig(**cfg))
   assert alone.test_accuracy is None and set(alone.history[-1]) == {"step", "loss",
                                                                    "train_accuracy"}
   # Stopped after step 4 (as if killed), resumed with the iterable started again.
   ckpt = dict(checkpoint_dir=str(tmp_path / "c"), checkpoint_every=2)
-  train.train(_linear_fns(), batches(), train.TrainConfig(**cfg, **ckpt), stop_after=4)
-  resumed = train.train(_linear_fns(), batches(), train.TrainConfig(**cfg, **ckpt, resume=True))
+  train.train(linear_fns(), batches(), train.TrainConfig(**cfg, **ckpt), stop_after=4)
+  resumed = train.train(linear_fns(), batches(), train.TrainConfig(**cfg, **ckpt, resume=True))
   assert resumed.resumed_from == 4
   _same_tree(resumed.state, ref.state)
   with pytest.raises(ValueError, match=r"Cannot resume at step 6: the iterable of batches "
                                        r"ended after 3 batches"):
-    train.train(_linear_fns(), batches(3), train.TrainConfig(**cfg, **ckpt, resume=True))
+    train.train(linear_fns(), batches(3), train.TrainConfig(**cfg, **ckpt, resume=True))
   # Batches that end early: a warning, and the run stops there.
   with pytest.warns(UserWarning, match="The batches ended after 3 steps, before steps=6"):
-    short = train.train(_linear_fns(), batches(3), train.TrainConfig(**cfg))
+    short = train.train(linear_fns(), batches(3), train.TrainConfig(**cfg))
   assert short.history[-1]["step"] == 3 and int(short.state.step) == 3
 
 
@@ -374,22 +364,22 @@ def test_an_iterable_of_batches_that_cannot_be_trained_on_is_refused(digits8):
   x, y = digits8.x_train[:32], digits8.y_train[:32]
   cfg = train.TrainConfig(steps=2, batch_size=16, progress=False)
   with pytest.raises(TypeError, match=r"got one \(x, y\) pair of arrays.*Pass \[\(x, y\)\]"):
-    train.train(_linear_fns(), (x, y), cfg)
+    train.train(linear_fns(), (x, y), cfg)
   with pytest.raises(TypeError, match="iterable of .x, y. batches, got int"):
-    train.train(_linear_fns(), 3, cfg)
+    train.train(linear_fns(), 3, cfg)
   with pytest.raises(ValueError, match="yielded none"):
-    train.train(_linear_fns(), iter([]), cfg)
+    train.train(linear_fns(), iter([]), cfg)
   with pytest.raises(ValueError, match=r"the first batch has 32 examples, TrainConfig.batch_size "
                                        r"is 16. Set TrainConfig\(batch_size=32\)"):
-    train.train(_linear_fns(), [(x, y)], cfg)
+    train.train(linear_fns(), [(x, y)], cfg)
   with pytest.raises(ValueError, match="batch 0 is a ndarray; each batch of the iterable must "
                                        "be an .x, y. pair"):
-    train.train(_linear_fns(), [x[:16]], cfg)
+    train.train(linear_fns(), [x[:16]], cfg)
   with pytest.raises(ValueError, match=r"batch 1 has x of shape \(8, 8, 8, 1\); every batch "
                                        r"must have 16 examples.*only on a mesh"):
-    train.train(_linear_fns(), [(x[:16], y[:16]), (x[:8], y[:8])], cfg)
+    train.train(linear_fns(), [(x[:16], y[:16]), (x[:8], y[:8])], cfg)
   with pytest.raises(ValueError, match="eval_data must be an .x, y. pair"):
-    train.train(_linear_fns(), [(x[:16], y[:16])], cfg, eval_data=x)
+    train.train(linear_fns(), [(x[:16], y[:16])], cfg, eval_data=x)
 
 
 @pytest.mark.slow
