@@ -249,6 +249,8 @@ def dequantize(qx: Quantized, shape: tuple[int, ...], dtype, *, bits: int = 2,
 # UNPACK_DEQUANTIZE: ``(codes, minimum, scale, *, bits, dtype, interpret) ->
 # dtype[rows, group_size]``. ``interpret`` is the Pallas interpreter switch (None:
 # automatic, with a warning off the GPU); the XLA reference ignores it.
+# The XLA functions also take leading dims before ``rows`` (``seed`` then one per leading
+# index), which `compress`'s row layout uses in place of a vmap.
 
 def _quantize_pack_xla(groups, seed, *, bits, interpret=None):
   del interpret
@@ -256,16 +258,19 @@ def _quantize_pack_xla(groups, seed, *, bits, interpret=None):
   grouped = groups.astype(jnp.float32)
   mn = jnp.min(grouped, axis=-1)
   scale = group_scale(levels, mn, jnp.max(grouped, axis=-1))
-  v = (grouped - mn[:, None]) * scale[:, None]
-  index = jnp.arange(grouped.size, dtype=jnp.uint32).reshape(grouped.shape)
-  q = jnp.clip(jnp.floor(v + hash_uniform(index, seed)), 0.0, levels).astype(jnp.uint8)
+  v = (grouped - mn[..., None]) * scale[..., None]
+  # Value j of each [rows, group_size] slab rounds with hash_uniform(j, its seed).
+  index = jnp.arange(grouped.shape[-2] * grouped.shape[-1], dtype=jnp.uint32)
+  seed = jnp.reshape(seed, jnp.shape(seed) + (1, 1))
+  q = hash_uniform(index.reshape(grouped.shape[-2:]), seed)
+  q = jnp.clip(jnp.floor(v + q), 0.0, levels).astype(jnp.uint8)
   return _pack_planes(q, bits), mn, scale.astype(jnp.bfloat16)
 
 
 def _unpack_dequantize_xla(codes, minimum, scale, *, bits, dtype, interpret=None):
   del interpret
   q = _unpack_planes(codes, bits).astype(jnp.float32)
-  return (q / scale.astype(jnp.float32)[:, None] + minimum[:, None]).astype(dtype)
+  return (q / scale.astype(jnp.float32)[..., None] + minimum[..., None]).astype(dtype)
 
 
 def _quantize_pack_pallas(groups, seed, *, bits, interpret=None):
@@ -674,6 +679,15 @@ def _quantize_residual(x, key, *, bits, group_size, implementation, interpret) -
   # Row r's values have row-major indices r * per + j: its seed carries the offset.
   row = jnp.arange(int(np.prod(lead)), dtype=jnp.uint32).reshape(lead)
   seeds = dither_seed(key) + row * jnp.uint32(per % 2**32) * jnp.uint32(0x9E3779B1)
+  if implementation == _backends.XLA:
+    # The XLA reference takes a seed per row itself: no vmap (two levels of it traced each
+    # residual's quantizer in about 40 ms, half of an ActNN step's trace).
+    g = per // group_size
+    with jax.named_scope(CODES_SCOPE):
+      codes, mn, scale = _quantize_pack_xla(x.reshape(lead + (g, group_size)), seeds,
+                                            bits=bits)
+    return Quantized(codes.reshape(lead + (1, -1)), mn.reshape(lead + (1, g)),
+                     scale.reshape(lead + (1, g)))
   return _rows_map(lambda r, sd: _quantize_seeded(r[None], sd, **kw), len(lead))(
       x.reshape(lead + (per,)), seeds)
 
@@ -685,6 +699,12 @@ def _dequantize_residual(qx: Quantized, shape, dtype, *, group_size, **kw) -> ja
     per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
     return dequantize(qx, (n, per), dtype, group_size=group_size, **kw).reshape(shape)
   per = shape[-2] * shape[-1]
+  if kw.get("implementation") == _backends.XLA:
+    lead = tuple(shape[:-2])
+    g = qx.minimum.shape[-1]
+    x = _unpack_dequantize_xla(qx.codes.reshape(lead + (g, -1)), qx.minimum.reshape(lead + (g,)),
+                               qx.scale.reshape(lead + (g,)), bits=kw["bits"], dtype=dtype)
+    return x.reshape(shape)
   return _rows_map(lambda q: dequantize(q, (1, per), dtype, group_size=group_size, **kw)[0],
                    len(shape) - 2)(qx).reshape(shape)
 
