@@ -31,6 +31,7 @@ def _same_tree(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.runs
 @pytest.mark.slow
 def test_linen_resnet_learns_digits(digits8):
   cfg = train.TrainConfig(steps=120, batch_size=64, progress=False, eval_every=60)
