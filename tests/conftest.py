@@ -1,5 +1,6 @@
-"""Test set-up: 8 simulated CPU devices, LLVM code generation at -O0 with XLA:CPU's earlier
-fusion emitters, one compilation cache for the run. Runs before jax is imported."""
+"""Test set-up: 8 simulated CPU devices, LLVM code generation at -O0 (but for tests marked
+`runs`) with XLA:CPU's earlier fusion emitters, one compilation cache for the run, slow tests
+handed out first and one at a time. Runs before jax is imported."""
 
 import os
 import shutil
