@@ -291,6 +291,11 @@ def test_row_layout_is_the_per_sample_quantization_where_the_shards_lie():
   flat = q.quantize(x.reshape(2, -1), jax.random.key(3), **kw)
   for a, b in zip(rows, flat):
     np.testing.assert_array_equal(np.ravel(a), np.ravel(b))
+  # The kernels' rows (a vmap of per-row calls; the XLA path takes a seed per row itself).
+  kernel_rows = q._quantize_residual(  # pylint: disable=protected-access
+      x, jax.random.key(3), **dict(kw, implementation="pallas", interpret=True))
+  for a, b in zip(kernel_rows, rows):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   f = lambda x: jnp.sum(jnp.maximum(x, 0.0) ** 2)
   np.testing.assert_allclose(jax.grad(q.compress(f, bits=8))(x, key=jax.random.PRNGKey(0)),
                              jax.grad(f)(x), atol=0.05)
