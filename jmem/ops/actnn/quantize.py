@@ -699,9 +699,8 @@ def _dequantize_residual(qx: Quantized, shape, dtype, *, group_size, **kw) -> ja
     per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
     return dequantize(qx, (n, per), dtype, group_size=group_size, **kw).reshape(shape)
   per = shape[-2] * shape[-1]
-  if kw.get("implementation") == _backends.XLA:
-    lead = tuple(shape[:-2])
-    g = qx.minimum.shape[-1]
+  if kw["implementation"] == _backends.XLA:
+    lead, g = tuple(shape[:-2]), qx.minimum.shape[-1]
     x = _unpack_dequantize_xla(qx.codes.reshape(lead + (g, -1)), qx.minimum.reshape(lead + (g,)),
                                qx.scale.reshape(lead + (g,)), bits=kw["bits"], dtype=dtype)
     return x.reshape(shape)
