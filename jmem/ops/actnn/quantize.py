@@ -698,12 +698,12 @@ def _dequantize_residual(qx: Quantized, shape, dtype, *, group_size, **kw) -> ja
     n = shape[0] if len(shape) else 1
     per = int(np.prod(shape[1:])) if len(shape) > 1 else 1
     return dequantize(qx, (n, per), dtype, group_size=group_size, **kw).reshape(shape)
-  per = shape[-2] * shape[-1]
   if kw["implementation"] == _backends.XLA:
     lead, g = tuple(shape[:-2]), qx.minimum.shape[-1]
     x = _unpack_dequantize_xla(qx.codes.reshape(lead + (g, -1)), qx.minimum.reshape(lead + (g,)),
                                qx.scale.reshape(lead + (g,)), bits=kw["bits"], dtype=dtype)
     return x.reshape(shape)
+  per = shape[-2] * shape[-1]
   return _rows_map(lambda q: dequantize(q, (1, per), dtype, group_size=group_size, **kw)[0],
                    len(shape) - 2)(qx).reshape(shape)
 
