@@ -287,13 +287,14 @@ def test_row_layout_is_the_per_sample_quantization_where_the_shards_lie():
   all-gather or collective-permute to Spatial's own (per sample: one gather per residual)."""
   x = jax.random.normal(jax.random.key(0), (2, 4, 8, 32))
   kw = dict(bits=2, group_size=256, implementation="xla", interpret=None)
-  rows = q._quantize_residual(x, jax.random.key(3), **kw)  # pylint: disable=protected-access
+  seed = q.dither_seed(jax.random.key(3))
+  rows = q._quantize_residual(x, seed, **kw)  # pylint: disable=protected-access
   flat = q.quantize(x.reshape(2, -1), jax.random.key(3), **kw)
   for a, b in zip(rows, flat):
     np.testing.assert_array_equal(np.ravel(a), np.ravel(b))
   # The kernels' rows (a vmap of per-row calls; the XLA path takes a seed per row itself).
   kernel_rows = q._quantize_residual(  # pylint: disable=protected-access
-      x, jax.random.key(3), **dict(kw, implementation="pallas", interpret=True))
+      x, seed, **dict(kw, implementation="pallas", interpret=True))
   for a, b in zip(kernel_rows, rows):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   f = lambda x: jnp.sum(jnp.maximum(x, 0.0) ** 2)

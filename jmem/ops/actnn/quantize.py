@@ -58,7 +58,7 @@ from jmem import _backends
 from jmem import _window
 from jmem._axes import barrier
 from jmem._context import data_key
-from jmem._elementwise import group_scale, group_span, hash_uniform, scale_floor, truncate_to_bfloat16  # pylint: disable=unused-import
+from jmem._elementwise import group_scale, group_span, hash_uniform, key_seed, scale_floor, seed_fold_in, truncate_to_bfloat16  # pylint: disable=unused-import
 from jmem._technique import EXACT_RESIDUAL
 from jmem._technique import IMPLEMENTATIONS  # pylint: disable=unused-import
 
@@ -185,7 +185,8 @@ def group_statistics(x: jax.Array, *, bits: int, group_size: int):
 
 
 def dither_seed(key: jax.Array) -> jax.Array:
-  return jax.random.bits(key, (), jnp.uint32)
+  """The uint32 seed of the dither (`hash_uniform`) that ``key`` gives."""
+  return key_seed(key)
 
 
 def quantize(x: jax.Array, key: jax.Array, *, bits: int = 2, group_size: int = 256,
@@ -587,6 +588,7 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
       layout["kw"] = kw = dict(kernel_kw, implementation=impl,
                                interpret=_interpret_once(impl, interpret))
       plan, saved = [], []
+      seed = dither_seed(key)     # one per call; residual i's is seed_fold_in(seed, i)
       for i, leaf in enumerate(leaves):
         kind = _residual_kind(leaf, kept, min_size, constants.get(i), inputs)
         if kind == "const":
@@ -597,7 +599,7 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
           saved.append(leaf)
         elif kind == "quant":
           plan.append(("quant", leaf.shape, leaf.dtype))
-          saved.append(_quantize_residual(leaf, jax.random.fold_in(key, i), **kw))
+          saved.append(_quantize_residual(leaf, seed_fold_in(seed, i), **kw))
         elif kind == "bool":
           plan.append(("bool", leaf.shape, None))
           saved.append(_pack_mask(leaf))
@@ -668,17 +670,17 @@ def _rows_map(fn, lead: int):
   return fn
 
 
-def _quantize_residual(x, key, *, bits, group_size, implementation, interpret) -> Quantized:
+def _quantize_residual(x, seed, *, bits, group_size, implementation, interpret) -> Quantized:
   """`quantize` of one residual, per row (`_row_layout`) or per sample."""
   kw = dict(bits=bits, group_size=group_size, implementation=implementation,
             interpret=interpret)
   if not _row_layout(x.shape, group_size):
     n = x.shape[0] if x.ndim else 1
-    return quantize(x.reshape(n, -1), key, **kw)
+    return _quantize_seeded(x.reshape(n, -1), seed, **kw)
   lead, per = x.shape[:-2], x.shape[-2] * x.shape[-1]
   # Row r's values have row-major indices r * per + j: its seed carries the offset.
   row = jnp.arange(int(np.prod(lead)), dtype=jnp.uint32).reshape(lead)
-  seeds = dither_seed(key) + row * jnp.uint32(per % 2**32) * jnp.uint32(0x9E3779B1)
+  seeds = seed + row * jnp.uint32(per % 2**32) * jnp.uint32(0x9E3779B1)
   if implementation == _backends.XLA:
     # The XLA reference takes a seed per row itself: no vmap (two levels of it traced each
     # residual's quantizer in about 40 ms, half of an ActNN step's trace).
