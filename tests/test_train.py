@@ -222,9 +222,9 @@ def test_step_and_evaluate_compile_once(technique):
 
   spatial-8 compiled its step twice (the initial state on one device, the step's output
   replicated on the mesh); evaluate re-jitted on every call, once more for a partial batch.
-  On a mesh, evaluate counts the correct predictions on the devices (``count``).
+  Evaluate counts the correct predictions in its compiled call (``count``), on a mesh too.
   """
-  evaluation = "jit(count)" if technique == "spatial-8" else "jit(predict)"
+  evaluation = "jit(count)"
   ds = data.digits(16)
   ds = dataclasses.replace(ds, x_test=ds.x_test[:40], y_test=ds.y_test[:40])
   model = models.create_model("convnext-digits", 10, depths=(1,), dims=(8,))
