@@ -3,6 +3,7 @@
 import collections
 import contextlib
 import dataclasses
+import json
 import shutil
 
 import flax.linen as nn
@@ -84,7 +85,9 @@ def test_resume_is_bit_identical(kind, digits8, tmp_path):
 
 def _flip_bytes(step_dir):
   """Inverts 8 bytes in the middle of the largest data file of a checkpoint step, as a bad
-  disk or copy would: orbax still reads it."""
+  disk or copy would. The file's chunks are zstd frames, so whether orbax still reads it
+  depends on where the bytes land: into different values (which the checksums catch) or
+  into a frame that no longer decodes."""
   files = [p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"]
   big = max(files, key=lambda p: p.stat().st_size)
   with open(big, "r+b") as f:
@@ -94,11 +97,22 @@ def _flip_bytes(step_dir):
     f.write(bytes(b ^ 0xFF for b in chunk))
 
 
+def _change_one_digest(step_dir, index=0):
+  """Makes one array of a checkpoint step differ from its recorded SHA-256, readably: the
+  record is edited instead of the array (which, zstd-compressed, a flip may make unreadable
+  instead), so the checksum comparison itself is what must refuse it."""
+  record = step_dir / "integrity" / "metadata"
+  doc = json.loads(record.read_text())
+  digest = doc["sha256"][index]
+  doc["sha256"][index] = ("0" if digest[0] != "0" else "1") + digest[1:]
+  record.write_text(json.dumps(doc))
+
+
 @pytest.mark.slow
 def test_resume_falls_back_past_a_corrupted_checkpoint(digits8, tmp_path):
-  """Issue 50: a byte flip in the newest checkpoint resumed silently into NaN. Now its
-  checksums fail, the run resumes from the step before (saying so, the bad step moved
-  aside) and ends bit-identical to an uninterrupted run; with every step corrupted it
+  """Issue 50: a byte flip in the newest checkpoint resumed silently into NaN. Now it fails
+  its checksums or its read, the run resumes from the step before (saying so, the bad step
+  moved aside) and ends bit-identical to an uninterrupted run; with every step corrupted it
   refuses to resume."""
   def make():
     return resnet("resnet8", 10, num_filters=8)
@@ -111,17 +125,20 @@ def test_resume_falls_back_past_a_corrupted_checkpoint(digits8, tmp_path):
   shutil.copytree(ckpt, both)
   _flip_bytes(ckpt / "7")
   with pytest.warns(train.CheckpointFallbackWarning,
-                    match=r"from checkpoint step 6 .* not from the newer step 7 \(1 of 108 "
-                          r"arrays differ from the checksums.*moved aside as 7.unverified"):
+                    match=r"from checkpoint step 6 .* not from the newer step 7 \((1 of 108 "
+                          r"arrays differ from the checksums|unreadable, perhaps truncated or "
+                          r"corrupted).*moved aside as 7.unverified"):
     resumed = train.train(make(), digits8,
                           train.TrainConfig(**cfg, checkpoint_dir=str(ckpt), resume=True))
   assert resumed.resumed_from == 6
   _same_tree(full.state, resumed.state)
   assert sorted(p.name for p in ckpt.iterdir()) == ["6", "7", "7.unverified"]
-  for step in ("6", "7"):
-    _flip_bytes(both / step)
+  # The checksums' own refusal, deterministically: array 5 of step 7 and 0 of step 6 differ.
+  _change_one_digest(both / "7", 5)
+  _change_one_digest(both / "6")
   with pytest.raises(ValueError, match=r"no checkpoint in it verifies \(step 7: 1 of 108 "
-                                       r"arrays differ.*; step 6: 1 of 108 arrays differ"):
+                                       r"arrays differ from the checksums written with them "
+                                       r"\(array 5 first\).*; step 6: 1 of 108 arrays differ"):
     train.train(make(), digits8, train.TrainConfig(**cfg, checkpoint_dir=str(both), resume=True))
 
 
