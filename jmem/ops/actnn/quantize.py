@@ -28,7 +28,13 @@ bit-packed, scalars broadcast to full size (the zeros an activation's derivative
 from) are stored as the one number, other integers kept. Max pooling inside ``f``
 (``reduce_window_max``, e.g. ``nn.max_pool`` in a stem) saves the uint8 index of each
 window's maximum instead of its input, so its gradient stays exact and its backward needs
-no ``select_and_scatter`` (`jmem._window.indexed_max_pool`).
+no ``select_and_scatter`` (`jmem._window.indexed_max_pool`). Residuals that are linear in
+other values (BatchNorm's ``x - mean`` and ``2 x``, a ReLU's output, a bfloat16 copy of a
+weight) are not stored: each convolution output (or other source) is quantized once and
+they are rebuilt from it in the backward pass (`jmem.ops.actnn._derive`). Each residual is
+compressed where the forward pass makes it (the next reader waits for its copy), and a
+site's backward releases its input cotangents only with its parameter gradients, so that
+neither pass keeps more float copies alive than its current layer needs.
 
 Implementations (`jmem._backends`, ops `QUANTIZE_PACK` and `UNPACK_DEQUANTIZE`):
 ``implementation="xla"`` (pure JAX, the reference and the default off GPUs), ``"pallas"``
@@ -61,6 +67,7 @@ from jmem._context import data_key
 from jmem._elementwise import group_scale, group_span, hash_uniform, key_seed, scale_floor, seed_fold_in, truncate_to_bfloat16  # pylint: disable=unused-import
 from jmem._technique import EXACT_RESIDUAL
 from jmem._technique import IMPLEMENTATIONS  # pylint: disable=unused-import
+from jmem.ops.actnn import _derive
 
 __all__ = ["SUPPORTED_BITS", "Quantized", "quantize", "dequantize", "packed_nbytes",
            "pack_bits", "unpack_bits", "compress", "group_statistics", "hash_uniform",
@@ -382,20 +389,15 @@ def _eval_pools_indexed(jaxpr, consts, args):
   read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]
   for eqn in jaxpr.eqns:
     ins = [read(v) for v in eqn.invars]
-    scope = str(eqn.source_info.name_stack)
     inner, inner_consts = _inner(eqn)
-    # Each op keeps its layer's name (what `jmem.measure.peak_buffers` reports) and the
-    # context it was traced in (``compute_on``, metadata), as ``jax.core.eval_jaxpr`` does.
-    with jax.named_scope(scope) if scope else contextlib.nullcontext(), eqn.ctx.manager:
-      if _indexable(eqn):
-        p = eqn.params
-        outs = [_window.indexed_max_pool(ins[0], p["window_dimensions"], p["window_strides"],
-                                         p["padding"])]
-      elif inner is not None and _max_pools(inner):
-        outs = _eval_pools_indexed(inner, inner_consts, ins)
-      else:
-        outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-        outs = outs if eqn.primitive.multiple_results else [outs]
+    if _indexable(eqn):
+      p = eqn.params
+      outs = _bind(eqn, ins, lambda x: [_window.indexed_max_pool(
+          x, p["window_dimensions"], p["window_strides"], p["padding"])])
+    elif inner is not None and _max_pools(inner):
+      outs = _bind(eqn, ins, lambda *a: _eval_pools_indexed(inner, inner_consts, a))
+    else:
+      outs = _bind(eqn, ins)
     env.update(zip(eqn.outvars, outs))
   return [read(v) for v in jaxpr.outvars]
 
@@ -410,7 +412,7 @@ def _param_leaves(args, param_argnums):
   return jax.tree.leaves([a for i, a in enumerate(args) if i in param_argnums])
 
 
-def _vjp_with_constants(f, args, *, index_max_pools=False):
+def _vjp_with_constants(f, args, *, index_max_pools=False, store=None, derive=None):
   """``(y, residual leaves, vjp treedef, {leaf index: scalar})`` of ``jax.vjp(f, *args)``.
 
   ``index_max_pools``: if ``f`` max-pools, the VJP of `_with_indexed_max_pools` ``(f)``
@@ -427,6 +429,21 @@ def _vjp_with_constants(f, args, *, index_max_pools=False):
   `compress` keeps them as they are, and the value they name where it is a residual too.
   Only names at the top level of ``f``'s trace are seen: one inside a ``jax.jit`` called by
   ``f`` is not (the residual then comes out of the call).
+
+  ``store(indices, leaf, constant) -> leaf``: called once for each value that is a residual
+  (at the positions ``indices``) as soon as the forward pass has made it (``constant(i)``:
+  position ``i``'s entry of the returned dict, or None), before any later operation runs;
+  the value it returns stands for the residual in the rest of the forward pass (`compress`
+  returns it tied to the residual's compressed copy, so that the copy is made while the
+  residual is fresh and the float buffer dies with its last forward use, not at the end of
+  the site). Without it the VJP's forward is evaluated whole.
+
+  ``derive(jaxpr, number of outputs, VJP treedef, output treedef) -> ({position: recipe},
+  extra variables)`` (with ``store``; the jaxpr's outputs are ``f``'s, then the
+  residuals): the residuals at the returned positions are not stored but rebuilt in the
+  backward pass from the extra variables and the stored residuals
+  (`jmem.ops.actnn._derive`); ``store`` is called on the extras too, at positions after
+  the residuals'.
   """
   box = {}
 
@@ -441,9 +458,7 @@ def _vjp_with_constants(f, args, *, index_max_pools=False):
   closed = jax.make_jaxpr(traced(f))(*args)
   if index_max_pools and _max_pools(closed.jaxpr):
     closed = jax.make_jaxpr(traced(_with_indexed_max_pools(f)))(*args)
-  flat = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
   n_y = box["y"].num_leaves
-  y, leaves = jax.tree.unflatten(box["y"], flat[:n_y]), list(flat[n_y:])
   producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
   # The value an EXACT_RESIDUAL name wraps is the same buffer, read elsewhere under its own
   # variable (the next layer's input): kept once, not also quantized beside it.
@@ -467,7 +482,69 @@ def _vjp_with_constants(f, args, *, index_max_pools=False):
       value = eqn.invars[0].val
     if np.ndim(value) == 0:
       constants[i] = np.asarray(value).item()
+  if store is None:
+    flat = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+  else:
+    residuals = closed.jaxpr.outvars[n_y:]
+    recipes, extras = (derive(closed.jaxpr, n_y, box["treedef"], box["y"]) if derive
+                       else ({}, []))
+    targets = [None if i in recipes else v for i, v in enumerate(residuals)] + list(extras)
+    flat = _eval_storing(closed, jax.tree.leaves(args), targets,
+                         lambda indices, leaf: store(indices, leaf, constants.get))
+  y, leaves = jax.tree.unflatten(box["y"], flat[:n_y]), list(flat[n_y:])
   return y, leaves, box["treedef"], constants
+
+
+def _bind(eqn, ins, instead=None):
+  """``eqn`` applied to ``ins`` in the caller's trace (or ``instead(*ins)``, a list of its
+  outputs), under its own name scope (what `jmem.measure.peak_buffers` reports) and context
+  (``compute_on``, metadata), as ``jax.core.eval_jaxpr`` does; returns the list of its
+  outputs."""
+  scope = str(eqn.source_info.name_stack)
+  with jax.named_scope(scope) if scope else contextlib.nullcontext(), eqn.ctx.manager:
+    if instead is not None:
+      return list(instead(*ins))
+    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _literal(v) -> bool:
+  return isinstance(v, jax.extend.core.Literal)
+
+
+def _eval_storing(closed, args, residuals, store):
+  """``closed`` evaluated eqn by eqn, ``store(indices, value)`` called once on each
+  variable of ``residuals`` (``residuals[i]`` for ``i`` in ``indices``; None: nothing to
+  store there) where it is made (arguments and constants first), its result used for the
+  variable from there on."""
+  jaxpr = closed.jaxpr
+  where: dict[Any, list[int]] = {}
+  for i, v in enumerate(residuals):
+    if v is not None and not _literal(v):
+      where.setdefault(v, []).append(i)
+  env = {}
+
+  def write(v, value):
+    env[v] = store(where[v], value) if v in where else value
+
+  read = lambda v: v.val if _literal(v) else env[v]
+  for v, value in zip(jaxpr.constvars, closed.consts):
+    write(v, value)
+  for v, value in zip(jaxpr.invars, args):
+    write(v, value)
+  for eqn in jaxpr.eqns:
+    for v, value in zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])):
+      write(v, value)
+  for i, v in enumerate(residuals):      # literals: nothing to wait for
+    if v is not None and _literal(v):
+      store([i], v.val)
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _is_array(value) -> bool:
+  """Whether ``value`` is a non-empty array a barrier can hold (not float0)."""
+  return (hasattr(value, "dtype") and value.dtype != jax.dtypes.float0 and
+          np.size(value) > 0)
 
 
 _EXACT = object()   # `_vjp_with_constants`'s mark of a residual named EXACT_RESIDUAL
@@ -574,8 +651,6 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
       return f(*args)
 
     def fwd(args, key):
-      y, leaves, layout["treedef"], constants = _vjp_with_constants(
-          f, args, index_max_pools=True)
       kept = _param_leaves(args, param_argnums)
       inputs = jax.tree.leaves(args) if arguments_only else None
       if key is None and missing_key is not None:
@@ -587,26 +662,59 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
               resolve_implementation(None, bits=bits, group_size=group_size))
       layout["kw"] = kw = dict(kernel_kw, implementation=impl,
                                interpret=_interpret_once(impl, interpret))
-      plan, saved = [], []
       seed = dither_seed(key)     # one per call; residual i's is seed_fold_in(seed, i)
-      for i, leaf in enumerate(leaves):
-        kind = _residual_kind(leaf, kept, min_size, constants.get(i), inputs)
-        if kind == "const":
-          plan.append(("const", leaf.shape, (leaf.dtype, constants[i])))
-          saved.append(None)
-        elif kind == "quant" and bits is None:
-          plan.append(("raw", None, None))
-          saved.append(leaf)
-        elif kind == "quant":
-          plan.append(("quant", leaf.shape, leaf.dtype))
-          saved.append(_quantize_residual(leaf, seed_fold_in(seed, i), **kw))
-        elif kind == "bool":
-          plan.append(("bool", leaf.shape, None))
-          saved.append(_pack_mask(leaf))
-        else:                                     # parameters (alive anyway), small, ints
-          plan.append(("keep", None, None))
-          saved.append(leaf)
-      layout["plan"] = plan
+      plan, saved = {}, {}
+
+      def store(indices, leaf, constant):
+        packed = []
+        for i in indices:
+          kind = _residual_kind(leaf, kept, min_size, constant(i), inputs)
+          if kind == "const":
+            plan[i], saved[i] = ("const", leaf.shape, (leaf.dtype, constant(i))), None
+          elif kind == "quant" and bits is None:
+            plan[i], saved[i] = ("raw", None, None), leaf
+          elif kind == "quant":
+            plan[i] = ("quant", leaf.shape, leaf.dtype)
+            packed.append((i, _quantize_residual(leaf, seed_fold_in(seed, i), **kw)))
+          elif kind == "bool":
+            plan[i] = ("bool", leaf.shape, None)
+            packed.append((i, _pack_mask(leaf)))
+          else:                                   # parameters (alive anyway), small, ints
+            plan[i], saved[i] = ("keep", None, None), leaf
+        if not packed:
+          return leaf
+        # Compressed where it is made: what reads the residual next waits for its copy, so
+        # the float buffer dies with its last forward use (not at the end of the site,
+        # where a scheduler with memory to spare may leave its compression).
+        copies, leaf = barrier(([c for _, c in packed], leaf))
+        saved.update((i, c) for (i, _), c in zip(packed, copies))
+        return leaf
+
+      def derive(jaxpr, n_y, treedef, out_tree):
+        residuals = jaxpr.outvars[n_y:]
+        if bits is None or arguments_only:
+          return {}, []
+        backward = _backward_jaxpr(treedef, [v.aval for v in residuals],
+                                   [v.aval for v in jaxpr.outvars[:n_y]], out_tree)
+        params = {id(leaf) for leaf in kept}
+        free = {v for v, leaf in zip(jaxpr.invars, jax.tree.leaves(args))
+                if id(leaf) in params}
+        recipes, extras = _derive.derivations(jaxpr, residuals, min_size=min_size,
+                                              backward=backward, free=free)
+        for i, r in recipes.items():
+          plan[i], saved[i] = ("derived", r, None), None
+        # Where the backward finds each value a recipe reads: a stored residual or an extra.
+        where = {v: i for i, v in enumerate(residuals)
+                 if i not in recipes and not _literal(v)}
+        where.update((v, len(residuals) + k) for k, v in enumerate(extras))
+        layout["where"] = where
+        return recipes, extras
+
+      y, leaves, layout["treedef"], _ = _vjp_with_constants(
+          f, args, index_max_pools=True, store=store, derive=derive)
+      plan = layout["plan"] = [plan[i] for i in range(len(plan))]
+      saved = [saved[i] for i in range(len(plan))]
+      layout["n"] = len(leaves)
       # The output is released only once the residuals are compressed, so the next layer
       # cannot run while this one's float residuals are still alive.
       packed = [v for p, v in zip(plan, saved) if p[0] in _STORED]
@@ -625,20 +733,39 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
       if offload:
         saved = [_to_space(v, jax.memory.Space.Device) if p[0] in _STORED else v
                  for p, v in zip(layout["plan"], saved)]
-      leaves, kw = [], layout["kw"]
-      for (kind, shape, dtype), s in zip(layout["plan"], saved):
-        if kind == "const":
-          leaves.append(jnp.full(shape, dtype[1], dtype[0]))
-        elif kind == "quant":
-          leaves.append(_dequantize_residual(s, shape, dtype, **kw))
-        elif kind == "bool":
-          leaves.append(_unpack_mask(s, shape))
-        else:
-          leaves.append(s)
-      vjp_fn = jax.tree.unflatten(layout["treedef"], leaves)
+      kw, made, values = layout["kw"], {}, {}
+
+      def materialize(i):
+        if i not in made:
+          kind, what, dtype = layout["plan"][i]
+          if kind == "const":
+            made[i] = jnp.full(what, dtype[1], dtype[0])
+          elif kind == "quant":
+            made[i] = _dequantize_residual(saved[i], what, dtype, **kw)
+          elif kind == "bool":
+            made[i] = _unpack_mask(saved[i], what)
+          elif kind == "derived":     # rebuilt from its (dequantized) sources
+            for u in what.inputs:
+              if u not in values:
+                values[u] = materialize(layout["where"][u])
+            made[i] = _derive.replay(what, values, _bind)
+          else:
+            made[i] = saved[i]
+        return made[i]
+
+      vjp_fn = jax.tree.unflatten(layout["treedef"], [materialize(i)
+                                                      for i in range(layout["n"])])
       # Under shard_map, cotangents carry the mesh axes they vary over: as the saved linear
       # function expects them in, and as the primal inputs were out.
-      return tuple(vjp_fn(ct)), None
+      flat, out_tree = jax.tree.flatten(vjp_fn(ct))
+      # The inputs' cotangents are released with the parameters' gradients, so that the
+      # previous site's backward cannot start while this one's working set (the float
+      # copies its weight gradients read) is still alive (docs/decisions.md: without it
+      # XLA:GPU ran the sites' weight gradients late, and the peak grew).
+      tied = [i for i, v in enumerate(flat) if _is_array(v)]
+      for i, v in zip(tied, barrier([flat[i] for i in tied])):
+        flat[i] = v
+      return tuple(jax.tree.unflatten(out_tree, flat)), None
 
     call.defvjp(fwd, bwd)
     return call(tuple(args), key)
@@ -647,6 +774,19 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
 
 
 _STORED = ("quant", "bool", "raw")    # what the barrier orders and offload moves
+
+
+def _backward_jaxpr(treedef, residuals, outputs, out_tree):
+  """The jaxpr of the VJP function's call (``treedef``: its leaves the residuals), traced
+  from the avals of its ``residuals`` and of cotangents for ``outputs`` (avals, with the
+  structure ``out_tree``; float0 for integer ones): what `jmem.ops.actnn._derive` reads to
+  see which residuals the backward pass multiplies together."""
+  def call(res, cts):
+    return jax.tree.leaves(jax.tree.unflatten(treedef, res)(jax.tree.unflatten(out_tree, cts)))
+
+  cts = [a if jnp.issubdtype(a.dtype, jnp.inexact) else
+         jax.core.ShapedArray(a.shape, jax.dtypes.float0) for a in outputs]
+  return jax.make_jaxpr(call)(list(residuals), cts)
 
 
 def _row_layout(shape, unit: int) -> bool:
