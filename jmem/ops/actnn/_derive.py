@@ -4,8 +4,8 @@ A network's VJP saves values that carry the same information: Flax's BatchNorm s
 ``x - mean`` and ``2 x`` (the derivative of its mean of squares), its ReLU the mask
 ``y > 0`` and, for the next convolution, ``max(y, 0)``, where ``y`` is an affine function of
 ``x`` per channel. `compress` quantized each of them: three 2-bit copies of one tensor per
-convolution, BatchNorm and ReLU (four in bfloat16, where BatchNorm also saves its float32
-upcast). `derivations` finds, in the forward jaxpr of ``jax.vjp(f, ...)``, the residuals
+convolution, BatchNorm and ReLU (and in bfloat16 the bf16 copies of the weights, which are
+no activations at all). `derivations` finds, in the forward jaxpr of ``jax.vjp(f, ...)``, the residuals
 that are *linear* in a few full-size values (their sources) given exact small ones
 (per-channel statistics, scale, literals) and exact boolean masks: built from them by
 ``add``, ``sub``, ``mul`` or ``div`` by a small value, ``neg``, conversions, reshapes,
@@ -14,9 +14,10 @@ y)`` where the VJP keeps the mask ``y > 0``). `compress` then stores each source
 rebuilds the residuals from its dequantized copy in the backward pass (`replay`).
 
 Rebuilding is linear in the dequantized source with every other operand exact, so the
-rebuilt residual is as unbiased as a quantized one (``E[L(x̂)] = L(x)``); it differs from
+rebuilt residual is as unbiased as a quantized one (``E[L(x̂)] = L(x)``; a conversion to a
+narrower float rounds, as the forward pass's own conversion did); it differs from
 quantizing each residual on its own in that the residuals of one source share its
-rounding noise.
+rounding noise (`_shared_noise` keeps apart those that the backward multiplies together).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ __all__ = ["Recipe", "derivations", "replay"]
 
 # Single-operand primitives linear in their operand.
 _UNARY = frozenset({"neg", "convert_element_type", "reshape", "squeeze", "expand_dims",
-                    "broadcast_in_dim", "transpose", "copy", "copy_p", "reduce_precision"})
+                    "broadcast_in_dim", "transpose", "copy", "copy_p"})
 # Primitives whose operand a small value may be broadcast from (rebuilt where it is read).
 _BROADCASTS = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "squeeze",
                          "expand_dims"})
@@ -165,7 +166,7 @@ class _Analysis:
 # Primitives whose outputs sum over their operands' elements: rounding noise shared by two
 # operands averages out over the sum, as it does for one operand used twice.
 _REDUCTIONS = frozenset({"reduce_sum", "dot_general", "conv_general_dilated", "cumsum",
-                         "reduce_precision_sum", "psum", "psum_invariant", "all_reduce"})
+                         "psum", "psum_invariant"})
 
 
 def _shared_noise(backward, n: int, noise: dict[int, frozenset]) -> set[Any]:

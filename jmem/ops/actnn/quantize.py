@@ -308,7 +308,8 @@ _backends.register(_backends.UNPACK_DEQUANTIZE, "xla", _unpack_dequantize_xla)
 # cannot fuse with the op producing or consuming the residual. ResNet-50 224² at batch 128 on
 # an H200 (benchmarks/results/gpu/gpu_nvidia_h200_2026-11-28.md): L3 steps at 1.21x exact's
 # time with XLA against 1.44x with the kernels in float32, 1.52x against 1.91x in bfloat16,
-# with 19.8 against 23.0 MiB per example (H100 target); an H100 gave the same order.
+# and the kernels' step was bigger on the H100 target; an H100 gave the same order. (Both
+# before commit a4ac081 changed what is stored; docs/gpu.md has today's figures.)
 _backends.register(_backends.QUANTIZE_PACK, "pallas", _quantize_pack_pallas,
                    unsupported=_triton_blocks)
 _backends.register(_backends.UNPACK_DEQUANTIZE, "pallas", _unpack_dequantize_pallas,
