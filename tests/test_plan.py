@@ -1185,3 +1185,21 @@ def test_plan_takes_where():
   p = plan_lib.plan(model, (X, Y), "50%", where=r"BottleneckBlock_[01]", max_batch=False,
                     max_compiles=3, inplace_abn=False)
   assert {c.path for c in p.choices} == {"BottleneckBlock_0", "BottleneckBlock_1"}, p.table()
+
+
+@pytest.mark.slow
+def test_plan_cli_takes_where(tmp_path, capsys):
+  """``jmem plan --where REGEX``: the sites it names are planned (and only they), and one
+  naming no module is refused with the model's paths."""
+  argv = ["plan", "--model", "resnet8", "--image-size", "16", "--batch-size", "8",
+          "--budget", "90%", "--no-inplace-abn", "--max-compiles", "3", "--json",
+          "--output-dir", str(tmp_path)]
+  cli.main(argv + ["--where", "stage1_block1"])
+  written = json.loads((tmp_path / "plan.json").read_text())
+  assert {c["path"] for c in written["choices"]} == {"stage1_block1"}, written["choices"]
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exited:
+    cli.main(argv + ["--where", "nomatch"])
+  err = capsys.readouterr().err
+  assert exited.value.code == 2 and "where='nomatch') matched no module call" in err, err
+  assert "stage1_block1" in err, err
