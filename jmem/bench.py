@@ -832,7 +832,9 @@ def _plot(rows, path):
   width = max(4, 1.2 * len(rows) + 2)
   fig, axes = plt.subplots(1, 2 if budgets else 1, figsize=(2 * width if budgets else width, 3.5),
                            squeeze=False)
-  title = (f"{rows[0]['model']}, {rows[0]['image_size']}x{rows[0]['image_size']}")
+  target, _ = caption(rows)
+  title = (f"{rows[0]['model']}, {rows[0]['image_size']}x{rows[0]['image_size']}"
+           + (f", memory for {target}" if target else ""))
   if budgets:
     ax = axes[0, 0]
     w = 0.8 / len(budgets)

@@ -185,7 +185,7 @@ def format_tour(rows) -> str:
   on = f" ({on})" if on else ""
   lines = [f"| section | technique | model | max-batch x{short} | MiB / example{short} | "
            f"FLOPs / exact | temp / exact | saved / exact | step time / exact{on} | "
-           f"collectives | accuracy |",
+           f"collectives | accuracy{on} |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
   for r in rows:
     if "skipped" in r:
