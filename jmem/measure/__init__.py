@@ -11,7 +11,8 @@ assignment, on a CPU machine).
 The modules, by concern: `jmem.measure.targets` (targets), ``_compiled`` (compiled memory
 and FLOPs, `jit`), ``_residuals`` (what the backward pass keeps, traced), ``_heap``
 (XLA's buffer assignment read buffer by buffer), ``_fit`` (memory against the batch, the
-largest batch, step times).
+largest batch, step times), ``_hlo_traffic`` and ``_step_time`` (the bytes a compiled
+module's kernels move, and a GPU step time estimated from them).
 """
 
 from jmem.measure._compiled import CompiledMemory as CompiledMemory
@@ -37,11 +38,16 @@ from jmem.measure._heap import PeakReport as PeakReport
 from jmem.measure._heap import collective_counts as collective_counts
 from jmem.measure._heap import heap_layout as heap_layout
 from jmem.measure._heap import peak_buffers as peak_buffers
+from jmem.measure._hlo_traffic import Traffic as Traffic
+from jmem.measure._hlo_traffic import shape_bytes as shape_bytes
+from jmem.measure._hlo_traffic import traffic as traffic
 from jmem.measure._residuals import VIEW_PRIMITIVES as VIEW_PRIMITIVES
 from jmem.measure._residuals import Residual as Residual
 from jmem.measure._residuals import ResidualReport as ResidualReport
 from jmem.measure._residuals import module_path as module_path
 from jmem.measure._residuals import saved_residuals as saved_residuals
+from jmem.measure._step_time import StepTime as StepTime
+from jmem.measure._step_time import estimate_step_time as estimate_step_time
 from jmem.measure.targets import PINNED_JAXLIB as PINNED_JAXLIB
 from jmem.measure.targets import TARGETS as TARGETS
 from jmem.measure.targets import Target as Target
@@ -56,5 +62,6 @@ __all__ = [
     "platform_of_args", "module_path", "PeakBuffer", "PeakReport", "peak_buffers",
     "HeapBuffer", "HeapLayout", "heap_layout", "DumpUnavailableError", "collective_counts",
     "time_steps", "COLLECTIVE_OPS", "GIB", "Target", "TargetError", "TargetFallbackWarning",
-    "TARGETS", "target", "PINNED_JAXLIB",
+    "TARGETS", "target", "PINNED_JAXLIB", "Traffic", "traffic", "shape_bytes", "StepTime",
+    "estimate_step_time",
 ]
