@@ -560,10 +560,11 @@ def saved_bytes(fns, optimizer, x_spec, y_spec, *, abstract=None, target=None) -
 
 
 def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0), *, target=None,
-              budgets: Sequence[int] | None = None) -> measure.BatchFit:
+              budgets: Sequence[int] | None = None, on_compile=None) -> measure.BatchFit:
   """`jmem.measure.fit_step` of the (donating) train step on ``target``: device bytes at
   the batch of ``x_spec`` and at twice it, and the largest batch under each budget
-  (``budgets`` in bytes, else ``budgets_gib`` in GiB)."""
+  (``budgets`` in bytes, else ``budgets_gib`` in GiB). ``on_compile(batch, compiled,
+  lowered)``: called with each compile."""
   abstract = step_lib.abstract_state(fns, optimizer, x_spec)
   step = step_lib.make_train_step(fns, optimizer, donate=True)
   on = measure.target(target)
@@ -571,7 +572,10 @@ def batch_fit(fns, optimizer, x_spec, y_spec, budgets_gib=(16.0, 80.0), *, targe
 
   def compile_at(b):
     lowered = on.lower(step, *_placed(fns, abstract, spec(x_spec, b), spec(y_spec, b)))
-    return on.compile_lowered(lowered), lowered
+    compiled = on.compile_lowered(lowered)
+    if on_compile is not None:
+      on_compile(b, compiled, lowered)
+    return compiled, lowered
   b = x_spec.shape[0]
   budgets = ([int(g * measure.GIB) for g in budgets_gib] if budgets is None
              else [int(v) for v in budgets])
@@ -597,7 +601,10 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
   seen to fit by a compile: a lower bound), over_budget (the smallest batch seen not to),
   max_batch_ratio (exact's per-example temp bytes over the
   technique's: the max-batch multiplier), flops and flops_ratio (`jmem.measure.step_flops` of
-  the step), collectives (op -> count in the compiled step, those it has), target and
+  the step), estimated_step_s and estimated_step_ratio (on a GPU target with fitted
+  constants, `jmem.measure.estimate_step_time` of the step compiled at the batch size, and
+  its ratio to exact's: an estimate, not a measurement; else None), collectives (op ->
+  count in the compiled step, those it has), target and
   target_label (the device every memory figure is for: `BenchConfig.target`), measured_on
   (where step time and accuracy were measured: this machine; absent with ``memory_only``),
   calibrated (ActNN L3-L5's per-site bits calibrated on a training batch).
@@ -634,7 +641,16 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     _log(f"[{name}] compiling {config.model} step (batch {config.batch_size}, {size}) for "
          f"{on.short}", quiet)
     # The donating step (as `jmem train` runs it) at the batch size gives the temp bytes.
-    fit = batch_fit(fns, optimizer, x_spec, y_spec, target=on, budgets=budgets)
+    estimated = {}
+    constants = measure.constants_for(on.name) if on.deviceless else None
+
+    def estimate(b, compiled, lowered, constants=constants, estimated=estimated):
+      # The target's step time, estimated from the module compiled at the bench's batch.
+      if constants is not None and b == config.batch_size and not estimated:
+        estimated["s"] = measure.estimate_step_time(
+            compiled, measure.lowered_flops(lowered), constants=constants).seconds
+    fit = batch_fit(fns, optimizer, x_spec, y_spec, target=on, budgets=budgets,
+                    on_compile=estimate)
     saved = saved_bytes(fns, optimizer, x_spec, y_spec, target=on)
     temp = fit.temp_bytes[0]
     row: dict[str, Any] = dict(
@@ -648,7 +664,7 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
         max_batch={_budget_key(g): fit.max_batch[g] for g in budgets},
         over_budget={_budget_key(g): fit.over_budget[g] for g in budgets},
         flops=fit.flops, collectives=fit.collectives, step_time_s=None, step_time_ratio=None,
-        accuracy=None,
+        estimated_step_s=estimated.get("s"), accuracy=None,
         accuracy_per_seed=None)
     if config.input_shape:
       row["input_shape"] = list(config.input_shape)
@@ -689,6 +705,9 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
     row["max_batch_ratio"] = (base["per_example_temp_bytes"] / row["per_example_temp_bytes"]
                               if row["per_example_temp_bytes"] > 0 else None)
     row["flops_ratio"] = row["flops"] / base["flops"] if base["flops"] else None
+    row["estimated_step_ratio"] = (row["estimated_step_s"] / base["estimated_step_s"]
+                                   if row.get("estimated_step_s") and
+                                   base.get("estimated_step_s") else None)
   return rows
 
 
@@ -723,11 +742,13 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
   where = caption(rows)
   short = f" ({where[0]})" if where[0] else ""
   on = f" ({where[1]})" if where[1] else ""
+  estimated = any(r.get("estimated_step_ratio") is not None for r in rows)
   lines = [f"| technique | model | MiB / example{short} | " + "".join(
                f"max batch {b} | " for b in budgets) + "max-batch x | FLOPs / exact | "
            f"temp MiB{short} | temp / exact | saved MiB | saved / exact | "
+           + (f"step / exact (estimated for the {where[0]}) | " if estimated else "") +
            f"step time / exact{on} | test accuracy{on} |",
-           "|---|---|" + "---:|" * (len(budgets) + 9)]
+           "|---|---|" + "---:|" * (len(budgets) + 9 + estimated)]
   for r in rows:
     a = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
     mb = "".join(_max_batch_cell(r, b) for b in budgets)
@@ -737,7 +758,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                  f"{mb}{_ratio(r['max_batch_ratio'], suffix='x')} | "
                  f"{_ratio(r['flops_ratio'], '.3f')} | {_mib(r['temp_bytes'])} | "
                  f"{r['temp_ratio']:.3f} | {_mib(r['saved_bytes'])} | {r['saved_ratio']:.3f} | "
-                 f"{_ratio(r['step_time_ratio'])} | {a} |")
+                 + (f"{_ratio(r.get('estimated_step_ratio'), '.3f')} | " if estimated else "")
+                 + f"{_ratio(r['step_time_ratio'])} | {a} |")
   return "\n".join(lines)
 
 

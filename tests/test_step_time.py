@@ -100,3 +100,22 @@ def test_the_shipped_constants_are_the_committed_fits():
   assert _step_time.H100_CONSTANTS == pytest.approx(
       tuple(fitted["constants"].values()), rel=1e-3)
   assert len(fitted["rows"]) == 12
+
+
+def test_the_bench_on_the_h100_target_gives_an_estimated_step_time_column():
+  """`jmem bench --target h100` estimates each row's step time from the module it compiled
+  (labelled an estimate for the target); where no constants were fitted there is none."""
+  from jmem import bench  # pylint: disable=g-import-not-at-top
+  config = dict(model="resnet8", batch_size=8, image_size=8, memory_only=True,
+                budgets_gib=(), techniques=("exact", "remat"))
+  rows = bench.run_bench(bench.BenchConfig(target="h100", **config), quiet=True)
+  exact, remat = rows
+  assert exact["estimated_step_ratio"] == 1.0 and exact["estimated_step_s"] > 0
+  assert remat["estimated_step_ratio"] > 1.0
+  table = bench.format_table(rows)
+  assert "step / exact (estimated for the H100 target)" in table
+  assert f"| {remat['estimated_step_ratio']:.3f} |" in table
+  # Elsewhere (this machine's backend, a spec file of another GPU) no constants: no column.
+  assert measure.constants_for("default") is None
+  assert "estimated" not in bench.format_table([dict(r, estimated_step_ratio=None)
+                                                for r in rows])

@@ -47,6 +47,7 @@ from jmem.measure._residuals import ResidualReport as ResidualReport
 from jmem.measure._residuals import module_path as module_path
 from jmem.measure._residuals import saved_residuals as saved_residuals
 from jmem.measure._step_time import StepTime as StepTime
+from jmem.measure._step_time import constants_for as constants_for
 from jmem.measure._step_time import estimate_step_time as estimate_step_time
 from jmem.measure.targets import PINNED_JAXLIB as PINNED_JAXLIB
 from jmem.measure.targets import TARGETS as TARGETS
@@ -63,5 +64,5 @@ __all__ = [
     "HeapBuffer", "HeapLayout", "heap_layout", "DumpUnavailableError", "collective_counts",
     "time_steps", "COLLECTIVE_OPS", "GIB", "Target", "TargetError", "TargetFallbackWarning",
     "TARGETS", "target", "PINNED_JAXLIB", "Traffic", "traffic", "shape_bytes", "StepTime",
-    "estimate_step_time",
+    "estimate_step_time", "constants_for",
 ]

@@ -19,8 +19,8 @@ import dataclasses
 
 from jmem.measure._hlo_traffic import Traffic, traffic
 
-__all__ = ["StepTime", "estimate_step_time", "columns", "COPY_RATE", "MATMUL_RATE",
-           "CONSTANT_NAMES", "H100_CONSTANTS"]
+__all__ = ["StepTime", "estimate_step_time", "columns", "constants_for", "COPY_RATE",
+           "MATMUL_RATE", "CONSTANT_NAMES", "H100_CONSTANTS", "FITTED"]
 
 # The H100's measured device-to-device copy rate (bytes/s), and its dense tensor-core
 # rates (FLOP/s): TF32 for float32 steps (XLA's default precision on a GPU), bf16.
@@ -31,6 +31,13 @@ CONSTANT_NAMES = ("a_bytes", "b_flops", "c_launch_us")
 # (benchmarks/results/step_time.md: held-out bf16 and third-party ratios within 0.05, the
 # video ViT's SBP 0.05-0.10 slower than measured).
 H100_CONSTANTS = (1.0810053, 0.9333346, 4.4278821)
+# Targets (`jmem.measure.target` names) with fitted constants.
+FITTED = {"h100": H100_CONSTANTS}
+
+
+def constants_for(target_name: str) -> tuple[float, float, float] | None:
+  """The fitted constants of a target (`FITTED`), or None where none were fitted."""
+  return FITTED.get(target_name)
 
 
 @dataclasses.dataclass(frozen=True)
