@@ -32,6 +32,12 @@ FLAG = "xla_gpu_enable_host_memory_offloading"
 MIN_CUT = 0.20
 
 
+def _same(row) -> str:
+  if "module_as_without_flag" not in row:
+    return "-"
+  return "yes" if row["module_as_without_flag"] else "no"
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--group", default="resnet50-f32",
@@ -49,16 +55,20 @@ def main(argv=None) -> int:
   for technique in TECHNIQUES:
     step, abstract, x, y, _, _ = gpu._build(group, technique, args.batch)  # pylint: disable=protected-access
     lowered = on.lower(step, abstract, x, y)
+    texts = {}
     for flag in (False, True):
       t0 = time.perf_counter()
       compiled = lowered.compile(compiler_options={FLAG: flag})
       m = compiled.memory_analysis()
-      tr = gpu_offload.host_transfers(compiled.as_text())
+      texts[flag] = compiled.as_text()
+      tr = gpu_offload.host_transfers(texts[flag])
       rows.append(dict(technique=technique, flag=flag, temp_bytes=int(m.temp_size_in_bytes),
                        host_temp_bytes=int(getattr(m, "host_temp_size_in_bytes", 0) or 0),
                        to_host_bytes=tr["to_host_bytes"], to_device_bytes=tr["to_device_bytes"],
                        held_max_bytes=tr["held_max_bytes"],
                        compile_seconds=time.perf_counter() - t0))
+      if flag:   # the flag's effect on the compiled module itself, not only on its bytes
+        rows[-1]["module_as_without_flag"] = texts[True] == texts[False]
       print(rows[-1], flush=True)
   exact = {r["flag"]: r["temp_bytes"] for r in rows if r["technique"] == "exact"}
   for r in rows:
@@ -74,12 +84,14 @@ def main(argv=None) -> int:
            f"to the host hold at once. Offload is worth planning where it cuts temp by >= "
            f"{MIN_CUT:.0%}.", "",
            "| technique | flag | temp GiB | temp / exact | host GiB | to host GiB | "
-           "back GiB | held GiB |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+           "back GiB | held GiB | module as without the flag |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
   for r in rows:
     lines.append(f"| {r['technique']} | {'on' if r['flag'] else 'off'} | "
                  f"{gib(r['temp_bytes'])} | {r['temp_vs_exact']:.3f} | "
                  f"{gib(r['host_temp_bytes'])} | {gib(r['to_host_bytes'])} | "
-                 f"{gib(r['to_device_bytes'])} | {gib(r['held_max_bytes'])} |")
+                 f"{gib(r['to_device_bytes'])} | {gib(r['held_max_bytes'])} | "
+                 f"{_same(r)} |")
   _common.write_report("offload_flag", dict(group=args.group, batch=args.batch, rows=rows),
                        lines, target=on.name, results=args.output_dir)
   return 0

@@ -648,7 +648,8 @@ def run_bench(config: BenchConfig = BenchConfig(), *, quiet: bool = False,
       # The target's step time, estimated from the module compiled at the bench's batch.
       if constants is not None and b == config.batch_size and not estimated:
         estimated["s"] = measure.estimate_step_time(
-            compiled, measure.lowered_flops(lowered), constants=constants).seconds
+            compiled, measure.lowered_flops(lowered), dtype=config.dtype,
+            constants=constants).seconds
     fit = batch_fit(fns, optimizer, x_spec, y_spec, target=on, budgets=budgets,
                     on_compile=estimate)
     saved = saved_bytes(fns, optimizer, x_spec, y_spec, target=on)

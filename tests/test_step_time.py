@@ -86,14 +86,17 @@ def test_the_estimate_charges_what_remat_and_actnn_add_on_the_h100_target():
   assert exact.seconds < remat.seconds and exact.seconds < actnn.seconds
 
 
-def test_the_estimate_needs_flops_and_constants():
+def test_the_estimate_refuses_what_it_cannot_charge():
   with pytest.raises(ValueError, match="lowered_flops"):
-    measure.estimate_step_time(None, None, constants=(1.0, 1.0, 1.0))
+    measure.estimate_step_time(None, None)
+  with pytest.raises(ValueError, match="constants are"):
+    measure.estimate_step_time(None, 1.0, constants=(1.0, 1.0))
 
 
 def test_the_shipped_constants_are_the_committed_fits():
   """jmem's H100 constants are the ones benchmarks/step_time.py --fit wrote (so a refit is
-  committed with its results), and that fit met its held-out check."""
+  committed with its results), from the twelve timed rows. (Its held-out check is reported
+  there, not asserted: the video ViT's SBP row missed 0.05.)"""
   with open(os.path.join(ROOT, "benchmarks", "results", "step_time.json")) as f:
     fitted = json.load(f)
   assert tuple(fitted["constants"]) == _step_time.CONSTANT_NAMES

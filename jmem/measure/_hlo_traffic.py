@@ -33,7 +33,7 @@ _DTYPE_BYTES = {
     "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
     "f8e4m3b11fnuz": 1, "f8e3m4": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "token": 0,
 }
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[((?:<=)?[0-9]*(?:,(?:<=)?[0-9]+)*)\]")
 _NAME = re.compile(r"%[\w.\-]+")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _HEAD = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*")
@@ -47,7 +47,9 @@ class Traffic:
     bytes: operand + result bytes summed over the instructions that do work.
     kernels: how many such instructions (kernel launches or library calls).
     library_calls: of those, custom calls (cuDNN convolutions, cuBLAS matrix products).
-    loops: ``while`` instructions (whose bodies are counted once).
+    loops: instructions with bodies of their own (``while``, ``conditional``, ``call``,
+      ``async-start``), counted as one kernel each: the bytes and launches inside them are
+      not read (0 for the steps jmem builds; a step with loops is underestimated).
     by_opcode: bytes per opcode (``"fusion"``, ``"custom-call"``, ``"copy"``, ...).
     library_dtype: the element type of most of the cuDNN and cuBLAS calls' result bytes
       (the precision the convolutions and matrix products run at; other custom calls, such
@@ -67,8 +69,11 @@ def shape_bytes(shape: str) -> int:
   total = 0.0
   for dtype, dims in _ARRAY.findall(shape):
     if dtype not in _DTYPE_BYTES:
-      continue
-    total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+      raise ValueError(f"Unknown HLO element type {dtype!r} in {shape!r}: add its size to "
+                       "jmem.measure._hlo_traffic._DTYPE_BYTES.")
+    # A dynamic dimension (``<=4``) at its bound: what its buffer is sized for.
+    total += _DTYPE_BYTES[dtype] * math.prod(int(d.lstrip("<=")) for d in dims.split(",")
+                                             if d)
   return int(math.ceil(total))
 
 
@@ -137,7 +142,7 @@ def traffic(hlo_text: str) -> Traffic:
     shapes[name] = out
     if opcode in _FREE or opcode.endswith("-done"):
       continue
-    if opcode == "while":
+    if opcode in ("while", "conditional", "call", "async-start"):
       loops += 1
     moved = out + sum(shapes.get(o, 0) for o in operands)
     total += moved

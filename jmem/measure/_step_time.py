@@ -67,21 +67,30 @@ def columns(bytes_moved: float, flops: float, kernels: int, dtype: str | None):
   return (bytes_moved / COPY_RATE, flops / rate, kernels * 1e-6)
 
 
-def estimate_step_time(compiled, flops: float, *, constants=None) -> StepTime:
+def estimate_step_time(compiled, flops: float, *, dtype: str | None = None,
+                       constants=None) -> StepTime:
   """The estimated step time of ``compiled`` (a ``jax.stages.Compiled`` for a GPU target,
   e.g. `jmem.measure.target("h100").compile(step, ...)`) doing ``flops`` (its lowered
-  module's, `jmem.measure.lowered_flops`). ``constants``: ``(a, b, c)``, by default the
-  H100's fit."""
-  constants = H100_CONSTANTS if constants is None else constants
-  if constants is None:
-    raise ValueError("No fitted constants: run benchmarks/step_time.py --fit and give "
-                     "constants=(a, b, c).")
+  module's, `jmem.measure.lowered_flops`). ``dtype``: what the step computes in
+  (``"float32"``, ``"bfloat16"``; the rate its FLOPs are charged at), by default the element
+  type of its cuDNN / cuBLAS calls (float32 where it makes none, e.g. a model whose matrix
+  products XLA fuses into Triton kernels: give it). ``constants``: ``(a, b, c)``, by
+  default the H100's fit."""
   if flops is None:
     raise ValueError("estimate_step_time needs the lowered module's FLOPs "
                      "(jmem.measure.lowered_flops(lowered)); got None.")
+  constants = H100_CONSTANTS if constants is None else tuple(constants)
+  if len(constants) != len(CONSTANT_NAMES):
+    raise ValueError(f"constants are {CONSTANT_NAMES}, got {constants!r}.")
   t = traffic(compiled.as_text())
-  terms = [k * c for k, c in zip(constants, columns(t.bytes, flops, t.kernels,
-                                                    t.library_dtype))]
+  rate_dtype = _SHORT.get(str(dtype), dtype) if dtype is not None else t.library_dtype
+  if rate_dtype is not None and rate_dtype not in MATMUL_RATE:
+    raise ValueError(f"No matrix rate for dtype {dtype!r}: one of float32, bfloat16, "
+                     "float16.")
+  terms = [k * c for k, c in zip(constants, columns(t.bytes, flops, t.kernels, rate_dtype))]
   return StepTime(seconds=sum(terms), memory_seconds=terms[0], matmul_seconds=terms[1],
                   launch_seconds=terms[2], traffic=t, flops=float(flops),
-                  dtype=t.library_dtype or "f32")
+                  dtype=rate_dtype or "f32")
+
+
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
