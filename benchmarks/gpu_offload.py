@@ -120,17 +120,10 @@ def host_transfers(hlo_text: str) -> dict:
   host-memory result) and ``module_copy_starts_to_host`` (in every computation: copies
   inside called computations are not in the other figures).
   """
-  entry, inside = [], False
-  for line in hlo_text.splitlines():
-    if line.startswith("ENTRY "):
-      inside = True
-      continue
-    if inside:
-      if line.startswith("}"):
-        break
-      m = _LINE.match(line.strip())
-      if m:
-        entry.append(m.groups())
+  from jmem.measure import _hlo_traffic  # pylint: disable=g-import-not-at-top
+  entry = [m.groups() for m in map(_LINE.match, map(str.strip,
+                                                    _hlo_traffic.entry_lines(hlo_text) or ()))
+           if m]
   starts, to_host, to_device, sync = {}, [], [], {"to_host": 0, "to_device": 0}
   on_host, backward = {}, None
   for i, (name, rhs) in enumerate(entry):

@@ -112,7 +112,9 @@ def _instruction(line: str):
   return head.group(1), shape, opcode, operands
 
 
-def _entry_lines(hlo_text: str) -> list[str]:
+def entry_lines(hlo_text: str) -> list[str] | None:
+  """The instruction lines of a module text's entry computation, in order (None: the text
+  has no ``ENTRY`` computation)."""
   lines, inside = [], False
   for line in hlo_text.splitlines():
     if line.startswith("ENTRY "):
@@ -122,9 +124,7 @@ def _entry_lines(hlo_text: str) -> list[str]:
       if line.startswith("}"):
         break
       lines.append(line)
-  if not inside:
-    raise ValueError("The HLO text has no ENTRY computation (pass compiled.as_text()).")
-  return lines
+  return lines if inside else None
 
 
 def traffic(hlo_text: str) -> Traffic:
@@ -133,7 +133,10 @@ def traffic(hlo_text: str) -> Traffic:
   total = kernels = library = loops = 0
   by_opcode: dict[str, int] = {}
   library_bytes: dict[str, int] = {}
-  for line in _entry_lines(hlo_text):
+  entry = entry_lines(hlo_text)
+  if entry is None:
+    raise ValueError("The HLO text has no ENTRY computation (pass compiled.as_text()).")
+  for line in entry:
     parsed = _instruction(line)
     if parsed is None:
       continue
