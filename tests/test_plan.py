@@ -15,6 +15,7 @@ from flax import nnx
 import jmem
 import third_party_models as tp
 from jmem import cli, models, planner as plan_lib, train
+from jmem.planner import _inputs, _layouts, _report, _search
 
 X = jax.ShapeDtypeStruct((64, 32, 32, 3), jnp.float32)
 Y = jax.ShapeDtypeStruct((64,), jnp.int32)
@@ -139,7 +140,7 @@ def test_where_nothing_fits_the_plan_is_the_smallest_step_compiled():
   assert any(n.startswith("nothing fits: the plan is the smallest of the steps compiled "
                           f"for the walk (walk point {p.chosen}") and
              "the walk ended at its last point, every site on the highest rung" in n and
-             n.endswith(f"walk point {len(p.front) - 1} ({plan_lib._size(walked[-1])})")
+             n.endswith(f"walk point {len(p.front) - 1} ({_report._size(walked[-1])})")
              for n in p.notes), p.notes
   assert "the smallest step compiled on its layout" in p.table()
   step = plan_lib.compile_step(jmem.convert(model, *p.techniques),
@@ -178,8 +179,8 @@ def test_estimates_of_a_converted_model_are_its_own():
 
   def estimates(m):
     # pylint: disable=protected-access
-    paths = plan_lib._default_sites(m, jnp.zeros(X.shape))
-    sites, outside = plan_lib._estimate_sites(m, optimizer, X, Y, paths)
+    paths = _inputs._default_sites(m, jnp.zeros(X.shape))
+    sites, outside = _inputs._estimate_sites(m, optimizer, X, Y, paths)
     return {s.path: s.residual_bytes for s in sites}, outside
 
   plain, _ = estimates(model)
@@ -204,9 +205,9 @@ def test_nnx_models_are_planned_through_copies():
   x = rng.normal(size=(32, 16, 16, 3)).astype(np.float32)
   y = rng.integers(0, 10, 32).astype(np.int32)
   optimizer = train.default_optimizer(1e-3, 100)
-  paths = plan_lib._default_sites(model, x)   # pylint: disable=protected-access
+  paths = _inputs._default_sites(model, x)   # pylint: disable=protected-access
   assert paths == ["blocks/0", "blocks/1", "norm", "patchify"]
-  sites, outside = plan_lib._estimate_sites(model, optimizer, x, y, paths)  # pylint: disable=protected-access
+  sites, outside = _inputs._estimate_sites(model, optimizer, x, y, paths)  # pylint: disable=protected-access
   got = {s.path: s for s in sites}
   # Each transformer block keeps the same; the head's residuals are the only ones outside.
   assert got["blocks/0"].residual_bytes == got["blocks/1"].residual_bytes > 20 * outside > 0
@@ -281,7 +282,7 @@ def test_a_mesh_puts_spatial_under_every_plan_and_the_budget_is_per_device():
   # The walk's plan fits (walk point 2), but the estimate puts the top rung (every site
   # recomputed from a 2-bit input) at fewer FLOPs: the one more compile fits at 1.080x
   # exact's, and is the plan, off the walk.
-  _TOP = plan_lib._TOP_RUNG          # pylint: disable=invalid-name,protected-access
+  _TOP = _search.TOP_RUNG          # pylint: disable=invalid-name,protected-access
   assert [w for w, _, _ in p.measured] == ["exact", "walk point 1", "walk point 2", _TOP], \
       p.measured
   assert any(n.startswith("every site that saves anything on the top rung (recomputed from "
@@ -383,7 +384,7 @@ def test_devices_are_laid_out_batch_first_then_h_and_w():
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   images = lambda b, h=32, w=32: jax.ShapeDtypeStruct((b, h, w, 3), jnp.float32)
   shape = lambda mesh: {a: n for a, n in mesh.shape.items() if n > 1}
-  lay_out = plan_lib._lay_out                  # pylint: disable=protected-access
+  lay_out = _layouts._lay_out                  # pylint: disable=protected-access
   meshes = lambda *a: [(shape(m), d, axes) for m, d, axes in lay_out(*a)[0]]
   assert meshes(8, 16, images(16)) == [({"data": 8}, "data", None)]
   assert lay_out(1, 2, images(2))[0] == [(None, None, None)]
@@ -421,7 +422,7 @@ def test_devices_are_laid_out_batch_first_then_h_and_w():
   # Each split's own compile is in the notes (2x2 has more collectives than the others).
   note = next(n for n in p.notes if n.startswith("H x W split every way"))
   for (_, h, w), (_, count) in exact.items():
-    assert f"{h}x{w} " in note and f"{h}x{w} {plan_lib._size(exact[(2, h, w)][0])} with " \
+    assert f"{h}x{w} " in note and f"{h}x{w} {_report._size(exact[(2, h, w)][0])} with " \
         f"{count} collectives" in note, (exact, note)   # pylint: disable=protected-access
   assert exact[(2, 2, 2)][1] > exact[(2, 1, 4)][1]
   least = min(b for b, _ in exact.values())
@@ -500,9 +501,9 @@ def test_budgets_and_bad_input():
     with pytest.raises(ValueError, match="share"):
       plan_lib.budget_share(bad)
   # The largest batch on the line through two compiled points; none if even those are over.
-  assert plan_lib._largest((4, 100), (8, 200), 500) == 20   # pylint: disable=protected-access
-  assert plan_lib._largest((4, 100), (8, 100), 50) == 0     # pylint: disable=protected-access
-  assert plan_lib._largest((4, 100), (8, 200), 260, 4) == 8   # pylint: disable=protected-access
+  assert _report._largest((4, 100), (8, 200), 500) == 20   # pylint: disable=protected-access
+  assert _report._largest((4, 100), (8, 100), 50) == 0     # pylint: disable=protected-access
+  assert _report._largest((4, 100), (8, 200), 260, 4) == 8   # pylint: disable=protected-access
   with pytest.raises(ValueError, match="max_compiles"):
     plan_lib.plan(tp.FunctionalCNN(), (X, Y), "1GiB", max_compiles=2)
   # Sites that hold (next to) none of the saved activations: where exact does not fit,
@@ -539,13 +540,13 @@ def test_jmem_video_models_have_sites_and_a_dominant_site_is_split(monkeypatch):
   monkeypatch.setattr(jmem.surgery._common, "_WARNED", set())  # pylint: disable=protected-access
   clips = jnp.zeros((2, 4, 16, 16, 1))
   y2 = jax.ShapeDtypeStruct((2,), jnp.int32)
-  assert plan_lib._default_sites(models.create_model("video-vit", 10), clips) == [
+  assert _inputs._default_sites(models.create_model("video-vit", 10), clips) == [
       "block0", "block1", "block2", "block3", "norm", "patch_embed"]
   model, optimizer = models.create_model("stt-resnet8", 10), train.default_optimizer(1e-3, 10)
-  paths = plan_lib._default_sites(model, clips)
+  paths = _inputs._default_sites(model, clips)
   assert paths == ["norm", "spatial", "temporal0", "temporal1"]
-  sites, outside = plan_lib._estimate_sites(model, optimizer, clips, y2, paths)
-  paths, sites, outside, notes = plan_lib._split_dominant(model, optimizer, clips, y2, paths,
+  sites, outside = _inputs._estimate_sites(model, optimizer, clips, y2, paths)
+  paths, sites, outside, notes = _inputs._split_dominant(model, optimizer, clips, y2, paths,
                                                           sites, outside)
   inner = ["spatial/cnn/head", "spatial/cnn/stage1_block1", "spatial/cnn/stage2_block1",
            "spatial/cnn/stage3_block1", "spatial/cnn/stem"]   # inside the encoder's one CNN
@@ -558,9 +559,9 @@ def test_jmem_video_models_have_sites_and_a_dominant_site_is_split(monkeypatch):
       sum(held.values()) + outside)
   # NNX too: an encoder of two blocks holding nearly all is planned per block.
   net, x = _NNXEncoderNet(nnx.Rngs(0)), jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32)
-  paths = plan_lib._default_sites(net, jnp.zeros(x.shape))
-  sites, outside = plan_lib._estimate_sites(net, optimizer, x, y2, paths)
-  paths, sites, outside, notes = plan_lib._split_dominant(net, optimizer, x, y2, paths, sites,
+  paths = _inputs._default_sites(net, jnp.zeros(x.shape))
+  sites, outside = _inputs._estimate_sites(net, optimizer, x, y2, paths)
+  paths, sites, outside, notes = _inputs._split_dominant(net, optimizer, x, y2, paths, sites,
                                                           outside)
   assert paths == ["conv", "enc/b1", "enc/b2"] and len(notes) == 1, (paths, notes)
   assert all(s.residual_bytes > 0 for s in sites[1:])
@@ -679,14 +680,14 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
   first the site that adds the least gradient variance per byte saved; without
   sensitivities it goes by bytes. Measured sensitivities reach the plan's table."""
   # pylint: disable=protected-access
-  sites = [plan_lib._Site("big", residual_bytes=4e6, values=1e6, input_bytes=4e5,
+  sites = [_inputs._Site("big", residual_bytes=4e6, values=1e6, input_bytes=4e5,
                           input_values=1e5, forward_flops=1e8),
-           plan_lib._Site("small", residual_bytes=2e6, values=5e5, input_bytes=2e5,
+           _inputs._Site("small", residual_bytes=2e6, values=5e5, input_bytes=2e5,
                           input_values=5e4, forward_flops=5e7)]
   ladder = plan_lib.site_ladder(None, True)
 
   def first_to(bits, sensitivity):
-    for state in plan_lib._upgrade_path(sites, ladder, sensitivity):
+    for state in _search._upgrade_path(sites, ladder, sensitivity):
       lowered = [s.path for s, r in zip(sites, state) if ladder[r] == ("compress", bits)]
       if lowered:
         return lowered
@@ -699,7 +700,7 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
   # site at 1 bit before any recomputes (which adds FLOPs) from a 2-bit input.
   assert ladder == (("save", None), ("compress", 8), ("compress", 4), ("compress", 2),
                     ("compress", 1), ("recompute_compressed", 2))
-  walk = plan_lib._upgrade_path(sites, ladder, None)
+  walk = _search._upgrade_path(sites, ladder, None)
   assert all(max(state) - min(state) <= 1 for state in walk), walk
   assert walk[-1] == (len(ladder) - 1,) * len(sites)      # every rung is taken
   with pytest.raises(ValueError, match="no value for the sites"):
@@ -714,25 +715,25 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
                         calibration_batch=batch)
   assert any("measured at 2 bits on 4 examples" in n for n in loose.notes), loose.notes
   slopes = []                     # the undo step's line: (miss, plan) as (estimate, compiled)
-  slope_of = plan_lib._compiled_slope
+  slope_of = _inputs._compiled_slope
 
   def recorded(miss, fit, *bounds):
     if not bounds:                             # the walk's steps pass their own bounds
       slopes.append((miss, fit))
     return slope_of(miss, fit, *bounds)
-  monkeypatch.setattr(plan_lib, "_compiled_slope", recorded)
-  covered, prediction = [], plan_lib._heap_prediction     # the heap layout's sites
+  monkeypatch.setattr(_search, "_compiled_slope", recorded)
+  covered, prediction = [], _search._heap_prediction     # the heap layout's sites
 
   def recorded_prediction(heap, at, at_bytes, paths, ladder):
-    covered.append({plan_lib._site_of_codes(b, paths) for b in heap.buffers} - {None})
+    covered.append({_search._site_of_codes(b, paths) for b in heap.buffers} - {None})
     return prediction(heap, at, at_bytes, paths, ladder)
-  monkeypatch.setattr(plan_lib, "_heap_prediction", recorded_prediction)
-  known, undo_tries = [], plan_lib._undo_tries       # what the tries know compiled
+  monkeypatch.setattr(_search, "_heap_prediction", recorded_prediction)
+  known, undo_tries = [], _search._undo_tries       # what the tries know compiled
 
   def recorded_tries(*args):
     known.append((args[9](args[0]), args[1][0]))     # the plan's compiled bytes, as known
     return undo_tries(*args)
-  monkeypatch.setattr(plan_lib, "_undo_tries", recorded_tries)
+  monkeypatch.setattr(_search, "_undo_tries", recorded_tries)
   tight = plan_lib.plan(model, (X, Y), "65%", max_batch=False, optimizer=optimizer,
                         sensitivities={c.path: c.sensitivity for c in loose.choices})
   assert len(known) == 1 and known[0][0] == known[0][1], known
@@ -806,35 +807,35 @@ def test_the_top_rung_try_moves_only_sites_it_shrinks():
   only where it keeps less than the site's rung (a recomputed input can keep more than a
   block at 1 bit)."""
   # pylint: disable=protected-access
-  sites = [plan_lib._Site("a", residual_bytes=100.0, values=25.0, input_bytes=50.0,
+  sites = [_inputs._Site("a", residual_bytes=100.0, values=25.0, input_bytes=50.0,
                           input_values=50.0),
-           plan_lib._Site("b", residual_bytes=100.0, values=25.0, input_bytes=2.0),
-           plan_lib._Site("c", residual_bytes=0.0, input_bytes=2.0)]    # saves nothing
+           _inputs._Site("b", residual_bytes=100.0, values=25.0, input_bytes=2.0),
+           _inputs._Site("c", residual_bytes=0.0, input_bytes=2.0)]    # saves nothing
   ladder = plan_lib.site_ladder(("compress", "recompute"), True)
   one_bit, top = ladder.index(("compress", 1)), len(ladder) - 1
   assert ladder[top] == ("recompute", None)
   state = (one_bit, one_bit, 0)
-  assert plan_lib._top_of(sites, ladder, state) == (top, top, 0)
-  assert plan_lib._top_of(sites, ladder, state, smaller=True) == (one_bit, top, 0)
+  assert _search._top_of(sites, ladder, state) == (top, top, 0)
+  assert _search._top_of(sites, ladder, state, smaller=True) == (one_bit, top, 0)
   # Recomputing from a 2-bit input (the default top) may compile smaller than estimated:
   # it is tried everywhere, though a's estimate keeps 14.8 bytes there against 3.9 at 1 bit;
   # from an 8-bit input (bits=(8, 1)) only where the estimate keeps less.
   ladder = plan_lib.site_ladder()
-  assert plan_lib._top_of(sites, ladder, state, smaller=True) == (len(ladder) - 1,) * 2 + (0,)
+  assert _search._top_of(sites, ladder, state, smaller=True) == (len(ladder) - 1,) * 2 + (0,)
   ladder = plan_lib.site_ladder(bits=(8, 1))
   assert ladder[-1] == ("recompute_compressed", 8)
   top = len(ladder) - 1
-  assert plan_lib._top_of(sites, ladder, (2, 2, 0), smaller=True) == (2, top, 0)
-  assert plan_lib._top_of(sites, ladder, (2, 2, 0)) == (top, top, 0)
+  assert _search._top_of(sites, ladder, (2, 2, 0), smaller=True) == (2, top, 0)
+  assert _search._top_of(sites, ladder, (2, 2, 0)) == (top, top, 0)
 
 
 def _three_sites():
   """Three equal sites of sensitivity 1, 10 and 100, the default ladder (0 save, 1: 8 bits,
   2: 4 bits), and the estimated bytes a state keeps."""
   # pylint: disable=protected-access
-  sites = [plan_lib._Site(p, residual_bytes=4.0, values=1.0) for p in "abc"]
+  sites = [_inputs._Site(p, residual_bytes=4.0, values=1.0) for p in "abc"]
   ladder = plan_lib.site_ladder(None, True)
-  kept = lambda state: sum(plan_lib._kept(s, ladder[r])[0] for s, r in zip(sites, state))
+  kept = lambda state: sum(_inputs._kept(s, ladder[r])[0] for s, r in zip(sites, state))
   return sites, ladder, {"a": 1.0, "b": 10.0, "c": 100.0}, kept
 
 
@@ -844,19 +845,19 @@ def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
   # pylint: disable=protected-access
   sites, ladder, sens, kept = _three_sites()
   budget = kept((2, 2, 1)) + 1e-9                        # room for one site at 8 bits
-  assert plan_lib._relax((2, 2, 2), sites, ladder, sens, lambda s: kept(s) <= budget) == \
+  assert _search._relax((2, 2, 2), sites, ladder, sens, lambda s: kept(s) <= budget) == \
       (2, 2, 1)                                          # c, the most sensitive, goes back
-  assert plan_lib._relax((1, 1, 1), sites, ladder, sens, lambda s: True) == (1, 1, 1)
+  assert _search._relax((1, 1, 1), sites, ladder, sens, lambda s: True) == (1, 1, 1)
   # ``least``: a reduction whose undoing takes off less than that share of the variance the
   # state adds is left (a: 1 of 111).
-  assert plan_lib._relax((2, 2, 2), sites, ladder, sens, lambda s: True, 0.05) == (2, 1, 1)
-  assert plan_lib._relax((2, 2, 2), sites, ladder, sens, lambda s: True, 0.005) == (1, 1, 1)
+  assert _search._relax((2, 2, 2), sites, ladder, sens, lambda s: True, 0.05) == (2, 1, 1)
+  assert _search._relax((2, 2, 2), sites, ladder, sens, lambda s: True, 0.005) == (1, 1, 1)
   # The undo step's line runs through the plan at the compiled slope from the last miss:
   # a compile that saved half the estimate's bytes leaves room for twice the estimate.
-  assert plan_lib._compiled_slope((10.0, 90.0), (2.0, 86.0)) == 0.5
-  assert plan_lib._compiled_slope((10.0, 90.0), (2.0, 89.9)) == 0.1      # at least 0.1
-  assert plan_lib._compiled_slope((10.0, 90.0), (2.0, 74.0)) == 2.0      # not capped at 1
-  assert plan_lib._compiled_slope((2.0, 90.0), (2.0, 86.0)) == 1.0       # no estimated drop
+  assert _inputs._compiled_slope((10.0, 90.0), (2.0, 86.0)) == 0.5
+  assert _inputs._compiled_slope((10.0, 90.0), (2.0, 89.9)) == 0.1      # at least 0.1
+  assert _inputs._compiled_slope((10.0, 90.0), (2.0, 74.0)) == 2.0      # not capped at 1
+  assert _inputs._compiled_slope((2.0, 90.0), (2.0, 86.0)) == 1.0       # no estimated drop
 
 
 def test_undo_tries_follow_the_compiled_cost_of_undoing():
@@ -865,17 +866,17 @@ def test_undo_tries_follow_the_compiled_cost_of_undoing():
   one that misses, by the slope to it (steeper, so less is undone)."""
   # pylint: disable=protected-access
   sites, ladder, sens, kept = _three_sites()
-  relax = lambda state, fits: plan_lib._relax(state, sites, ladder, sens, fits)
+  relax = lambda state, fits: _search._relax(state, sites, ladder, sens, fits)
   plan, undo = (2, 2, 2), kept((2, 2, 1)) - kept((2, 2, 2))     # 0.5 estimated per site
 
   def tries(true_slope, room, affordable=lambda s: True):
-    cost = lambda s: (100.0 + true_slope * (kept(s) - kept(plan)), 0.0)
+    cost = lambda s: plan_lib.Measured(100.0 + true_slope * (kept(s) - kept(plan)), 0.0)
     anchor = (kept(plan) + 10.0, 110.0)                # the walk's last miss: slope 1
     compiled = []
-    state, (device_bytes, _), notes = plan_lib._undo_tries(
+    state, at, notes = _search._undo_tries(
         plan, cost(plan), anchor, kept, relax, lambda s: compiled.append(s) or cost(s),
         affordable, 100.0 + room)
-    return state, device_bytes, compiled, notes
+    return state, at.bytes, compiled, notes
 
   # Undoing costs a fifth of the estimate: slope 1 leaves room for c alone (0.5 of 0.6);
   # its compile costs 0.1, and at that slope a and b fit too (0.2 more).
@@ -899,7 +900,7 @@ def test_undo_tries_take_the_heap_layouts_prediction_until_it_misses():
   predicts none to fit, the line does. A state compiled before is never tried again."""
   # pylint: disable=protected-access
   sites, ladder, sens, kept = _three_sites()
-  relax = lambda state, fits, least=0.0: plan_lib._relax(state, sites, ladder, sens, fits,
+  relax = lambda state, fits, least=0.0: _search._relax(state, sites, ladder, sens, fits,
                                                           least)
   plan, undo = (2, 2, 2), kept((2, 2, 1)) - kept((2, 2, 2))     # 0.5 estimated per site
   # Compiled: undoing c (the most sensitive) costs 5, b and a nothing (dead at the peak).
@@ -909,11 +910,11 @@ def test_undo_tries_take_the_heap_layouts_prediction_until_it_misses():
 
   def tries(layout, truth=truth, known=lambda s: None):
     compiled.clear()
-    state, (device_bytes, _), notes = plan_lib._undo_tries(
-        plan, (truth(plan), 0.0), (kept(plan) + 10.0, 110.0), kept, relax,
-        lambda s: compiled.append(s) or (truth(s), 0.0), lambda s: True,
+    state, at, notes = _search._undo_tries(
+        plan, plan_lib.Measured(truth(plan), 0.0), (kept(plan) + 10.0, 110.0), kept, relax,
+        lambda s: compiled.append(s) or plan_lib.Measured(truth(s), 0.0), lambda s: True,
         100.0 + 1.2 * undo, lambda at: layout, known)
-    return state, device_bytes, list(compiled), notes
+    return state, at.bytes, list(compiled), notes
 
   # The estimate's line would undo c alone (0.5 of 0.6), which compiles 5 over. The layout
   # sees that c costs 5 and b nothing; a (under 1% of the variance) is left out of that
@@ -956,8 +957,8 @@ def test_a_plan_says_where_the_heap_layout_names_no_sites_codes(monkeypatch):
   rng = np.random.default_rng(0)
   batch = (rng.normal(size=(4,) + X.shape[1:]).astype(np.float32),
            rng.integers(0, 10, 4).astype(np.int32))
-  leasts, relax = [], plan_lib._relax
-  monkeypatch.setattr(plan_lib, "_relax", lambda *a, **k: leasts.append(
+  leasts, relax = [], _search._relax
+  monkeypatch.setattr(_search, "_relax", lambda *a, **k: leasts.append(
       a[5] if len(a) > 5 else k.get("least", 0.0)) or relax(*a, **k))
   p = plan_lib.plan(model, (X, Y), "70%", max_batch=False, calibration_batch=batch)
   assert p.fits and any(c.kind == "compress" and c.bits < 8 for c in p.choices), p.table()
@@ -1011,14 +1012,14 @@ def test_heap_prediction_resizes_the_codes_in_the_plans_heap_layout():
       buf("minima_a", 64, 0, 9, codes("a").replace("reduce_sum", "reduce_min"), "f32[16]"),
       buf("grad_a", 64, 7, 9, codes("a").replace("jvp(", "transpose(jvp("))),
       measure.CompiledMemory(0, 0, 0, 0, 0, 0))
-  assert [plan_lib._site_of_codes(b, ["a", "b", "c"]) for b in heap.buffers] == \
+  assert [_search._site_of_codes(b, ["a", "b", "c"]) for b in heap.buffers] == \
       [None, 0, 1, None, None, None]
   ladder = plan_lib.site_ladder(None, True)              # 0 save, 1 8-bit, 2 4-bit
   # 320 + 64 + 64 live throughout, 64 from 7 on; a's codes (0-5) and b's (6-9) share 128
   # bytes above them: XLA's temp allocation, 640 bytes, placed so too.
   assert heap.simulate() == 640
   heap = dataclasses.replace(heap, memory=measure.CompiledMemory(640, 0, 0, 0, 0, 0))
-  predict = plan_lib._heap_prediction(heap, (2, 2, 2), 1000, ["a", "b", "c"], ladder)
+  predict = _search._heap_prediction(heap, (2, 2, 2), 1000, ["a", "b", "c"], ladder)
   assert predict((2, 2, 2)) == 1000
   assert predict((2, 1, 2)) == predict((1, 1, 2)) == 1000 + 2 * 128 - 128
   assert predict((0, 2, 2)) is None                      # to save: not a bit change
@@ -1027,10 +1028,10 @@ def test_heap_prediction_resizes_the_codes_in_the_plans_heap_layout():
   # 40 bytes larger: the simulation's own error on the step is the prediction's slack.
   for temp in (600, 680):
     other = dataclasses.replace(heap, memory=measure.CompiledMemory(temp, 0, 0, 0, 0, 0))
-    predict = plan_lib._heap_prediction(other, (2, 2, 2), 1000, ["a", "b", "c"], ladder)
+    predict = _search._heap_prediction(other, (2, 2, 2), 1000, ["a", "b", "c"], ladder)
     assert predict((2, 2, 2)) == 1000 and predict((2, 1, 2)) == 1000 + 128 + 40
   # A layout naming no site's codes predicts nothing (the undo tries use the estimate).
-  assert plan_lib._heap_prediction(heap, (2, 2, 2), 1000, ["x", "y", "z"], ladder) is None
+  assert _search._heap_prediction(heap, (2, 2, 2), 1000, ["x", "y", "z"], ladder) is None
 
 
 def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reductions():
@@ -1042,7 +1043,7 @@ def test_the_walk_steps_by_the_compiled_slope_and_comes_back_to_the_fewest_reduc
   walk = list(range(11))
   estimate = lambda i: 100.0 - 10 * i                    # predicted bytes, 10 per point
   truth = {0: 100.0, 2: 96.0}                            # compiled: 2 per point, a fifth
-  step = lambda misses, hi, budget, compiled=truth, stop=None: plan_lib._next_point(
+  step = lambda misses, hi, budget, compiled=truth, stop=None: _search._next_point(
       walk, misses, hi, estimate, compiled.__getitem__, budget, stop)
   # The offset correction (slope 1) would try point 3 (96 - 10 = 86); the slope 0.2
   # reaches the budget of 90 three points past 2.
@@ -1073,24 +1074,24 @@ def test_the_compiled_front_keeps_the_points_nothing_beats():
   """The plan's PNG draws the compiled steps' front: at each FLOPs, the fewest bytes."""
   # pylint: disable=protected-access
   points = [(1.0, 90.0), (1.02, 70.0), (1.02, 75.0), (1.05, 80.0), (1.08, 40.0), (1.0, 90.0)]
-  assert plan_lib._pareto(points) == [(1.0, 90.0), (1.02, 70.0), (1.08, 40.0)]
-  assert plan_lib._pareto([]) == []
+  assert _report._pareto(points) == [(1.0, 90.0), (1.02, 70.0), (1.08, 40.0)]
+  assert _report._pareto([]) == []
 
 
 def test_the_offload_note_names_the_platform_the_plan_compiles_for():
   """Offload is not searched, and the plan says why for its own platform: on CPU it saves
   nothing; elsewhere the walk's cost (FLOPs) counts none of its host transfers."""
   # pylint: disable=protected-access
-  cpu = plan_lib._offload_note(None)                 # the default backend's
+  cpu = _inputs._offload_note(None)                 # the default backend's
   assert ("on CPU" in cpu) == (jax.default_backend() == "cpu"), cpu
   mesh_of = lambda platform: type("M", (), {"devices": np.array(
       [type("D", (), {"platform": platform})()])})()
-  gpu = plan_lib._offload_note(mesh_of("gpu"))
+  gpu = _inputs._offload_note(mesh_of("gpu"))
   assert "on CPU" not in gpu and gpu.startswith("offload not searched (gpu)")
   assert "host transfers" in gpu
-  assert "on CPU" in plan_lib._offload_note(mesh_of("cpu"))
+  assert "on CPU" in _inputs._offload_note(mesh_of("cpu"))
   h100 = jmem.measure.target("h100")                 # compiled for a GPU from this CPU
-  assert plan_lib._offload_note(None, h100).startswith("offload not searched (gpu)")
+  assert _inputs._offload_note(None, h100).startswith("offload not searched (gpu)")
 
 
 @pytest.mark.slow
@@ -1162,15 +1163,15 @@ def test_the_front_is_the_estimate_through_the_compiled_points():
   the line through the last two (slope within [0.1, 1]) and the last's FLOPs correction."""
   # pylint: disable=protected-access
   estimated = [(100.0, 1.0), (80.0, 2.0), (60.0, 3.0), (40.0, 4.0), (20.0, 5.0)]
-  front = plan_lib._calibrated(estimated, {0: (100, 1), 2: (80, 3.5)})
+  front = _report._calibrated(estimated, {0: (100, 1), 2: (80, 3.5)})
   assert front == ((100.0, 1.0), (90.0, 2.25), (80.0, 3.5), (70.0, 4.5), (60.0, 5.5))
   # Exact alone compiled: the estimate itself. A compile that saved more than estimated:
   # slope 1. Never below the floor (what does not grow with the batch).
-  assert plan_lib._calibrated(estimated[:2], {0: (100, 1)})[1] == (80.0, 2.0)
-  assert plan_lib._calibrated(estimated, {0: (100, 1), 1: (50, 2)})[2] == (30.0, 3.0)
-  assert plan_lib._calibrated(estimated, {0: (100, 1), 1: (50, 2)}, floor=15.0)[3:] == (
+  assert _report._calibrated(estimated[:2], {0: (100, 1)})[1] == (80.0, 2.0)
+  assert _report._calibrated(estimated, {0: (100, 1), 1: (50, 2)})[2] == (30.0, 3.0)
+  assert _report._calibrated(estimated, {0: (100, 1), 1: (50, 2)}, floor=15.0)[3:] == (
       (15.0, 4.0), (15.0, 5.0))
-  assert plan_lib._calibrated([(100.0, 1.0), (-20.0, 2.0)], {0: (100, 1)}) == (
+  assert _report._calibrated([(100.0, 1.0), (-20.0, 2.0)], {0: (100, 1)}) == (
       (100.0, 1.0), (0.0, 2.0))
 
 

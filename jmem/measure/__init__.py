@@ -46,6 +46,8 @@ from jmem.measure._residuals import Residual as Residual
 from jmem.measure._residuals import ResidualReport as ResidualReport
 from jmem.measure._residuals import module_path as module_path
 from jmem.measure._residuals import saved_residuals as saved_residuals
+from jmem.measure._step_time import COPY_RATE as COPY_RATE
+from jmem.measure._step_time import MATMUL_RATE as MATMUL_RATE
 from jmem.measure._step_time import StepTime as StepTime
 from jmem.measure._step_time import constants_for as constants_for
 from jmem.measure._step_time import estimate_step_time as estimate_step_time
@@ -64,5 +66,5 @@ __all__ = [
     "HeapBuffer", "HeapLayout", "heap_layout", "DumpUnavailableError", "collective_counts",
     "time_steps", "COLLECTIVE_OPS", "GIB", "Target", "TargetError", "TargetFallbackWarning",
     "TARGETS", "target", "PINNED_JAXLIB", "Traffic", "traffic", "shape_bytes", "StepTime",
-    "estimate_step_time", "constants_for",
+    "estimate_step_time", "constants_for", "COPY_RATE", "MATMUL_RATE",
 ]
