@@ -13,8 +13,10 @@ The step is the GPU table's (``benchmarks/gpu.py``): AdamW, donated, 1000 classe
 
   python benchmarks/plan_h100.py [--dtypes float32,bfloat16] [--budgets 40%,20%]
 
-Writes ``results/plan_h100.{json,md}``. About 20 compiles per dtype (2 cores: 1-2 minutes
-each); ``--uniform-from results/plan_h100.json`` reuses that file's uniform rows.
+Writes ``results/plan_h100.{json,md}``. About 30 compiles per dtype (2 cores: 0.5-1.5
+minutes each); ``--uniform-from results/plan_h100.json`` reuses that file's uniform rows;
+``--merge a.json b.json`` writes one report of runs made apart (e.g. one dtype each, in
+parallel), stamped with the commit they ran at.
 """
 
 from __future__ import annotations
@@ -69,7 +71,12 @@ def main(argv=None) -> int:
   p.add_argument("--uniform-from", default=None)
   p.add_argument("--no-plan", action="store_true", help="the uniform rows only")
   p.add_argument("--stem", default="plan_h100")
+  p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                 help="write one report of these runs' results (each run's own --dtypes), "
+                 "stamped with the commit they ran at, instead of running")
   args = p.parse_args(argv)
+  if args.merge:
+    return _merge(args)
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
@@ -121,13 +128,29 @@ def main(argv=None) -> int:
   return 0
 
 
+def _merge(args) -> int:
+  out, commits, dtypes = {"batch": BATCH, "dtypes": {}}, set(), []
+  for path in args.merge:
+    with open(path) as f:
+      run = json.load(f)
+    commits.add(run["meta"]["commit"])
+    out["dtypes"].update(run["dtypes"])
+    dtypes += list(run["dtypes"])
+  if len(commits) != 1:
+    raise SystemExit(f"--merge takes runs of one commit, got {sorted(commits)}")
+  args.dtypes = ",".join(dtypes)
+  _write(out, args, meta={"commit": commits.pop(), "merged_from": [
+      os.path.basename(p) for p in args.merge]})
+  return 0
+
+
 def _dump(out, path):
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path + ".partial", "w") as f:
     json.dump(out, f, indent=1)
 
 
-def _write(out, args):
+def _write(out, args, meta=None):
   gib = lambda b: f"{b / 2**30:.3f}"
   lines = ["# jmem plan --target h100: ResNet-50 224², batch 128", "",
            "Every figure is compiled for the H100 target (XLA:GPU's buffer assignment, no "
@@ -160,7 +183,7 @@ def _write(out, args):
                 f"sites {counts}; uniform techniques that fit: {p['uniform_that_fit']} (fastest "
                 f"{p['fastest_uniform']}); the plan is faster than every one of them: "
                 f"**{p['beats_every_uniform']}**.", ""]
-  _common.write_report(args.stem, out, lines, target="h100")
+  _common.write_report(args.stem, out, lines, target="h100", meta=meta)
 
 
 if __name__ == "__main__":

@@ -24,19 +24,17 @@ def _site(path, mib, flops=0.0, input_mib=None, arrays=4):
 
 def _search_of(sites, budget, compile_, objective=planner.Objective(), max_compiles=8,
                batch=16, fixed=64 * 2**20, working=2**20):
+  """A `Search` of ``sites`` whose cost model is ``compile_(state)``, and the list of what
+  it compiles; two compiles of the bound go to the exact step, as in `jmem.plan`."""
   compiles = []
 
   def counted(state, what):
     compiles.append((state, what))
     return compile_(state)
-  exact_cost = 1e12 if not objective.time else 0.05
-  probe = _search.Search(sites, LADDER, batch=batch, budget=budget, fixed=fixed,
-                         working=working, exact=planner.Measured(0.0, 1e12, 0.05),
-                         objective=objective, compile=counted, compiles_left=lambda: 0)
-  exact_bytes = probe.predicted(probe.walk[0])[0]
+  exact_bytes = fixed + batch * (working + sum(s.residual_bytes for s in sites))
+  exact = planner.Measured(exact_bytes, 1e12, 0.05 if objective.time else None)
   search = _search.Search(
-      sites, LADDER, batch=batch, budget=budget, fixed=fixed, working=working,
-      exact=planner.Measured(exact_bytes, 1e12, exact_cost if objective.time else None),
+      sites, LADDER, batch=batch, budget=budget, fixed=fixed, working=working, exact=exact,
       objective=objective, compile=counted,
       compiles_left=lambda: max_compiles - 2 - len(compiles), max_compiles=max_compiles)
   return search, compiles
@@ -146,3 +144,28 @@ def test_nothing_fitting_gives_the_smallest_step_compiled():
   search.run()
   assert search.at.bytes == min(sizes.values()) and search.at.bytes > 0.1 * exact
   assert "nothing fits" in (search.walk_note or "")
+
+
+def test_a_fitting_plan_gets_back_the_bits_the_budget_does_not_need():
+  """With sensitivities (FLOPs objective), once the walk's plan fits, `Search.undo` tries
+  it with the bit reductions the budget does not need undone, the most sensitive site's
+  first; a try is kept only where it fits, and each costs one compile of the bound."""
+  sens = {"stem": 100.0, "block1": 1.0, "block2": 1.0, "block3": 1.0, "head": 1.0}
+  search, _ = _search_of(SITES, 0, lambda s: None)
+  stub = _linear(search, keep=0.5)
+  exact = search.predicted(search.walk[0])[0]
+  budget = 0.62 * exact                # some sites below 8 bits
+  search = _search.Search(SITES, LADDER, batch=16, budget=budget, fixed=64 * 2**20,
+                          working=2**20, exact=planner.Measured(exact, 1e12),
+                          objective=planner.Objective(), sensitivity=sens,
+                          compile=lambda s, what: stub(s), compiles_left=lambda: 4)
+  search.run()
+  walked = search.state
+  assert search.at.bytes <= budget
+  notes = search.undo()
+  assert search.at.bytes <= budget and search.at == stub(search.state)
+  variance = lambda st: sum(_inputs._variance(sens[site.path], LADDER[r])  # pylint: disable=protected-access
+                            for site, r in zip(SITES, st))
+  undone = [i for i, (a, b) in enumerate(zip(search.state, walked)) if a != b]
+  assert notes and undone and all(search.state[i] == walked[i] - 1 for i in undone), notes
+  assert variance(search.state) < variance(walked)
