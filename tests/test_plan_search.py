@@ -89,9 +89,11 @@ def test_a_step_time_objective_compresses_the_fewest_sites_at_two_bits():
   first_one = next(i for i, s in enumerate(walk) if one in s)
   assert all(one not in s for s in walk[:first_one])
   assert all(r != 0 for r in walk[first_one - 1]), "every site compressed before 1 bit"
-  # Bytes fall along the path, and no point costs more than the next (the hull's order).
+  # Bytes fall along the path, and to its last 2-bit point the cost only grows.
   predicted = [search.predicted(s) for s in walk]
   assert all(b1 < b0 for (b0, _), (b1, _) in zip(predicted, predicted[1:]))
+  assert all(c1 >= c0 for (_, c0), (_, c1) in zip(predicted[:first_one], predicted[1:first_one]))
+  assert len(set(walk)) == len(walk)
   # The first step is the largest site, the one with the most bytes per second added.
   assert walk[1] == tuple(two if s.path == "block1" else 0 for s in SITES)
   # A budget that one site at 2 bits meets: the plan compresses that site alone.
@@ -155,11 +157,14 @@ def test_a_fitting_plan_gets_back_the_bits_the_budget_does_not_need():
   stub = _linear(search, keep=0.5)
   exact = search.predicted(search.walk[0])[0]
   budget = 0.62 * exact                # some sites below 8 bits
+  compiled = []
   search = _search.Search(SITES, LADDER, batch=16, budget=budget, fixed=64 * 2**20,
                           working=2**20, exact=planner.Measured(exact, 1e12),
                           objective=planner.Objective(), sensitivity=sens,
-                          compile=lambda s, what: stub(s), compiles_left=lambda: 4)
+                          compile=lambda s, what: compiled.append((s, what)) or stub(s),
+                          compiles_left=lambda: 8 - len(compiled))
   search.run()
+  walk_compiles = len(compiled)
   walked = search.state
   assert search.at.bytes <= budget
   notes = search.undo()
@@ -169,3 +174,22 @@ def test_a_fitting_plan_gets_back_the_bits_the_budget_does_not_need():
   undone = [i for i, (a, b) in enumerate(zip(search.state, walked)) if a != b]
   assert notes and undone and all(search.state[i] == walked[i] - 1 for i in undone), notes
   assert variance(search.state) < variance(walked)
+  tries = compiled[walk_compiles:]                  # one compile per try, none repeated
+  assert tries and all(what == "bit reductions undone" for _, what in tries), tries
+  assert len({s for s, _ in compiled}) == len(compiled) <= 8
+  assert search.state in [s for s, _ in tries] and len(notes[-1].split("; then ")) == len(tries)
+  with pytest.raises(RuntimeError, match="walks once"):
+    search.run()
+
+
+@pytest.mark.parametrize("policies, bits", [("recompute", None), ("recompute_compressed", None),
+                                            ("compress", 1), (None, (8, 1))])
+def test_the_time_path_takes_any_ladder(policies, bits):
+  """The time path on ladders without a width of 2 or more, or without compression: bytes
+  fall at every point, no state repeats, and every site ends on a rung that keeps less."""
+  ladder = planner.site_ladder(policies, policies != "recompute", bits)
+  path = _search.time_path(SITES, ladder, lambda i, r: H100.added(SITES[i], ladder[r], 16))
+  kept = lambda st: sum(_inputs._kept(s, ladder[r])[0] for s, r in zip(SITES, st))  # pylint: disable=protected-access
+  assert len(path) > 1 and len(set(path)) == len(path)
+  assert all(kept(b) < kept(a) for a, b in zip(path, path[1:]))
+  assert all(r > 0 for r in path[-1])

@@ -1,7 +1,8 @@
 """`jmem.plan` (`jmem.planner.plan`): per-site memory policies that fit a model's train
 step into a budget at the least extra cost: FLOPs, or for a GPU target with a fitted
 step-time model (``target="h100"``, ``jmem plan --target h100``) the step time estimated
-from each compiled module (`jmem.measure.estimate_step_time`; item 6).
+from each compiled module (`jmem.measure.estimate_step_time`; item 6). Where the steps
+below say FLOPs, read the cost the objective names (`Plan.objective`).
 
 ::
 
@@ -119,19 +120,24 @@ peak). Each site gets a `jmem.Policy`. How:
 6. **The objective.** Where the target has a fitted step-time model (the H100:
    `jmem.measure.constants_for`), every step compiled is also timed by
    `jmem.measure.estimate_step_time` (bytes its kernels move, matrix FLOPs, kernels), and
-   that estimate, not FLOPs, is what the walk minimises: the top-rung try, InPlace-ABN
-   alone and the plan are compared on it, and `Plan.seconds` reports it (an estimate, not
-   a measured time). FLOPs miss what compression costs on a GPU (ActNN L3 on ResNet-50:
-   1.03x exact's FLOPs, 1.13-1.39x its time on an H100), and the bit widths' order
-   inverts there: a value at 8 bits keeps more than at 2 *and* costs more (its codes are
-   written and read). So the upgrade path is another (`_search.time_path`): compression
-   at the fewest bits of 2 or more allowed (ActNN L3's 2) on the sites where it removes the
-   most bytes per second added, each site's estimated cost (`Objective.added`: codes
-   moved and kernels launched; a recomputation's forward FLOPs at the matrix rate and its
+   the walk steers by that estimate instead of FLOPs: its path is ordered by the sites'
+   estimated seconds, the top-rung try, InPlace-ABN alone and the plan are compared on
+   compiled estimates, and `Plan.seconds` reports it (an estimate, not a measured time).
+   FLOPs miss what compression costs on a GPU (ActNN L3 on ResNet-50: 1.03x exact's
+   FLOPs, 1.13-1.39x its time on an H100), and the bit widths' order inverts there: a
+   value at 8 bits keeps more than at 2 *and* costs more (its codes are written and read:
+   ResNet-50 at batch 128, 8 bits everywhere 1.089x exact's estimated time, 4 bits 1.062x,
+   2 bits 1.051x). So the upgrade path is another (`_search.time_path`): compression at
+   the fewest bits of 2 or more allowed (ActNN L3's 2) on the sites where it removes the
+   most bytes per second added, each site's estimated cost (`Objective.added`: codes moved
+   and kernels launched; a recomputation's forward FLOPs at the matrix rate and its
    activations moved again) ranking them; once every site is compressed, 1 bit (less
-   kept at no added time) and then recomputation. A budget that needs only some sites
-   compressed leaves the rest saved, in less time than 2 bits everywhere. With
-   sensitivities the 1-bit reductions go by bytes saved per variance added; bit
+   kept at about the same time: 1.052x everywhere) and then recomputation. The walk
+   still takes the first point of that path that fits, so a budget that needs only some
+   sites compressed leaves the rest saved, in less time than 2 bits everywhere, and 1 bit
+   comes only where 2 bits do not fit: accuracy first among points the estimate puts
+   within a few thousandths of each other. With sensitivities the 1-bit reductions go by
+   bytes saved per variance added (which sites reach 2 bits does not depend on them); bit
    reductions are not undone (more bits cost more time).
 
 The code: `_inputs` (the budget, the ladder, each site's estimates, the objective, the
@@ -142,8 +148,9 @@ table and figure), `_plan` (`plan`: checks the inputs, makes the estimates, comp
 
 Not searched: ``offload``. On CPU, one memory for host and device, it saves nothing, so
 only a GPU compile could measure it; on a GPU neither of the walk's costs (FLOPs, the
-estimated step time) counts its host transfers, and where it was measured it lost on both figures: on an H100, ResNet-50
-224² at batch 64 (benchmarks/results/gpu/gpu_nvidia_h100_80gb_hbm3_run4.md), full-precision
+estimated step time) counts its host transfers, and where it was measured it lost on both
+figures: on an H100, ResNet-50 224² at batch 64
+(benchmarks/results/gpu/gpu_nvidia_h100_80gb_hbm3_run4.md), full-precision
 ``Policy("offload")`` at every site compiled to 0.97x exact's temp bytes and stepped in
 11.5x exact's time (310.6 against 27.1 ms), where ``recompute-2bit`` compiled to 0.29x at
 1.21x; in an earlier run (gpu_h100_first_figures.md, run 3: unmasked kernels, a non-finite

@@ -320,40 +320,14 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                                                 heap_of=state),
       compiles_left=left, max_compiles=max_compiles).run()
   notes += search.notes
-  search.notes = []
   of = objective.of
-  state, at, index, walk = search.state, search.at, search.index, search.walk
-  walk_note, on_top = search.walk_note, search.on_top
-  # InPlace-ABN alone is the plan where it fits at less cost than the walk's plan, or fits
-  # where that does not, or (nothing fits) comes closer.
   under = ()                                  # techniques under every site (and the base)
   if abn_cost is not None:
-    ratio = lambda m: of(m) / max(of(exact), 1e-30)
-    unit = "FLOPs" if not objective.time else "estimated step time"
-    walk_fits = at.bytes <= budget_bytes
-    if abn_cost.bytes > budget_bytes:
-      why = f"misses the budget by {_size(abn_cost.bytes - budget_bytes)}"
-    elif walk_fits:
-      fewer = ("" if of(abn_cost) < of(at) else "no ") + ("less" if objective.time else "fewer")
-      why = (f"fits at {ratio(abn_cost):.3f}x exact's {unit}, {fewer} than the per-site walk's "
-             f"{ratio(at):.3f}x")
-    else:
-      why = f"fits at {ratio(abn_cost):.3f}x exact's {unit}, where the per-site walk does not"
-    if (abn_cost.bytes <= budget_bytes and (not walk_fits or of(abn_cost) < of(at))) or (
-        not walk_fits and abn_cost.bytes < at.bytes):
-      notes.append(f"InPlace-ABN alone {why}" + (", less than the per-site walk" if
-                                                 abn_cost.bytes > budget_bytes else "") +
-                   f": the plan is InPlace-ABN on the BatchNorms {abn.where!r} (their "
-                   "activation inverted from the output; exact, but the scale is "
-                   "|gamma| + epsilon: map existing weights with "
-                   "jmem.surgery.inplace_abn_params)")
-      under, index, state, at = (abn,), 0, walk[0], abn_cost
-      walk_note, on_top = None, False
-    else:
-      notes.append(f"InPlace-ABN alone {why}: the plan is the walk's (InPlace-ABN with "
-                   "per-site policies is not searched)")
-  notes += [walk_note] if walk_note else []
-  if sens is not None and quantizes and index > 0 and at.bytes <= budget_bytes:
+    under, note = _weigh_inplace_abn(search, abn, abn_cost)
+    notes.append(note)
+  walk, at = search.walk, search.at
+  notes += [search.walk_note] if search.walk_note else []
+  if sens is not None and quantizes and search.index > 0 and at.bytes <= budget_bytes:
     if objective.time:
       notes.append("bit reductions not undone: the walk minimises the estimated step time, "
                    "and more bits cost more (larger codes); its compressed sites are at the "
@@ -364,20 +338,20 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
       # a compile saved half of the estimate's bytes or less, kept the most sensitive site,
       # the stem, at 4 bits): it is scaled by the compiled slope from the walk's last miss.
       notes += search.undo(steps.heaps, [site.path for site in sites])
-      state, at = search.state, search.at
+      at = search.at
   if search.no_top and at.bytes > budget_bytes:
     notes.append(search.no_top)
   if search.cut and at.bytes > budget_bytes:
     notes.append(f"the per-site walk stopped over the budget at max_compiles={max_compiles}"
                  f"{' (InPlace-ABN alone took one)' if abn_cost is not None else ''}: more "
                  "compiles may find a plan that fits")
-  choices = choices_of(state)
+  choices = choices_of(search.state)
   fits = at.bytes <= budget_bytes
   best = exact_best = None
   if max_batch:
     exact_best = _largest(*sorted([(small, exact_small), (batch, exact.bytes)]), budget_bytes,
                           multiple)
-    if not (under or index):
+    if not (under or search.index):
       best = exact_best                   # the exact step's
     else:
       other = 2 * batch if fits else small
@@ -390,15 +364,17 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                  f"what does not grow with the batch), over the budget of "
                  f"{_size(budget_bytes)}: the sites' policies change what grows with the "
                  "batch, so no batch is likely to fit")
+  on_top = search.on_top
   estimates = tuple(search.predicted(s_) for s_ in walk) + (
       (search.predicted(search.top),) if on_top else ())
   front = _calibrated(estimates[:len(walk)],
                       {i: (m.bytes, of(m)) for i, s_ in enumerate(walk)
                        if (m := search.costs.get(s_)) is not None} |
                       {0: (exact.bytes, of(exact))}, floor=max(fixed, 0.0))
-  if on_top:
-    front += ((float(at.bytes), float(of(at))),)      # on_top: the top rung was compiled
-  index = len(front) - 1 if on_top else index
+  if on_top:                                  # the top rung was compiled
+    top = search.costs[search.top]
+    front += ((float(top.bytes), float(of(top))),)
+  index = len(front) - 1 if on_top else search.index
   result = Plan(budget_bytes, batch, choices, int(at.bytes), int(exact.bytes), at.flops,
                 exact.flops, fits, best, exact_best, steps.compiles, front, index, tuple(notes),
                 base + under, tuple(steps.measured), layout.shards, layout.mesh,
@@ -412,6 +388,37 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
         "budget, plan a smaller batch_size, or allow more policies (plan.table() shows each "
         "site's).", BudgetNotMetWarning, stacklevel=2)
   return result
+
+
+def _weigh_inplace_abn(search, abn, abn_cost) -> tuple[tuple, str]:
+  """``((abn,) or (), note)``: InPlace-ABN alone (``abn``, compiled to ``abn_cost``) is the
+  plan where it fits at less cost than the search's plan, or fits where that does not, or
+  (nothing fits) comes closer; then the search's plan becomes every site saved under it."""
+  of, exact, budget, at = search.objective.of, search.exact, search.budget, search.at
+  ratio = lambda m: of(m) / max(of(exact), 1e-30)
+  unit = search.objective.name
+  walk_fits = at.bytes <= budget
+  if abn_cost.bytes > budget:
+    why = f"misses the budget by {_size(abn_cost.bytes - budget)}"
+  elif walk_fits:
+    fewer = ("" if of(abn_cost) < of(at) else "no ") + (
+        "less" if search.objective.time else "fewer")
+    why = (f"fits at {ratio(abn_cost):.3f}x exact's {unit}, {fewer} than the per-site walk's "
+           f"{ratio(at):.3f}x")
+  else:
+    why = f"fits at {ratio(abn_cost):.3f}x exact's {unit}, where the per-site walk does not"
+  if (abn_cost.bytes <= budget and (not walk_fits or of(abn_cost) < of(at))) or (
+      not walk_fits and abn_cost.bytes < at.bytes):
+    search.state, search.at, search.index = search.walk[0], abn_cost, 0
+    search.walk_note, search.on_top = None, False
+    return (abn,), (f"InPlace-ABN alone {why}" + (", less than the per-site walk" if
+                                                   abn_cost.bytes > budget else "") +
+                    f": the plan is InPlace-ABN on the BatchNorms {abn.where!r} (their "
+                    "activation inverted from the output; exact, but the scale is "
+                    "|gamma| + epsilon: map existing weights with "
+                    "jmem.surgery.inplace_abn_params)")
+  return (), (f"InPlace-ABN alone {why}: the plan is the walk's (InPlace-ABN with per-site "
+              "policies is not searched)")
 
 
 class _Steps:

@@ -74,8 +74,8 @@ class Plan:
       with a data axis, the global batch, a multiple of the axis's size.
     exact_max_batch: the same for the exact step (from its two compiles).
     compiles: the steps compiled.
-    front: the (device bytes, FLOPs) of each point of the upgrade path as the walk's
-      compiles predict them (`_calibrated`: the compiled figures where a point was
+    front: the (device bytes, cost: ``objective``'s) of each point of the upgrade path as
+      the walk's compiles predict them (`_calibrated`: the compiled figures where a point was
       compiled, between compiled points the estimate mapped through them, past the last
       the walk's line, no lower than the exact step's bytes at batch 0; where exact
       alone was compiled, the estimate itself so floored), then, where the plan is every
@@ -108,7 +108,7 @@ class Plan:
     target: the `jmem.measure.Target` every step was compiled for (``target=``), by name;
       ``target_label``: what its figures are (e.g. an H100's buffer assignment, compiled
       without one).
-    objective: what the walk minimised among the plans that fit: ``"FLOPs"``, or
+    objective: the cost the walk steered by and the plans were compared on: ``"FLOPs"``, or
       ``"estimated step time"`` for a target with a fitted step-time model (the H100:
       `jmem.measure.estimate_step_time`); ``front`` and ``estimates`` are (bytes, that).
     seconds, exact_seconds: the planned and the exact step's estimated step times (None:
@@ -194,10 +194,11 @@ class Plan:
               f"{_size(self.exact_device_bytes)}. FLOPs "
               f"{self.flops / max(self.exact_flops, 1):.3f}x exact's (XLA cost analysis)."]
     if self.seconds is not None and self.exact_seconds:
-      lines.append(f"Estimated step time {self.seconds * 1e3:.1f} ms, "
-                   f"{self.seconds / self.exact_seconds:.3f}x exact's {self.exact_seconds * 1e3:.1f}"
-                   " ms (jmem.measure.estimate_step_time: an estimate from the compiled module, "
-                   "not a measured time); the walk minimised it.")
+      ratio = self.seconds / self.exact_seconds
+      lines.append(f"Estimated step time {self.seconds * 1e3:.1f} ms, {ratio:.3f}x exact's "
+                   f"{self.exact_seconds * 1e3:.1f} ms (jmem.measure.estimate_step_time: an "
+                   "estimate from the compiled module, not a measured time); the walk steered "
+                   "by it.")
     if self.max_batch is not None:
       lines.append(f"Largest batch within the budget, predicted from two compiled batch "
                    f"sizes: {self.max_batch} (exact: {self.exact_max_batch}).")

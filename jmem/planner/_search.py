@@ -316,8 +316,9 @@ def _cheapest_path(sites, ladder, added, sensitivity=None, start=None, allowed=N
       steps.append((best_key, i, len(steps), best))
       here = best
     runs.append(steps)
-  # Each site's steps keep their order (a hull's slopes fall along it); across sites, the
-  # steepest first.
+  # Each site's steps keep their order; across sites, the steepest first (heapq.merge
+  # keeps each run's order: where a site's keys do not fall along its run, e.g. a free step
+  # after a costed one, that site's later step waits for its earlier one).
   path = [tuple(state)]
   for _, i, _, rung in heapq.merge(*runs, key=lambda t: t[0], reverse=True):
     state[i] = rung
@@ -381,7 +382,8 @@ class Search:
     self.misses, self.hi = [0], None
     self.state, self.at, self.index = self.walk[0], exact, 0
     self.on_top, self.walk_note, self.no_top, self.cut = False, None, None, False
-    self.top = self.walk[0]
+    self.top, self.end_bytes = self.walk[0], exact.bytes
+    self._ran = False
 
   # ---------------------------------------------------------------- estimates
 
@@ -426,7 +428,11 @@ class Search:
   def run(self, first: int | None = None) -> "Search":
     """The walk to the first point that fits (module docstring, item 3), then the top-rung
     try, then, where nothing fits, the smallest step compiled. ``first``: the point to
-    compile first (default: the first the estimate puts within the budget)."""
+    compile first (default: the first the estimate puts within the budget). Once per
+    `Search`: its state is the walk's."""
+    if self._ran:
+      raise RuntimeError("Search.run walks once; make a new Search to walk again.")
+    self._ran = True
     self._walk(first)
     self._try_top()
     self._smallest()
