@@ -303,3 +303,28 @@ def test_a_plain_linen_model_has_another_peak_on_the_h100_than_on_xla_cpu():
   on_gpu = measure.target("h100").memory(step, state, x, y).temp_bytes
   on_cpu = measure.target().memory(step, state, x, y).temp_bytes
   assert on_gpu > 0 and on_cpu > 0 and on_gpu != on_cpu
+
+
+@pytest.mark.slow
+def test_a_plan_for_the_h100_steers_by_its_estimated_step_time():
+  """`jmem.plan(target="h100")`: every step it compiles is timed by the H100 step-time
+  estimate, the plan's sites are saved or at 2 bits (8 and 4 cost more on a GPU), and the
+  plan, which fits, is estimated no slower than 2 bits at every site."""
+  model = models.create_model("resnet8", 10)
+  x = jax.ShapeDtypeStruct((128, 16, 16, 1), jnp.float32)
+  y = jax.ShapeDtypeStruct((128,), jnp.int32)
+  plan = jmem.plan(model, (x, y), "60%", target="h100", max_batch=False, max_compiles=5)
+  assert plan.objective == "estimated step time" and plan.fits, plan.table()
+  assert plan.seconds > 0 and plan.exact_seconds > 0 and plan.measured_seconds
+  assert all(s is not None and s > 0 for s in plan.measured_seconds)
+  assert {c.label for c in plan.choices} <= {"save", "compress 2-bit"}, plan.table()
+  assert "Estimated step time" in plan.table()
+  on = measure.target("h100")
+  everywhere = jmem.convert(model, jmem.Policy("compress", bits=2))
+  step, args = jmem.planner._train_step(everywhere, train.default_optimizer(1e-3, 100), x, y)  # pylint: disable=protected-access
+  with on.lowering():
+    lowered = step.lower(*on.place(args))
+    compiled = lowered.compile()
+  total, flops = measure.device_bytes_and_flops(compiled, lowered)
+  uniform = measure.estimate_step_time(compiled, flops).seconds
+  assert plan.seconds <= uniform, (plan.seconds, uniform, total, plan.table())

@@ -253,10 +253,12 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                  "calibration_batch=(x, y) (a few real examples) to order them by it")
   objective = objective_for(device)
   if objective.time:
-    notes.append(f"the walk minimises the step time estimated for the {device.name} target "
+    notes.append(f"the walk steers by the step time estimated for the {device.name} target "
                  "from each compiled module (jmem.measure.estimate_step_time: bytes moved, "
                  "matrix FLOPs and kernels, fitted on an H100's measured steps; an estimate, "
-                 "not a measured time), not FLOPs")
+                 "not a measured time), not by FLOPs: compression at 2 bits where it frees "
+                 "the most bytes per second added, 1 bit and recomputation only where 2 bits "
+                 "do not fit")
   steps = _Steps(model, optimizer, x, y, spec, abstract, loss_fn, device, batch, notes,
                  read_heaps=sens is not None and not objective.time)
 
