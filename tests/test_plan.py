@@ -21,6 +21,16 @@ X = jax.ShapeDtypeStruct((64, 32, 32, 3), jnp.float32)
 Y = jax.ShapeDtypeStruct((64,), jnp.int32)
 
 
+def _search_over(sites, ladder, sensitivity=None):
+  """A `jmem.planner.Search` of ``sites`` on ``ladder`` that compiles nothing (its walk,
+  top rung and relaxing need no cost model)."""
+  def no_compile(state, what):
+    raise AssertionError(f"compiled {state} ({what})")
+  return _search.Search(sites, ladder, batch=1, budget=0.0, fixed=0.0, working=0.0,
+                        exact=plan_lib.Measured(0.0, 0.0), objective=plan_lib.Objective(),
+                        sensitivity=sensitivity, compile=no_compile, compiles_left=lambda: 0)
+
+
 @pytest.fixture(autouse=True)
 def _compile_each_step_once(monkeypatch):
   """Within a test, a step lowered to the same program (text, compiler options, devices) is
@@ -687,7 +697,7 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
   ladder = plan_lib.site_ladder(None, True)
 
   def first_to(bits, sensitivity):
-    for state in _search._upgrade_path(sites, ladder, sensitivity):
+    for state in _search_over(sites, ladder, sensitivity).walk:
       lowered = [s.path for s, r in zip(sites, state) if ladder[r] == ("compress", bits)]
       if lowered:
         return lowered
@@ -700,7 +710,7 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
   # site at 1 bit before any recomputes (which adds FLOPs) from a 2-bit input.
   assert ladder == (("save", None), ("compress", 8), ("compress", 4), ("compress", 2),
                     ("compress", 1), ("recompute_compressed", 2))
-  walk = _search._upgrade_path(sites, ladder, None)
+  walk = _search_over(sites, ladder).walk
   assert all(max(state) - min(state) <= 1 for state in walk), walk
   assert walk[-1] == (len(ladder) - 1,) * len(sites)      # every rung is taken
   with pytest.raises(ValueError, match="no value for the sites"):
@@ -815,18 +825,18 @@ def test_the_top_rung_try_moves_only_sites_it_shrinks():
   one_bit, top = ladder.index(("compress", 1)), len(ladder) - 1
   assert ladder[top] == ("recompute", None)
   state = (one_bit, one_bit, 0)
-  assert _search._top_of(sites, ladder, state) == (top, top, 0)
-  assert _search._top_of(sites, ladder, state, smaller=True) == (one_bit, top, 0)
+  assert _search_over(sites, ladder).top_of(state) == (top, top, 0)
+  assert _search_over(sites, ladder).top_of(state, smaller=True) == (one_bit, top, 0)
   # Recomputing from a 2-bit input (the default top) may compile smaller than estimated:
   # it is tried everywhere, though a's estimate keeps 14.8 bytes there against 3.9 at 1 bit;
   # from an 8-bit input (bits=(8, 1)) only where the estimate keeps less.
   ladder = plan_lib.site_ladder()
-  assert _search._top_of(sites, ladder, state, smaller=True) == (len(ladder) - 1,) * 2 + (0,)
+  assert _search_over(sites, ladder).top_of(state, smaller=True) == (len(ladder) - 1,) * 2 + (0,)
   ladder = plan_lib.site_ladder(bits=(8, 1))
   assert ladder[-1] == ("recompute_compressed", 8)
   top = len(ladder) - 1
-  assert _search._top_of(sites, ladder, (2, 2, 0), smaller=True) == (2, top, 0)
-  assert _search._top_of(sites, ladder, (2, 2, 0)) == (top, top, 0)
+  assert _search_over(sites, ladder).top_of((2, 2, 0), smaller=True) == (2, top, 0)
+  assert _search_over(sites, ladder).top_of((2, 2, 0)) == (top, top, 0)
 
 
 def _three_sites():
@@ -845,13 +855,13 @@ def test_relaxing_undoes_the_reductions_the_budget_does_not_need():
   # pylint: disable=protected-access
   sites, ladder, sens, kept = _three_sites()
   budget = kept((2, 2, 1)) + 1e-9                        # room for one site at 8 bits
-  assert _search._relax((2, 2, 2), sites, ladder, sens, lambda s: kept(s) <= budget) == \
+  assert _search_over(sites, ladder, sens).relax((2, 2, 2), lambda s: kept(s) <= budget) == \
       (2, 2, 1)                                          # c, the most sensitive, goes back
-  assert _search._relax((1, 1, 1), sites, ladder, sens, lambda s: True) == (1, 1, 1)
+  assert _search_over(sites, ladder, sens).relax((1, 1, 1), lambda s: True) == (1, 1, 1)
   # ``least``: a reduction whose undoing takes off less than that share of the variance the
   # state adds is left (a: 1 of 111).
-  assert _search._relax((2, 2, 2), sites, ladder, sens, lambda s: True, 0.05) == (2, 1, 1)
-  assert _search._relax((2, 2, 2), sites, ladder, sens, lambda s: True, 0.005) == (1, 1, 1)
+  assert _search_over(sites, ladder, sens).relax((2, 2, 2), lambda s: True, 0.05) == (2, 1, 1)
+  assert _search_over(sites, ladder, sens).relax((2, 2, 2), lambda s: True, 0.005) == (1, 1, 1)
   # The undo step's line runs through the plan at the compiled slope from the last miss:
   # a compile that saved half the estimate's bytes leaves room for twice the estimate.
   assert _inputs._compiled_slope((10.0, 90.0), (2.0, 86.0)) == 0.5
@@ -866,7 +876,7 @@ def test_undo_tries_follow_the_compiled_cost_of_undoing():
   one that misses, by the slope to it (steeper, so less is undone)."""
   # pylint: disable=protected-access
   sites, ladder, sens, kept = _three_sites()
-  relax = lambda state, fits: _search._relax(state, sites, ladder, sens, fits)
+  relax = _search_over(sites, ladder, sens).relax
   plan, undo = (2, 2, 2), kept((2, 2, 1)) - kept((2, 2, 2))     # 0.5 estimated per site
 
   def tries(true_slope, room, affordable=lambda s: True):
@@ -900,8 +910,7 @@ def test_undo_tries_take_the_heap_layouts_prediction_until_it_misses():
   predicts none to fit, the line does. A state compiled before is never tried again."""
   # pylint: disable=protected-access
   sites, ladder, sens, kept = _three_sites()
-  relax = lambda state, fits, least=0.0: _search._relax(state, sites, ladder, sens, fits,
-                                                          least)
+  relax = _search_over(sites, ladder, sens).relax
   plan, undo = (2, 2, 2), kept((2, 2, 1)) - kept((2, 2, 2))     # 0.5 estimated per site
   # Compiled: undoing c (the most sensitive) costs 5, b and a nothing (dead at the peak).
   truth = lambda s: 100.0 + 5.0 * (s[2] < 2)
@@ -957,9 +966,9 @@ def test_a_plan_says_where_the_heap_layout_names_no_sites_codes(monkeypatch):
   rng = np.random.default_rng(0)
   batch = (rng.normal(size=(4,) + X.shape[1:]).astype(np.float32),
            rng.integers(0, 10, 4).astype(np.int32))
-  leasts, relax = [], _search._relax
-  monkeypatch.setattr(_search, "_relax", lambda *a, **k: leasts.append(
-      a[5] if len(a) > 5 else k.get("least", 0.0)) or relax(*a, **k))
+  leasts, relax = [], _search.Search.relax
+  monkeypatch.setattr(_search.Search, "relax", lambda self, state, fits, least=0.0: (
+      leasts.append(least) or relax(self, state, fits, least)))
   p = plan_lib.plan(model, (X, Y), "70%", max_batch=False, calibration_batch=batch)
   assert p.fits and any(c.kind == "compress" and c.bits < 8 for c in p.choices), p.table()
   assert any("no site's packed codes are named" in n for n in p.notes), p.notes

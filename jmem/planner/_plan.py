@@ -312,7 +312,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     for s, r in zip(sites, state):
       b, f = _kept(s, ladder[r])
       out.append(SiteChoice(s.path, ladder[r][0], ladder[r][1], s.residual_bytes - b, f,
-                            None if sens is None else sens[s.path]))
+                            None if sens is None else sens[s.path],
+                            objective.added(s, ladder[r], batch) if objective.time else None))
     return tuple(out)
 
   search = Search(

@@ -29,6 +29,9 @@ class SiteChoice:
     saved_bytes: estimated bytes per example it keeps less than ``save``.
     added_flops: estimated FLOPs per example it adds.
     sensitivity: its GACT gradient sensitivity ``C`` (None: not measured).
+    added_seconds: where the plan steered by an estimated step time, the seconds per step
+      at the plan's batch the site's estimate adds (`Objective.added`: what ranks the
+      sites, not a prediction); else None.
   """
 
   path: str
@@ -37,6 +40,7 @@ class SiteChoice:
   saved_bytes: float
   added_flops: float
   sensitivity: float | None = None
+  added_seconds: float | None = None
 
   @property
   def label(self) -> str:
@@ -173,13 +177,18 @@ class Plan:
 
   def table(self) -> str:
     sens = any(c.sensitivity is not None for c in self.choices)
+    timed = any(c.added_seconds is not None for c in self.choices)
     share = "" if self.devices == 1 else f", per device of {self.devices}"
     lines = [f"| site | policy | saved MiB / example{share}, estimated | added MFLOPs / "
-             f"example{share}, estimated |" + (" gradient sensitivity C |" if sens else ""),
-             "|---|---|---:|---:|" + ("---:|" if sens else "")]
+             f"example{share}, estimated |" +
+             (f" added ms per step of {self.batch_size}, estimated |" if timed else "") +
+             (" gradient sensitivity C |" if sens else ""),
+             "|---|---|---:|---:|" + ("---:|" if timed else "") + ("---:|" if sens else "")]
     for c in self.choices:
       lines.append(f"| {c.path} | {c.label} | {c.saved_bytes / 2**20:.2f} | "
-                   f"{c.added_flops / 1e6:.1f} |" + (f" {c.sensitivity:.3g} |" if sens else ""))
+                   f"{c.added_flops / 1e6:.1f} |" +
+                   (f" {1e3 * (c.added_seconds or 0.0):.3f} |" if timed else "") +
+                   (f" {c.sensitivity:.3g} |" if sens else ""))
     if self.base:
       lines += ["", "Under every site: " + ", ".join(_short(t) for t in self.base) + "."]
     lines += ["", "Per site: the trace's estimates (what the walk ranks by). The step's "

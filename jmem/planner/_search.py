@@ -414,9 +414,20 @@ class Search:
       self.costs[state] = Measured(*self.compile(state, name))
     return self.costs[state]
 
+  def top_of(self, state, smaller: bool = False) -> tuple:
+    """``state`` with every site that saves anything on the top rung moved there (`_top_of`;
+    ``smaller``: only where that keeps less, the try after the walk's end missed)."""
+    return _top_of(self.sites, self.ladder, state, smaller)
+
+  def relax(self, state, fits, least: float = 0.0) -> tuple:
+    """``state`` with the bit reductions ``fits`` says it does not need undone, the most
+    variance first (`_relax`; ``least``: a reduction adding under that share of the
+    state's variance is left)."""
+    return _relax(state, self.sites, self.ladder, self.sensitivity, fits, least)
+
   def cheaper_top(self, state) -> bool:
     """Whether the estimate puts every site on the top rung at less cost than ``state``."""
-    top = _top_of(self.sites, self.ladder, state)
+    top = self.top_of(state)
     return top != state and self.predicted(top)[1] < self.predicted(state)[1]
 
   def bytes_of(self, i: int) -> float:
@@ -472,8 +483,8 @@ class Search:
   def _try_top(self):
     walk, budget, of = self.walk, self.budget, self.objective.of
     state, index = self.state, self.index
-    self.top = top = _top_of(self.sites, self.ladder, state,
-                             smaller=index == len(walk) - 1 and self.at.bytes > budget)
+    self.top = top = self.top_of(state, smaller=index == len(walk) - 1 and
+                                 self.at.bytes > budget)
     self.end_bytes = end_bytes = self.at.bytes
     if index == len(walk) - 1 > 0 and self.at.bytes > budget and top != state:
       # The walk's end misses: the estimates of the last rungs are the least sure (a 1-bit
@@ -562,8 +573,7 @@ class Search:
     self.state, self.at, outcomes = _undo_tries(
         self.state, self.at, (self.predicted(self.walk[lo])[0], self.bytes_of(lo)),
         lambda s_: self.predicted(s_)[0],
-        lambda s_, fits, least=0.0: _relax(s_, self.sites, self.ladder, self.sensitivity,
-                                           fits, least),
+        self.relax,
         self.cost, lambda s_: s_ in self.costs or self.compiles_left() > 0, self.budget,
         layout_of, lambda s_: self.costs[s_].bytes if s_ in self.costs else None)
     return notes + (["; then ".join(outcomes)] if outcomes else [])
