@@ -293,7 +293,7 @@ class Measured(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """What the walk minimises among the plans that fit: FLOPs (``constants`` None: no
+  """The cost the walk steers by and compares plans on: FLOPs (``constants`` None: no
   step-time model for the target), or the step time estimated from the compiled module
   (`jmem.measure.estimate_step_time` with the target's fitted ``constants``).
 

@@ -332,7 +332,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
   notes += [search.walk_note] if search.walk_note else []
   if sens is not None and quantizes and search.index > 0 and at.bytes <= budget_bytes:
     if objective.time:
-      notes.append("bit reductions not undone: the walk minimises the estimated step time, "
+      notes.append("bit reductions not undone: the walk steers by the estimated step time, "
                    "and more bits cost more (larger codes); its compressed sites are at the "
                    "fewest bits of 2 or more allowed, 1 bit only where nothing at 2 bits fit")
     else:

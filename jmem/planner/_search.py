@@ -327,7 +327,7 @@ def _cheapest_path(sites, ladder, added, sensitivity=None, start=None, allowed=N
 
 
 def time_path(sites, ladder, added, sensitivity=None):
-  """The upgrade path when the walk minimises an estimated step time (`_cheapest_path`):
+  """The upgrade path when the walk steers by an estimated step time (`_cheapest_path`):
   first compression alone, at the fewest bits of 2 or more the ladder allows (ActNN L3's 2,
   whose accuracy the digits runs check; more bits keep more and cost more, their codes
   being larger), on the sites where it removes the most bytes per second added first; then,
@@ -358,7 +358,7 @@ class Search:
     fixed, working: the exact step's line: ``fixed + batch * (working + the sites' bytes
       kept)`` predicts a point's bytes.
     exact: the exact step's `Measured` at the batch.
-    objective: what the walk minimises (`Objective`).
+    objective: the cost the walk steers by (`Objective`).
     compile: the cost model: ``compile(state, what)`` -> `Measured` of the step with the
       sites on the rungs ``state`` at the batch (what: the name it is compiled under).
     compiles_left: ``() -> int``: compiles the bound still allows.
