@@ -53,9 +53,8 @@ def _row(model, optimizer, x, y, dtype: str) -> dict:
   on = measure.target("h100")
   t0 = time.perf_counter()
   step, args = planner._train_step(model, optimizer, x, y)  # pylint: disable=protected-access
-  with on.lowering():
-    lowered = step.lower(*on.place(args))
-    compiled = lowered.compile()
+  lowered = on.lower(step, *args)
+  compiled = on.compile_lowered(lowered)
   total, flops = measure.device_bytes_and_flops(compiled, lowered)
   est = measure.estimate_step_time(compiled, flops, dtype=dtype)
   return dict(device_bytes=int(total),

@@ -259,8 +259,8 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
                  "not a measured time), not by FLOPs: compression at 2 bits where it frees "
                  "the most bytes per second added, 1 bit and recomputation only where 2 bits "
                  "do not fit")
-  steps = _Steps(model, optimizer, x, y, spec, abstract, loss_fn, device, batch, notes,
-                 read_heaps=sens is not None and not objective.time)
+  steps = _Steps(model, optimizer, x, y, spec, abstract, loss_fn, device, objective, batch,
+                 notes, read_heaps=sens is not None and not objective.time)
 
   # devices=: where H x W can be split several ways, the exact step compiled on each (the
   # halo sizes do not rank them: decisions.md); of those within 2% of the fewest device
@@ -307,13 +307,13 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     if abn is not None:
       abn_cost = steps.compile((abn,), batch, "InPlace-ABN alone")   # one compile
 
-  def choices_of(state):
+  def choices_of(state, added=None):     # added: Search.added, for the step-time column
     out = []
-    for s, r in zip(sites, state):
+    for i, (s, r) in enumerate(zip(sites, state)):
       b, f = _kept(s, ladder[r])
       out.append(SiteChoice(s.path, ladder[r][0], ladder[r][1], s.residual_bytes - b, f,
                             None if sens is None else sens[s.path],
-                            objective.added(s, ladder[r], batch) if objective.time else None))
+                            None if added is None else added(i, r)))
     return tuple(out)
 
   search = Search(
@@ -348,7 +348,7 @@ def plan(model, example_batch, budget, *, batch_size: int | None = None,
     notes.append(f"the per-site walk stopped over the budget at max_compiles={max_compiles}"
                  f"{' (InPlace-ABN alone took one)' if abn_cost is not None else ''}: more "
                  "compiles may find a plan that fits")
-  choices = choices_of(search.state)
+  choices = choices_of(search.state, search.added if objective.time else None)
   fits = at.bytes <= budget_bytes
   best = exact_best = None
   if max_batch:
@@ -428,15 +428,15 @@ class _Steps:
   """The cost model `plan` gives its `Search`: ``model``'s train step compiled with
   techniques, for ``device`` (a `jmem.measure.Target`), at a batch, on a `_Layout`
   (``layout``, set once chosen): its `Measured`, with the estimated step time where the
-  target has a step-time model. Counts the compiles, keeps what was compiled at the plan's
+  ``objective`` has a step-time model. Counts the compiles, keeps what was compiled at the plan's
   batch (``measured``) and, for the states asked, their heap layouts (``heaps``)."""
 
-  def __init__(self, model, optimizer, x, y, spec, abstract, loss_fn, device, batch, notes,
-               read_heaps):
+  def __init__(self, model, optimizer, x, y, spec, abstract, loss_fn, device, objective,
+               batch, notes, read_heaps):
     self.model, self.optimizer, self.x, self.y, self.spec = model, optimizer, x, y, spec
     self.abstract, self.loss_fn, self.device, self.batch = abstract, loss_fn, device, batch
     self.notes, self.read_heaps = notes, read_heaps
-    self.constants = measure.constants_for(device.name)
+    self.constants = objective.constants      # None: no step-time model, no estimate
     self.compiles, self.measured, self.measured_seconds, self.heaps = 0, [], [], {}
     self.layout = None
 
@@ -478,7 +478,6 @@ class _Steps:
       self.measured.append((what, int(total), float(flops)))
       self.measured_seconds.append(seconds)
     return Measured(total, flops, seconds)
-
 
 
 # ------------------------------------------------------------------ the bench's name

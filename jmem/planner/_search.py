@@ -411,7 +411,7 @@ class Search:
     state = tuple(state)
     if state not in self.costs:
       name = f"walk point {self.walk.index(state)}" if state in self.walk else what
-      self.costs[state] = Measured(*self.compile(state, name))
+      self.costs[state] = self.compile(state, name)
     return self.costs[state]
 
   def top_of(self, state, smaller: bool = False) -> tuple:
