@@ -265,7 +265,7 @@ def test_broadcast_constant_residuals_are_stored_as_one_number():
   w = jax.random.normal(jax.random.key(0), (64, 64)) * 0.1
   x = jax.random.normal(jax.random.key(1), (32, 64))
   f = lambda w, x: jax.nn.relu(x @ w)
-  *_, constants = Q._vjp_with_constants(f, (w, x))
+  _, _, _, constants, _ = Q._vjp_with_constants(f, (w, x))
   assert 0.0 in constants.values()
   g = Q.compress(f, bits=8, min_size=1)
   loss = lambda f: lambda w, x: jnp.sum(f(w, x) ** 2)

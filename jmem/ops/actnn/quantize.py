@@ -493,7 +493,17 @@ def _vjp_with_constants(f, args, *, index_max_pools=False, store=None, derive=No
     flat = _eval_storing(closed, jax.tree.leaves(args), targets,
                          lambda indices, leaf: store(indices, leaf, constants.get))
   y, leaves = jax.tree.unflatten(box["y"], flat[:n_y]), list(flat[n_y:])
-  return y, leaves, box["treedef"], constants
+  return y, leaves, box["treedef"], constants, _unread_inputs(closed.jaxpr, n_y)
+
+
+def _unread_inputs(jaxpr, n_y: int) -> frozenset:
+  """Positions of ``jaxpr``'s inputs that none of its first ``n_y`` outputs depends on:
+  their cotangent is zero. (An equation with any needed output needs all its inputs.)"""
+  needed = {v for v in jaxpr.outvars[:n_y] if not _literal(v)}
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in needed for v in eqn.outvars):
+      needed.update(v for v in eqn.invars if not _literal(v))
+  return frozenset(i for i, v in enumerate(jaxpr.invars) if v not in needed)
 
 
 def _bind(eqn, ins, instead=None):
@@ -711,7 +721,7 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
         layout["where"] = where
         return recipes, extras
 
-      y, leaves, layout["treedef"], _ = _vjp_with_constants(
+      y, leaves, layout["treedef"], _, layout["unread"] = _vjp_with_constants(
           f, args, index_max_pools=True, store=store, derive=derive)
       plan = layout["plan"] = [plan[i] for i in range(len(plan))]
       saved = [saved[i] for i in range(len(plan))]
@@ -759,6 +769,10 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
       # Under shard_map, cotangents carry the mesh axes they vary over: as the saved linear
       # function expects them in, and as the primal inputs were out.
       flat, out_tree = jax.tree.flatten(vjp_fn(ct))
+      # An input the outputs do not depend on (a dict of features passed along, say) has
+      # a zero cotangent: returned as None, a symbolic zero, rather than a full-size array
+      # of zeros that every later site's barrier would carry to the end of the backward.
+      flat = [None if i in layout["unread"] else v for i, v in enumerate(flat)]
       # The inputs' cotangents are released with the parameters' gradients, so that the
       # previous site's backward cannot start while this one's working set (the float
       # copies its weight gradients read) is still alive (docs/decisions.md: without it
@@ -908,7 +922,7 @@ def probe(f: Callable[..., Any], *, group_size: int = 256, min_size: int = 1024,
 
     def fwd(levels, seed, args):
       # The residuals `compress` sees: max pools keep their exact index there, too.
-      y, leaves, treedef, constants = _vjp_with_constants(f, args, index_max_pools=True)
+      y, leaves, treedef, constants, _ = _vjp_with_constants(f, args, index_max_pools=True)
       kept = _param_leaves(args, param_argnums)
       inputs = jax.tree.leaves(args) if arguments_only else None
       kinds = [_residual_kind(leaf, kept, min_size, constants.get(i), inputs)
