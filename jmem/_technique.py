@@ -71,6 +71,13 @@ class Technique:
     _check_where(self.where, type(self).__name__)
 
   @property
+  def compacts_between_sites(self) -> bool:
+    """Whether, with this technique on, `jmem.convert` also gives the ReLUs and max pools
+    that run outside every site their exact, smaller residuals (a 1-bit mask, a uint8
+    index: `jmem.ops.actnn.between`). The techniques that choose what a step stores do."""
+    return False
+
+  @property
   def where_items(self) -> tuple:
     return _check_where(self.where, type(self).__name__)
 

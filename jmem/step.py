@@ -181,7 +181,8 @@ def _nnx_mask_check(model: nnx.Module) -> None:
   for path, m in nnx.iter_graph(model):
     if not isinstance(m, nnx.Module) or getattr(m, "_jmem_reads_batch_mask", False):
       continue
-    if any("_jmem_site" in k.__dict__ for k in type(m).__mro__):
+    # (The top module's "between" class, `jmem.ops.actnn.between`, reads no mask.)
+    if any(k.__dict__.get("_jmem_site", ("between",))[0] != "between" for k in type(m).__mro__):
       continue
     if bn_core.nnx_has_bn_stats(m):
       raise _padding_error("/".join(map(str, path)), type(m).__name__)

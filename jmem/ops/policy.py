@@ -188,6 +188,9 @@ class Policy(Technique):
   kind: str = "recompute"
   bits: int | None = None
   group_size: int = 256
+  # ReLUs and max pools outside every site keep an exact 1-bit mask or uint8 index
+  # (`jmem.ops.actnn.between`), whatever the kind: a plan chooses what the whole step stores.
+  compacts_between_sites = True
   checkpoint_policy: Any = None
   implementation: str | None = None
   keep_masks_and_statistics: bool = True

@@ -258,7 +258,7 @@ def sites(model, *args, rngs=None, **kwargs) -> dict[str, list[str]]:
     for p, m in nnx.iter_graph(model):
       for klass in type(m).__mro__ if isinstance(m, nnx.Module) else ():
         site = klass.__dict__.get("_jmem_site")
-        if site is not None and site[1][0] != "guard":
+        if site is not None and site[1][0] not in ("guard", "between"):
           out.setdefault(site[1][0], []).append("/".join(str(k) for k in p))
     return out
   from jmem.surgery import _linen  # pylint: disable=g-import-not-at-top

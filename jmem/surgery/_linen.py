@@ -21,6 +21,7 @@ from flax.linen.module import TestScope
 from flax.linen import transforms as nn_transforms
 
 from jmem import _bn_core as bn_core
+from jmem.ops.actnn import between
 from jmem.ops.actnn.technique import ActNN
 from jmem.ops.inplace_abn import core as abn_lib
 from jmem.ops.inplace_abn.technique import InPlaceABN
@@ -502,12 +503,12 @@ class Converted(nn.Module):
     nn.share_scope(self, self.model)
 
   def __call__(self, *args, **kwargs):
-    return self._run(lambda: self.model(*args, **kwargs))
+    return self._run(lambda model, *a, **kw: model(*a, **kw), args, kwargs)
 
   def _method(self, method, *args, **kwargs):
     if isinstance(method, str):
-      return self._run(lambda: getattr(self.model, method)(*args, **kwargs))
-    return self._run(lambda: method(self.model, *args, **kwargs))
+      return self._run(lambda model, *a, **kw: getattr(model, method)(*a, **kw), args, kwargs)
+    return self._run(method, args, kwargs)
 
   def apply(self, variables, *args, method=None, **kwargs):  # pylint: disable=arguments-differ
     """``Module.apply``; ``method`` (a name, or a function of the ORIGINAL model's class such
@@ -521,7 +522,11 @@ class Converted(nn.Module):
       return super().init(rngs, *args, **kwargs)
     return super().init(rngs, *args, method=_MethodOf(method), **kwargs)
 
-  def _run(self, call):
+  def _run(self, call, args, kwargs):
+    """``call(model, *args, **kwargs)`` with the sites on: the model's module calls are
+    intercepted; with a technique that `compacts_between_sites`, the whole call goes through
+    `between.compact_between_sites` (as a lifted transform, so variables and RNGs pass
+    through it as arguments)."""
     trace = _Trace(self.techniques, tuple(self.scope.path), top=self.model)
 
     def record(next_fun, a, kw, context):
@@ -540,8 +545,10 @@ class Converted(nn.Module):
         if p not in trace.layers:
           trace.layers[p] = (type(mod), c.conv_like(_own_kernel(mod)))
 
+    if any(t.compacts_between_sites for t in self.techniques):
+      call = nn_transforms.lift_transform(_lift(between.compact_between_sites), call)
     with nn.intercept_methods(record), nn.intercept_methods(trace.intercept):
-      y = call()
+      y = call(self.model, *args, **kwargs)
     c.check_all_matched(self.techniques, trace.hits, trace.seen, "module call")
     c.check_coverage(self.techniques, trace.hits, trace.layers, type(self.model).__name__)
     return y

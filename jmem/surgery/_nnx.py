@@ -9,6 +9,7 @@ import functools
 from flax import nnx
 from jax import lax
 
+from jmem.ops.actnn import between
 from jmem.ops.inplace_abn import core as abn_lib
 from jmem.ops.inplace_abn.technique import InPlaceABN
 from jmem.ops.policy import Policy
@@ -41,37 +42,55 @@ def _block_call(base, cfg):
   probe = cfg[3] if len(cfg) > 3 else None     # a calibration probe (`_common.probe_of`)
 
   def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
-    graphdef, state = nnx.split(self)
-    arrays, rebuild = c.split_arrays(args, kwargs)
-
-    # The keys of `jmem.rngs` go through the transform as an argument (never
-    # compressed): a site inside this one reads them as values of the transform's trace,
-    # not as constants captured from outside it.
-    keys = c.current_rngs()
-
-    def pure(state, keys, *arrays):
-      a, kw = rebuild(arrays)
-      module = nnx.merge(graphdef, state)
-      if keys is None:
-        y = base.__call__(module, *a, **kw)
-      else:
-        with c.RngStreams(keys):
-          y = base.__call__(module, *a, **kw)
-      return y, nnx.state(module)
-
-    if kind == "sbp":
-      # One key for every site of the technique: blocks over the same tokens keep the same.
-      transform = c.sbp_transform(opts, c.sbp_key(path, (arrays,)), path)
-    else:
+    def transform(arrays, state):
+      if kind == "sbp":
+        # One key for every site of the technique: blocks over the same tokens keep the same.
+        return c.sbp_transform(opts, c.sbp_key(path, (arrays,)), path)
       key = missing = None
       if c.needs_key(probe, opts):
         key = c.context_key("actnn", path, (arrays, state))
         if key is None:       # raises if differentiated (a forward pass needs no key)
           missing = c.missing_actnn_key(path)
-      transform = c.block_transform(probe, opts, key, path, missing)
-    y, new_state = transform(pure)(state, keys, *arrays)
-    nnx.update(self, new_state)
-    return y
+      return c.block_transform(probe, opts, key, path, missing)
+    return _call_through(base, self, args, kwargs, transform)
+
+  return __call__
+
+
+def _call_through(base, self, args, kwargs, transform):
+  """``base.__call__(self, *args, **kwargs)`` through ``transform(arrays, state)(pure)``,
+  ``pure(state, keys, *arrays) -> (y, new state)``: the module's state and the array
+  arguments go through the transform as arguments (non-arrays are closed over), and the
+  new state is written back."""
+  graphdef, state = nnx.split(self)
+  arrays, rebuild = c.split_arrays(args, kwargs)
+
+  # The keys of `jmem.rngs` go through the transform as an argument (never compressed): a
+  # site inside this one reads them as values of the transform's trace, not as constants
+  # captured from outside it.
+  keys = c.current_rngs()
+
+  def pure(state, keys, *arrays):
+    a, kw = rebuild(arrays)
+    module = nnx.merge(graphdef, state)
+    if keys is None:
+      y = base.__call__(module, *a, **kw)
+    else:
+      with c.RngStreams(keys):
+        y = base.__call__(module, *a, **kw)
+    return y, nnx.state(module)
+
+  y, new_state = transform(arrays, state)(pure)(state, keys, *arrays)
+  nnx.update(self, new_state)
+  return y
+
+
+def _between_call(base, cfg):
+  del cfg
+
+  def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
+    return _call_through(base, self, args, kwargs,
+                         lambda arrays, state: between.compact_between_sites)
 
   return __call__
 
@@ -145,7 +164,7 @@ def _kernel_value(m: nnx.Module):
 def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
   nodes = list(nnx.iter_graph(model))
   done = [("/".join(str(k) for k in p) or "<top>") for p, n in nodes
-          if any(k.__dict__.get("_jmem_site", ("guard",))[0] in ("bn", "block")
+          if any(k.__dict__.get("_jmem_site", ("guard",))[0] in ("bn", "block", "between")
                  for k in type(n).__mro__)]
   if done:
     raise ValueError(
@@ -293,6 +312,10 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
   c.check_coverage(techniques, hits, {
       name(p): (type(m), c.conv_like(_kernel_value(m)))
       for p, m in modules}, type(model).__name__)
+  if any(t.compacts_between_sites for t in techniques):
+    # Last: the top module's call wraps every site (its own included, where it is one).
+    actions.append(functools.partial(_set_class, model, _subclass(
+        type(model), "between", ("between",), _between_call)))
   for action in actions:
     action()
   return model

@@ -30,7 +30,9 @@ class ActNN(Technique):
   floating residual inside is compressed) default to the direct children of the top module
   except its ``nn.Dense`` / ``nnx.Linear`` layers (a head, an embedding: one matmul, little
   to save; name them in ``where=`` to include them), as `Remat`'s. L0 changes nothing.
-  Per-site bits of a calibrated level are keyed by the site's path. The rounding key comes
+  Per-site bits of a calibrated level are keyed by the site's path. ReLUs and max pools
+  outside every site (inline in a module's ``__call__``) keep an exact 1-bit mask or uint8
+  index instead of their float input (`jmem.ops.actnn.between`; not at L0). The rounding key comes
   from the RNG stream ``"actnn"``: ``apply(..., rngs=jmem.rngs(key))`` in linen, ``with
   jmem.rngs(key):`` in either API. Differentiated without it, a site raises ValueError
   (inference needs no key); inside ``jmem.surgery.data_keys()`` it draws one from the data.
@@ -50,6 +52,11 @@ class ActNN(Technique):
         lv.norm_bits is None:
       raise ValueError(f"ActNN level {lv.name} compresses nothing, so where={self.where!r} "
                        "would select sites for nothing; drop where= (or pick L1-L5).")
+
+  @property
+  def compacts_between_sites(self) -> bool:
+    lv = self.resolved_level()
+    return not (lv.block_bits is None and lv.conv_bits is None and lv.norm_bits is None)
 
   def resolved_level(self) -> levels.Level:
     lv = levels.get_level(self.level)
