@@ -52,10 +52,11 @@ def test_memory_only_in_bfloat16_against_exact_in_bfloat16():
                                            dtype="bfloat16"), quiet=True)
   assert [r["dtype"] for r in bf16] == ["bfloat16"] * 2
   # Convolution inputs are bfloat16 now (flax's BatchNorm keeps its statistics and
-  # normalised values in float32, so not every residual halves), and 4-bit compression
-  # saves less against a bf16 exact than against a float32 one.
+  # normalised values in float32, so not every residual halves). L2's 4-bit convolution
+  # and BatchNorm inputs, and the 1-bit masks of the ReLUs between them
+  # (`jmem.ops.actnn.between`), keep 0.115 of bf16 exact's residual bytes.
   assert bf16[0]["saved_bytes"] < 0.9 * f32[0]["saved_bytes"]
-  assert 0.25 < bf16[1]["saved_ratio"] < 1.0
+  assert 0.05 < bf16[1]["saved_ratio"] < 0.25
   assert "resnet8 (bfloat16)" in bench.format_table(bf16)
   bench.BenchConfig(model="video-vit", dtype="bfloat16").validate()   # every model has one
   assert cli.main(TRAIN + ["--dtype", "bfloat16"]) == 0

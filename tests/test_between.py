@@ -24,14 +24,17 @@ from test_convert import X, assert_same, linen_loss, nnx_loss
 def _straight_through_relu(x):
   return jnp.maximum(x, 0.0)
 
-# Its own derivative (1 everywhere): must not be taken for jax.nn.relu.
+# Its own derivative (1 everywhere): must not be taken for jax.nn.relu, nor this one, whose
+# function IS jax.nn.relu's.
 _straight_through_relu.defjvps(lambda g, ans, x: g)
+_relu_with_own_rule = jax.custom_jvp(jax.nn.relu.fun)
+_relu_with_own_rule.defjvps(lambda g, ans, x: g * 0.5)
 
 def _stem(x, w):
   y = jax.nn.relu(x * w)
   y = nn.max_pool(y, (3, 3), strides=(2, 2), padding="SAME")
   y = jax.jit(jax.nn.relu)(y - 0.1)                      # inside a jit: inlined
-  return jnp.sum(_straight_through_relu(y - 0.2) * jnp.cos(y))
+  return jnp.sum(_straight_through_relu(y - 0.2) * jnp.cos(y) + _relu_with_own_rule(y - 0.3))
 
 def test_the_rewrite_keeps_values_and_gradients_and_stores_a_mask_and_an_index():
   x = jax.random.normal(jax.random.key(0), (2, 12, 12, 8))
@@ -56,14 +59,24 @@ def test_a_function_without_relu_or_max_pool_runs_as_it_is():
   x = jnp.linspace(-2.0, 2.0, 64)
   assert str(jax.make_jaxpr(between.compact_between_sites(f))(x)) == str(jax.make_jaxpr(f)(x))
 
-def _lower(f, *args):
-  return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+def _barrier_operands(jaxpr, shape) -> int:
+  """How many operands of shape ``shape`` the optimization barriers of ``jaxpr`` (and of
+  the jaxprs inside it) hold."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "optimization_barrier":
+      n += sum(tuple(v.aval.shape) == shape for v in eqn.invars)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += _barrier_operands(sub, shape)
+  return n
 
-def test_an_unread_site_input_costs_no_zero_cotangent_in_the_backward():
-  """Three compressing sites that each get a large array they never read: its cotangent is a
-  symbolic zero (the bwd's None), not a float buffer carried to the end of the backward."""
+
+def test_an_unread_site_input_gets_no_zero_cotangent_through_the_barriers():
+  """Three compressing sites that each get an array they never read: its cotangent is a
+  symbolic zero (the bwd's None), not a float buffer that each site's backward barrier
+  carries to the end of the backward."""
   site = q.compress(lambda w, x, unused: jnp.tanh(x @ w), bits=8, param_argnums=(0,))
-  big = jnp.ones((256, 1024))        # 1 MiB
+  extra = jnp.ones((24, 40))
 
   def loss(ws, x, extra):
     for i, w in enumerate(ws):
@@ -72,11 +85,29 @@ def test_an_unread_site_input_costs_no_zero_cotangent_in_the_backward():
 
   ws = [jnp.eye(64) * 0.5 for _ in range(3)]
   x = jnp.ones((128, 64))
-  with_big = _lower(jax.grad(loss), ws, x, big)
-  with_small = _lower(jax.grad(loss), ws, x, jnp.ones((1, 1)))
-  assert with_big - with_small < big.nbytes / 4, (with_big, with_small)
-  grads = jax.grad(loss, argnums=(0, 2))(ws, x, big)
-  assert not np.any(np.asarray(grads[1]))
+  grad = jax.make_jaxpr(jax.grad(loss, argnums=(0, 2)))(ws, x, extra)
+  assert _barrier_operands(grad.jaxpr, (128, 64)) > 0        # the barriers are there ...
+  assert _barrier_operands(grad.jaxpr, extra.shape) == 0      # ... without the zeros
+  _, g_extra = jax.grad(loss, argnums=(0, 2))(ws, x, extra)
+  assert g_extra.shape == extra.shape and not np.any(np.asarray(g_extra))
+
+
+@pytest.mark.parametrize("make", [q.compress, q.offload_residuals], ids=["compress", "offload"])
+def test_a_cotangent_from_a_custom_rule_is_kept(make):
+  """An input the primal ignores but a custom VJP rule sends a gradient to is not a zero."""
+  @jax.custom_vjp
+  def scaled(x, s):
+    return x * 2.0
+
+  scaled.defvjp(lambda x, s: (scaled(x, s), x), lambda x, g: (g * 2.0, jnp.sum(g * x)))
+  kw = dict(bits=8) if make is q.compress else {}
+  site = make(lambda x, s: jnp.tanh(scaled(x, s)), **kw)
+  x, s = jnp.linspace(0.1, 1.0, 2048).reshape(32, 64), jnp.float32(3.0)
+  want = jax.grad(lambda x, s: jnp.sum(jnp.tanh(scaled(x, s))), argnums=1)(x, s)
+  got = jax.grad(lambda x, s: jnp.sum(site(x, s, key=jax.random.key(0))), argnums=1)(x, s)
+  assert abs(float(want)) > 1.0
+  np.testing.assert_allclose(got, want, rtol=0.05)
+
 
 class _DictPassingNet(nn.Module):
   """Blocks that take a dict of earlier features and never read it (flaxmodels' ``act``)."""
@@ -99,7 +130,8 @@ def test_a_linen_model_passing_unread_features_keeps_its_gradients():
   model = _DictPassingNet()
   variables = model.init(jax.random.key(1), X)
   loss0, g0, _ = linen_loss(model, variables)
-  loss1, g1, _ = linen_loss(jmem.convert(model, jmem.Policy("save")), variables)
+  # Offload (full precision) stores through the compressing sites' custom VJP.
+  loss1, g1, _ = linen_loss(jmem.convert(model, jmem.Policy("offload")), variables)
   np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
   assert_same(g1, g0)
 
@@ -154,3 +186,60 @@ def test_convert_compacts_an_nnx_inline_relu_exactly(monkeypatch):
   assert_same(s1, s0)
   with pytest.raises(ValueError, match="already converted"):
     jmem.convert(model, jmem.Policy("save"))
+
+
+class _DropoutNet(nn.Module):
+  """No ReLU, no max pool: nothing to replace, and dropout between its sites."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.gelu(nn.Conv(8, (3, 3), name="a")(x))
+    x = nn.Dropout(0.5, deterministic=not train)(x)
+    x = nn.tanh(nn.Conv(8, (3, 3), name="b")(x))
+    return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
+
+
+def test_the_model_runs_once_so_its_random_numbers_and_init_stay_the_same():
+  model = _DropoutNet()
+  variables = model.init(jax.random.key(1), X)
+  converted = jmem.convert(model, jmem.Policy("save"))
+  assert_same(converted.init(jax.random.key(1), X), variables, tol=0)
+  rngs = {"dropout": jax.random.key(3)}
+  np.testing.assert_array_equal(converted.apply(variables, X, rngs=rngs),
+                                model.apply(variables, X, rngs=rngs))
+  grads = lambda m: jax.grad(lambda p: jnp.sum(m.apply({"params": p}, X, rngs=rngs)))(
+      variables["params"])
+  assert_same(grads(converted), grads(model))
+
+
+class _NNXDropoutNet(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(3, 4, (3, 3), rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+    self.head = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x, rngs):
+    x = nnx.relu(self.conv(x))
+    return self.head(self.drop(x, rngs=rngs).mean((1, 2)))
+
+
+def test_nnx_rngs_passed_to_the_call_advance_as_in_the_plain_model():
+  x = jnp.ones((2, 8, 8, 3))
+  runs = []
+  for technique in (None, jmem.Policy("save")):
+    model = _NNXDropoutNet(nnx.Rngs(0))
+    if technique is not None:
+      jmem.convert(model, technique)
+    rngs = nnx.Rngs(dropout=1)
+    runs.append((np.asarray(model(x, rngs)), np.asarray(model(x, rngs)),
+                 int(rngs.dropout.count[...])))
+  (a0, b0, n0), (a1, b1, n1) = runs
+  assert n1 == n0 == 2 and not np.array_equal(a0, b0)
+  np.testing.assert_array_equal(a1, a0)
+  np.testing.assert_array_equal(b1, b0)
+
+
+def test_an_nnx_top_module_that_is_a_site_stays_one():
+  model = _NNXDropoutNet(nnx.Rngs(0))
+  jmem.convert(model, jmem.Policy("save", where=_NNXDropoutNet))
+  assert jmem.surgery.sites(model) == {"save": [""]}

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import functools
 
+import jax
 from flax import nnx
+from flax.nnx import graphlib
 from jax import lax
 
 from jmem.ops.actnn import between
@@ -62,7 +64,14 @@ def _call_through(base, self, args, kwargs, transform):
   ``pure(state, keys, *arrays) -> (y, new state)``: the module's state and the array
   arguments go through the transform as arguments (non-arrays are closed over), and the
   new state is written back."""
-  graphdef, state = nnx.split(self)
+  # Graph nodes passed to the call (``rngs=nnx.Rngs(...)``, a module) travel with the
+  # module's own state, so that what the call updates in them (an RNG count) comes out as
+  # the plain call's would; the arrays go through the transform one by one.
+  leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=graphlib.is_graph_node)
+  nodes = [leaf for leaf in leaves if graphlib.is_graph_node(leaf)]
+  args, kwargs = jax.tree.unflatten(tree, [_NODE if graphlib.is_graph_node(leaf) else leaf
+                                           for leaf in leaves])
+  graphdef, state = nnx.split((self, nodes))
   arrays, rebuild = c.split_arrays(args, kwargs)
 
   # The keys of `jmem.rngs` go through the transform as an argument (never compressed): a
@@ -71,21 +80,30 @@ def _call_through(base, self, args, kwargs, transform):
   keys = c.current_rngs()
 
   def pure(state, keys, *arrays):
-    a, kw = rebuild(arrays)
-    module = nnx.merge(graphdef, state)
+    module, inner = nnx.merge(graphdef, state)
+    it = iter(inner)
+    a, kw = jax.tree.map(lambda leaf: next(it) if leaf is _NODE else leaf, rebuild(arrays))
     if keys is None:
       y = base.__call__(module, *a, **kw)
     else:
       with c.RngStreams(keys):
         y = base.__call__(module, *a, **kw)
-    return y, nnx.state(module)
+    return y, nnx.state((module, inner))
 
   y, new_state = transform(arrays, state)(pure)(state, keys, *arrays)
-  nnx.update(self, new_state)
+  nnx.update((self, nodes), new_state)
   return y
 
 
+class _Node:
+  """Where a graph node was in a call's arguments (`_call_through`)."""
+
+
+_NODE = _Node()
+
+
 def _between_call(base, cfg):
+  """The top module's call through `between.compact_between_sites`."""
   del cfg
 
   def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
@@ -314,7 +332,8 @@ def convert_nnx(model: nnx.Module, techniques: tuple) -> nnx.Module:
       for p, m in modules}, type(model).__name__)
   if any(t.compacts_between_sites for t in techniques):
     # Last: the top module's call wraps every site (its own included, where it is one).
-    actions.append(functools.partial(_set_class, model, _subclass(
+    # (Its class is read when the action runs: after the site classes set on it, if any.)
+    actions.append(lambda: _set_class(model, _subclass(
         type(model), "between", ("between",), _between_call)))
   for action in actions:
     action()

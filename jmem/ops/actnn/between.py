@@ -32,24 +32,37 @@ from jmem.ops.actnn import quantize as q
 __all__ = ["compact_between_sites"]
 
 
-@functools.cache
-def _relu_source() -> str:
-  """Where ``jax.nn.relu``'s function is defined, as a traced ``custom_jvp_call`` names it:
-  what tells it apart from another custom_jvp whose primal is also ``max(x, 0)`` but whose
-  derivative is its own (a straight-through ReLU must keep its gradient)."""
-  eqn = jax.make_jaxpr(jax.nn.relu)(0.0).jaxpr.eqns[0]
-  return _source(eqn)
-
-
 def _source(eqn) -> str | None:
   call = eqn.params.get("call_jaxpr")
   info = getattr(getattr(call, "jaxpr", call), "debug_info", None)
   return getattr(info, "func_src_info", None)
 
 
+def _rule(eqn) -> str | None:
+  """The custom_jvp's tangent rule traced for its (non-zero) input, as text."""
+  try:
+    jvp_jaxpr, _, _ = eqn.params["jvp_jaxpr_fun"].call_wrapped(False)
+  except Exception:  # pylint: disable=broad-except  (a rule that cannot be traced alone)
+    return None
+  return str(jvp_jaxpr)
+
+
+@functools.cache
+def _relu_reference(shape, dtype) -> tuple:
+  """``jax.nn.relu``'s (function source, tangent rule) at ``shape``/``dtype``."""
+  eqn = jax.make_jaxpr(jax.nn.relu)(jax.ShapeDtypeStruct(shape, dtype)).jaxpr.eqns[0]
+  return _source(eqn), _rule(eqn)
+
+
 def _is_relu(eqn) -> bool:
-  return (eqn.primitive.name == "custom_jvp_call" and len(eqn.invars) == 1
-          and _source(eqn) == _relu_source())
+  """Whether ``eqn`` is ``jax.nn.relu``: its function (by where it is defined) and its
+  tangent rule. A custom_jvp of another derivative around the same function (a
+  straight-through ReLU, ``jax.custom_jvp(jax.nn.relu)`` with a rule of its own) is not."""
+  if eqn.primitive.name != "custom_jvp_call" or len(eqn.invars) != 1:
+    return False
+  aval = eqn.invars[0].aval
+  source, rule = _relu_reference(tuple(aval.shape), aval.dtype)
+  return _source(eqn) == source and _rule(eqn) == rule
 
 
 def _replaceable(jaxpr) -> bool:
@@ -66,7 +79,8 @@ def compact_between_sites(f):
   undilated, at most 256 positions per window) a uint8 index, at its top level and inside
   the ``jax.jit`` calls there; the same values and gradients. Sites and other
   higher-order calls (custom_vjp, ``jax.checkpoint``, ``scan``, ``shard_map``) are left as
-  they are. ``f`` without such an op is called as it is (after one trace to look)."""
+  they are. ``f`` is traced once and its jaxpr evaluated (as ``jax.core.eval_jaxpr``
+  would, keeping each equation's name scope)."""
 
   def g(*args):
     flat, tree = jax.tree.flatten(args)
@@ -77,9 +91,10 @@ def compact_between_sites(f):
       leaves, box["tree"] = jax.tree.flatten(out)
       return leaves
 
+    # ``f`` runs once, traced here; the jaxpr is then evaluated in the caller's trace, even
+    # with nothing to replace: a second call could draw other random numbers, and values
+    # ``f`` caches while tracing (a site's key) belong to this trace.
     closed = jax.make_jaxpr(flat_f)(*flat)
-    if not _replaceable(closed.jaxpr):
-      return f(*args)
     return jax.tree.unflatten(box["tree"], _evaluate(closed.jaxpr, closed.consts, flat))
   return g
 

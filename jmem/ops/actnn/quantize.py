@@ -414,7 +414,9 @@ def _param_leaves(args, param_argnums):
 
 
 def _vjp_with_constants(f, args, *, index_max_pools=False, store=None, derive=None):
-  """``(y, residual leaves, vjp treedef, {leaf index: scalar})`` of ``jax.vjp(f, *args)``.
+  """``(y, residual leaves, vjp treedef, {leaf index: scalar}, zero inputs)`` of
+  ``jax.vjp(f, *args)``; zero inputs: the positions of ``args``' leaves whose cotangent is
+  zero (`_zero_cotangents`).
 
   ``index_max_pools``: if ``f`` max-pools, the VJP of `_with_indexed_max_pools` ``(f)``
   instead (traced again only then: a site without a max pool costs no extra trace).
@@ -493,17 +495,26 @@ def _vjp_with_constants(f, args, *, index_max_pools=False, store=None, derive=No
     flat = _eval_storing(closed, jax.tree.leaves(args), targets,
                          lambda indices, leaf: store(indices, leaf, constants.get))
   y, leaves = jax.tree.unflatten(box["y"], flat[:n_y]), list(flat[n_y:])
-  return y, leaves, box["treedef"], constants, _unread_inputs(closed.jaxpr, n_y)
+  zero = _zero_cotangents(box["treedef"], [v.aval for v in closed.jaxpr.outvars[n_y:]],
+                          [v.aval for v in closed.jaxpr.outvars[:n_y]], box["y"])
+  return y, leaves, box["treedef"], constants, zero
 
 
-def _unread_inputs(jaxpr, n_y: int) -> frozenset:
-  """Positions of ``jaxpr``'s inputs that none of its first ``n_y`` outputs depends on:
-  their cotangent is zero. (An equation with any needed output needs all its inputs.)"""
-  needed = {v for v in jaxpr.outvars[:n_y] if not _literal(v)}
-  for eqn in reversed(jaxpr.eqns):
-    if any(v in needed for v in eqn.outvars):
-      needed.update(v for v in eqn.invars if not _literal(v))
-  return frozenset(i for i, v in enumerate(jaxpr.invars) if v not in needed)
+def _zero_cotangents(treedef, residuals, outputs, out_tree) -> frozenset:
+  """Positions of the inputs whose cotangent the VJP (``treedef`` over ``residuals``, for
+  cotangents of ``outputs``) computes as zeros: its traced backward returns a literal 0 or
+  a broadcast of one there (what ``jax.vjp`` instantiates for a symbolic zero), whatever
+  custom rules or effects led to it."""
+  backward = _backward_jaxpr(treedef, residuals, outputs, out_tree).jaxpr
+  producers = {v: e for e in backward.eqns for v in e.outvars}
+
+  def is_zero(v):
+    if _literal(v):
+      return not np.any(v.val)
+    e = producers.get(v)
+    return (e is not None and e.primitive.name == "broadcast_in_dim"
+            and _literal(e.invars[0]) and not np.any(e.invars[0].val))
+  return frozenset(i for i, v in enumerate(backward.outvars) if is_zero(v))
 
 
 def _bind(eqn, ins, instead=None):
@@ -721,7 +732,7 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
         layout["where"] = where
         return recipes, extras
 
-      y, leaves, layout["treedef"], _, layout["unread"] = _vjp_with_constants(
+      y, leaves, layout["treedef"], _, layout["zero"] = _vjp_with_constants(
           f, args, index_max_pools=True, store=store, derive=derive)
       plan = layout["plan"] = [plan[i] for i in range(len(plan))]
       saved = [saved[i] for i in range(len(plan))]
@@ -769,10 +780,10 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
       # Under shard_map, cotangents carry the mesh axes they vary over: as the saved linear
       # function expects them in, and as the primal inputs were out.
       flat, out_tree = jax.tree.flatten(vjp_fn(ct))
-      # An input the outputs do not depend on (a dict of features passed along, say) has
-      # a zero cotangent: returned as None, a symbolic zero, rather than a full-size array
-      # of zeros that every later site's barrier would carry to the end of the backward.
-      flat = [None if i in layout["unread"] else v for i, v in enumerate(flat)]
+      # An input the backward gives zeros (one the outputs do not read: a dict of features
+      # passed along, say) gets None, a symbolic zero, rather than a full-size array of
+      # zeros that every later site's barrier would carry to the end of the backward.
+      flat = [None if i in layout["zero"] else v for i, v in enumerate(flat)]
       # The inputs' cotangents are released with the parameters' gradients, so that the
       # previous site's backward cannot start while this one's working set (the float
       # copies its weight gradients read) is still alive (docs/decisions.md: without it
