@@ -12,7 +12,8 @@ MiB per example on the H100 target (docs/decisions.md).
 whose backward reads less, for the same values and the same gradient: ``jax.nn.relu`` (and
 so ``flax.linen.relu``, ``flax.nnx.relu``) saves a 1-bit mask packed eight per byte
 (`jmem.ops.actnn.compressed_ops.relu`), a max pool the uint8 index of each window's maximum
-(`jmem._window.indexed_max_pool`). Nothing else changes: the sites (custom_vjp calls),
+(`jmem._window.indexed_max_pool`; a window holding a NaN sends its gradient to another
+position than ``select_and_scatter`` does). Nothing else changes: the sites (custom_vjp calls),
 other activations and every other equation are bound as they are.
 """
 
