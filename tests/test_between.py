@@ -135,8 +135,8 @@ def test_a_linen_model_passing_unread_features_keeps_its_gradients():
   np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
   assert_same(g1, g0)
 
-@pytest.mark.parametrize("technique", [jmem.Policy("save"), jmem.ActNN(bits=8)],
-                         ids=["save", "actnn-8bit"])
+@pytest.mark.parametrize("technique", [jmem.Policy("offload"), jmem.ActNN(bits=8)],
+                         ids=["offload", "actnn-8bit"])
 def test_convert_compacts_a_linen_inline_stem(technique):
   """ThirdPartyResNet's stem (conv, BatchNorm, then nn.relu and nn.max_pool inline in the
   top module): under the technique its ReLU and pool keep a mask and an index; exact
@@ -174,7 +174,7 @@ def test_convert_compacts_an_nnx_inline_relu_exactly(monkeypatch):
   plain = tp.NNXCNN(rngs=nnx.Rngs(0))
   loss0, g0, s0 = nnx_loss(plain)
   model = tp.NNXCNN(rngs=nnx.Rngs(0))
-  jmem.convert(model, jmem.Policy("save"))
+  jmem.convert(model, jmem.Policy("offload"))
   assert "between" not in jmem.surgery.sites(model)
   shapes = []
   relu = between.compressed_ops.relu
@@ -202,7 +202,7 @@ class _DropoutNet(nn.Module):
 def test_the_model_runs_once_so_its_random_numbers_and_init_stay_the_same():
   model = _DropoutNet()
   variables = model.init(jax.random.key(1), X)
-  converted = jmem.convert(model, jmem.Policy("save"))
+  converted = jmem.convert(model, jmem.Policy("offload"))
   assert_same(converted.init(jax.random.key(1), X), variables, tol=0)
   rngs = {"dropout": jax.random.key(3)}
   np.testing.assert_array_equal(converted.apply(variables, X, rngs=rngs),
@@ -226,7 +226,7 @@ class _NNXDropoutNet(nnx.Module):
 def test_nnx_rngs_passed_to_the_call_advance_as_in_the_plain_model():
   x = jnp.ones((2, 8, 8, 3))
   runs = []
-  for technique in (None, jmem.Policy("save")):
+  for technique in (None, jmem.Policy("offload")):
     model = _NNXDropoutNet(nnx.Rngs(0))
     if technique is not None:
       jmem.convert(model, technique)
@@ -241,5 +241,22 @@ def test_nnx_rngs_passed_to_the_call_advance_as_in_the_plain_model():
 
 def test_an_nnx_top_module_that_is_a_site_stays_one():
   model = _NNXDropoutNet(nnx.Rngs(0))
-  jmem.convert(model, jmem.Policy("save", where=_NNXDropoutNet))
-  assert jmem.surgery.sites(model) == {"save": [""]}
+  jmem.convert(model, jmem.Policy("offload", where=_NNXDropoutNet))
+  assert jmem.surgery.sites(model) == {"offload": [""]}
+
+
+def test_save_and_recompute_policies_leave_the_model_differentiable_forward():
+  """Only the policies that store through a custom VJP rewrite the ops between sites (a
+  custom VJP has no forward-mode derivative): jax.jvp still runs through save/recompute."""
+  model = tp.ThirdPartyResNet()
+  variables = model.init(jax.random.key(1), X)
+  for kind in ("save", "recompute"):
+    converted = jmem.convert(model, jmem.Policy(kind))
+    f = lambda x, m=converted: m.apply(variables, x, mutable=["batch_stats"])[0]
+    _, tangent = jax.jvp(f, (X,), (jnp.ones_like(X),))
+    _, want = jax.jvp(lambda x: model.apply(variables, x, mutable=["batch_stats"])[0],
+                      (X,), (jnp.ones_like(X),))
+    np.testing.assert_allclose(tangent, want, rtol=1e-5, atol=1e-5)
+  assert not jmem.Policy("save").compacts_between_sites
+  assert jmem.Policy("offload").compacts_between_sites
+  assert not jmem.ActNN("L0").compacts_between_sites

@@ -758,7 +758,9 @@ def test_gact_sensitivities_give_fewer_bits_where_gradients_tolerate_them(monkey
   # The plan follows them: the stem's BatchNorm, the least sensitive, is compressed and has
   # no more bits than any other site. (Since the stem's inline ReLU and max pool keep a
   # mask and an index, `jmem.ops.actnn.between`, 60% is met with 8 bits at the three
-  # compressed sites; which of them the walk lowers first is asserted above.)
+  # compressed sites. The walk's order by sensitivity is asserted above, on two synthetic
+  # sites; on this model at 56-58% the compiled plan lowers BottleneckBlock_0 below
+  # bn_init, which is not asserted.)
   bits = {c.path: c.bits for c in tight.choices if c.bits is not None}
   sens = {c.path: c.sensitivity for c in tight.choices}
   assert min(sens, key=sens.get) == "bn_init", tight.table()

@@ -188,12 +188,17 @@ class Policy(Technique):
   kind: str = "recompute"
   bits: int | None = None
   group_size: int = 256
-  # ReLUs and max pools outside every site keep an exact 1-bit mask or uint8 index
-  # (`jmem.ops.actnn.between`), whatever the kind: a plan chooses what the whole step stores.
-  compacts_between_sites = True
   checkpoint_policy: Any = None
   implementation: str | None = None
   keep_masks_and_statistics: bool = True
+
+  @property
+  def compacts_between_sites(self) -> bool:
+    # The kinds that store through a custom VJP (compressed or offloaded) also give ReLUs
+    # and max pools outside every site an exact 1-bit mask or uint8 index
+    # (`jmem.ops.actnn.between`, custom VJPs too); "save" and "recompute" keep the model
+    # differentiable in forward mode (jax.jvp), as jax.checkpoint does.
+    return self.kind in ("compress", "recompute_compressed", "offload")
 
   def __post_init__(self):
     super().__post_init__()

@@ -11,6 +11,7 @@ paths never change: the wrapper uses the model's scope (``nn.share_scope``).
 from __future__ import annotations
 
 import contextvars
+import copy
 import dataclasses
 
 import flax.core.lift as lift
@@ -48,16 +49,55 @@ def _lift(transform):
   def lifted(fn):
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
       arrays, rebuild = c.split_arrays(args, kwargs)
+      start = {}
 
       def pure(variable_groups, rng_groups, *arrays):
         a, kw = rebuild(arrays)
         scope = scope_fn(variable_groups, rng_groups)
-        y = fn(scope, *a, **kw)
+        # The RNG counters are the outer scope's (flax shares them), and ``pure`` can be
+        # traced more than once (a custom VJP's forward again, after its primal: a site
+        # inside `between.compact_between_sites`' jaxpr). Every trace draws from where the
+        # first began, and leaves the counters as it found them: the keys stay those of
+        # the plain model.
+        counters = list({id(x.rng_counters): x.rng_counters for x in _scopes(scope)}.values())
+        if not start:
+          start["counters"] = copy.deepcopy(counters)
+          y = fn(scope, *a, **kw)
+        else:
+          now = copy.deepcopy(counters)
+          for c_, v in zip(counters, start["counters"]):
+            _set_counters(c_, v)
+          try:
+            y = fn(scope, *a, **kw)
+          finally:
+            for c_, v in zip(counters, now):
+              _set_counters(c_, v)
         return y, repack_fn(scope)
       return transform(pure)(variable_groups, rng_groups, *arrays)
 
     return lift.pack(inner, (True,), (True,), (True,), name="jmem", enable_kwargs=True)
   return lifted
+
+
+def _scopes(tree):
+  """The scopes of a lifted transform's scope tree (a scope, or lists/tuples of them)."""
+  if isinstance(tree, (list, tuple)):
+    for t in tree:
+      yield from _scopes(t)
+  elif tree is not None:
+    yield tree
+
+
+def _set_counters(counters: dict, values: dict) -> None:
+  """flax's (nested) RNG counters set in place to ``values``: the dicts child scopes hold
+  stay the same objects; entries made since are dropped."""
+  for k in [k for k in counters if k not in values]:
+    del counters[k]
+  for k, v in values.items():
+    if isinstance(v, dict) and isinstance(counters.get(k), dict):
+      _set_counters(counters[k], v)
+    else:
+      counters[k] = copy.deepcopy(v)
 
 
 def _path(module, root: tuple) -> str:

@@ -49,9 +49,10 @@ def _rule(eqn) -> str | None:
 
 
 @functools.cache
-def _relu_reference(shape, dtype) -> tuple:
-  """``jax.nn.relu``'s (function source, tangent rule) at ``shape``/``dtype``."""
-  eqn = jax.make_jaxpr(jax.nn.relu)(jax.ShapeDtypeStruct(shape, dtype)).jaxpr.eqns[0]
+def _relu_reference(aval) -> tuple:
+  """``jax.nn.relu``'s (function source, tangent rule) at ``aval`` (with the mesh axes it
+  varies over under shard_map, which its rule's text shows)."""
+  eqn = jax.make_jaxpr(jax.nn.relu)(aval).jaxpr.eqns[0]
   return _source(eqn), _rule(eqn)
 
 
@@ -61,8 +62,7 @@ def _is_relu(eqn) -> bool:
   straight-through ReLU, ``jax.custom_jvp(jax.nn.relu)`` with a rule of its own) is not."""
   if eqn.primitive.name != "custom_jvp_call" or len(eqn.invars) != 1:
     return False
-  aval = eqn.invars[0].aval
-  source, rule = _relu_reference(tuple(aval.shape), aval.dtype)
+  source, rule = _relu_reference(eqn.invars[0].aval)
   return _source(eqn) == source and _rule(eqn) == rule
 
 

@@ -500,6 +500,11 @@ def _vjp_with_constants(f, args, *, index_max_pools=False, store=None, derive=No
   return y, leaves, box["treedef"], constants, zero
 
 
+# One-operand ops that keep a zero a zero (what the zeros JAX instantiates pass through).
+_ZERO_PRESERVING = ("broadcast_in_dim", "pvary", "convert_element_type", "reshape", "copy",
+                    "copy_p", "squeeze", "expand_dims", "transpose")
+
+
 def _zero_cotangents(treedef, residuals, outputs, out_tree) -> frozenset:
   """Positions of the inputs whose cotangent the VJP (``treedef`` over ``residuals``, for
   cotangents of ``outputs``) computes as zeros: its traced backward returns a literal 0 or
@@ -512,8 +517,9 @@ def _zero_cotangents(treedef, residuals, outputs, out_tree) -> frozenset:
     if _literal(v):
       return not np.any(v.val)
     e = producers.get(v)
-    return (e is not None and e.primitive.name == "broadcast_in_dim"
-            and _literal(e.invars[0]) and not np.any(e.invars[0].val))
+    # (Under shard_map the zeros are also marked as varying: a pvary of the broadcast.)
+    return (e is not None and e.primitive.name in _ZERO_PRESERVING
+            and len(e.invars) == 1 and is_zero(e.invars[0]))
   return frozenset(i for i, v in enumerate(backward.outvars) if is_zero(v))
 
 
