@@ -74,7 +74,8 @@ class Technique:
   def compacts_between_sites(self) -> bool:
     """Whether, with this technique on, `jmem.convert` also gives the ReLUs and max pools
     that run outside every site their exact, smaller residuals (a 1-bit mask, a uint8
-    index: `jmem.ops.actnn.between`). The techniques that choose what a step stores do."""
+    index: `jmem.ops.actnn.between`): ActNN (L1-L5) and the `Policy` kinds that compress or
+    offload."""
     return False
 
   @property
