@@ -242,7 +242,7 @@ def main(argv=None) -> int:
                  help="with --fit: the table rows' features")
   p.add_argument("--vit-features", default=VIT_FEATURES,
                  help="with --fit: the table's ViT rows' features (--rows vit)")
-  p.add_argument("--current", default=os.path.join(RESULTS, "step_time_features_aa79658.json"),
+  p.add_argument("--current", default=os.path.join(RESULTS, "step_time_features_2af3742.json"),
                  help="with --fit: the current commit's rows' features, estimated")
   args = p.parse_args(argv)
   if args.collect:
