@@ -971,9 +971,13 @@ def test_a_plan_says_where_the_heap_layout_names_no_sites_codes(monkeypatch):
   leasts, relax = [], _search.Search.relax
   monkeypatch.setattr(_search.Search, "relax", lambda self, state, fits, least=0.0: (
       leasts.append(least) or relax(self, state, fits, least)))
-  # 65%: between every site at 8 bits (7.80 MiB, 68% of exact's bytes, XLA:CPU) and at 1
-  # bit (6.98 MiB), so the walk must go below 8 bits.
-  p = plan_lib.plan(model, (X, Y), "65%", max_batch=False, calibration_batch=batch)
+  # A budget halfway between every site at 8 bits and at 1 bit, compiled (XLA:CPU: 7.80 and
+  # 6.98 MiB, exact 11.5): the walk must go below 8 bits, whatever the compiler's figures.
+  optimizer = train.default_optimizer(1e-3, 100)
+  at = lambda bits: plan_lib.step_cost(jmem.convert(tp.NNXCNN(rngs=nnx.Rngs(0)), jmem.Policy(
+      "compress", bits=bits)), optimizer, X, Y)[0]
+  p = plan_lib.plan(model, (X, Y), (at(8) + at(1)) // 2, max_batch=False,
+                    calibration_batch=batch)
   assert p.fits and any(c.kind == "compress" and c.bits < 8 for c in p.choices), p.table()
   assert any("no site's packed codes are named" in n for n in p.notes), p.notes
   assert leasts and set(leasts) == {0.0}            # the estimate's tries, as without layouts

@@ -771,9 +771,11 @@ def _saving_residuals(f, *, bits, group_size, min_size, param_argnums, offload,
           kind, what, dtype = layout["plan"][i]
           stored = saved[i]
           if kind == "quant" and after:
-            # Quantized codes only: a packed mask unpacks to a quarter of a float32's bytes,
-            # and ordering it too changed nothing on the H100 target but grew XLA:CPU's
-            # heap layout (a video model's frame encoder at 1 bit: temp 6.66 -> 8.65 MiB).
+            # Quantized codes only. A packed mask unpacks to a quarter of a float32's bytes,
+            # and ordering masks too changed nothing on the H100 target but grew XLA:CPU's
+            # heap layout (a video model's frame encoder at 1 bit: temp 8.65 MiB with them
+            # ordered, 6.66 without). An uncompressed ("raw", offloaded) residual is not
+            # ordered either: it is brought back to the device at the backward's start.
             stored = barrier((stored, list(after)))[0]
           if kind == "const":
             made[i] = jnp.full(what, dtype[1], dtype[0])
