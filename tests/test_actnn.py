@@ -281,10 +281,11 @@ def test_broadcast_constant_residuals_are_stored_as_one_number():
 
 
 def _barriers(jaxpr):
-  """Every optimization_barrier equation of ``jaxpr`` and of the jaxprs inside it."""
+  """``(holder, eqn)`` for every optimization_barrier equation of ``jaxpr`` and of the jaxprs
+  inside it, ``holder`` the jaxpr whose equation it is."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "optimization_barrier":
-      yield eqn
+      yield jaxpr, eqn
     for sub in jax.core.jaxprs_in_params(eqn.params):
       yield from _barriers(sub)
 
@@ -308,13 +309,6 @@ def test_a_residual_is_decompressed_when_the_backward_reaches_the_layer_that_rea
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(ws, x).jaxpr
   first_out = (4, 16, 16, 16)            # the first convolution's output (its cotangent)
 
-  def barriers_in(jaxpr):                # (the jaxpr holding it, the barrier equation)
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "optimization_barrier":
-        yield jaxpr, eqn
-      for sub in jax.core.jaxprs_in_params(eqn.params):
-        yield from barriers_in(sub)
-
   def ties_codes_to_the_cotangent(holder, eqn):
     shapes = [(v.aval.dtype, v.aval.shape) for v in eqn.invars]
     if not any(d == jnp.float32 and s == first_out for d, s in shapes):
@@ -322,9 +316,8 @@ def test_a_residual_is_decompressed_when_the_backward_reaches_the_layer_that_rea
     # The codes that come out of the barrier (not a copy from before it) are what is
     # decompressed: a later equation reads them.
     codes = [o for i, o in zip(eqn.invars, eqn.outvars) if i.aval.dtype == jnp.uint8]
-    return any(v in codes for e in holder.eqns for v in e.invars
-               if not isinstance(v, jax.extend.core.Literal))
-  assert any(ties_codes_to_the_cotangent(h, e) for h, e in barriers_in(jaxpr))
+    return any(v in codes for e in holder.eqns for v in e.invars if not Q._literal(v))
+  assert any(ties_codes_to_the_cotangent(h, e) for h, e in _barriers(jaxpr))
   # What is computed is unchanged: the forward exactly, the gradients (at 8 bits) close to
   # the exact ones.
   g8 = Q.compress(f, bits=8, min_size=1)
